@@ -1,0 +1,50 @@
+"""The planner: layouts, box arithmetic and plans. Pure Python on plain values; no device, no process group.
+
+Exports `Box`, `Mesh`, `Layout`, `Piece`, `Topology`, `plan`, `plan_many`, `PlanItem`, `Plan`, the plan's value types,
+and `clear_plan_cache`.
+"""
+
+from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
+from reshard.planner._layout import Layout, Piece, placement_str
+from reshard.planner._mesh import Mesh
+from reshard.planner._plan import (
+    DEFAULT_MIN_SPLIT_BYTES,
+    DEFAULT_STAGING_BYTES,
+    Plan,
+    PlanItem,
+    clear_plan_cache,
+    format_bytes,
+    gather_broadcast_bytes,
+    plan,
+    plan_many,
+)
+from reshard.planner._topology import Topology
+from reshard.planner._types import Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
+
+__all__ = [
+    "Box",
+    "DEFAULT_MIN_SPLIT_BYTES",
+    "DEFAULT_STAGING_BYTES",
+    "Layout",
+    "Mesh",
+    "Message",
+    "Piece",
+    "Plan",
+    "PlanItem",
+    "PlanStats",
+    "RankBytes",
+    "RankChunk",
+    "RankPlan",
+    "Topology",
+    "Transfer",
+    "clear_plan_cache",
+    "format_bytes",
+    "gather_broadcast_bytes",
+    "intersect",
+    "placement_str",
+    "plan",
+    "plan_many",
+    "split_box",
+    "split_to_fit",
+    "subtract",
+]

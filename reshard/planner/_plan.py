@@ -1,0 +1,668 @@
+"""The planner: turn source layouts into destination layouts with a minimal, balanced list of transfers.
+
+`plan(src, dst)` plans one tensor; `plan_many(items)` plans many tensors into one `Plan` whose chunks coalesce
+every box bound for the same peer. Planning is pure Python on plain values: no device, no process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import operator
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
+from reshard.planner._index import BoxIndex, intersection_volume, union_volume
+from reshard.planner._topology import Topology
+from reshard.planner._types import LINKS, Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 256 << 20
+"""Staging memory per rank. The executor keeps two chunks in flight, so one chunk's send plus receive bytes on a
+rank are at most half of this."""
+
+DEFAULT_MIN_SPLIT_BYTES = 1 << 20
+"""A box is split across several senders (or relay receivers) only into parts of at least this many bytes."""
+
+RELAY_CHUNK_LAG = 2
+"""A relay forwards a box at least this many chunks after the box arrives, so the executor can pack chunk i+1
+while chunk i is in flight without waiting for the arrival to be unpacked."""
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlanItem:
+    """One global tensor to move: its source and destination layouts and the local tensors they live in.
+
+    Attributes:
+        src, dst: layouts of the same global shape (anything with `shape`, `dtype`, `ranks`, `pieces(rank)`,
+            `local_shape(rank)` and `key`, such as `Layout`).
+        src_tensor, dst_tensor: index of the local tensor the pieces live in, on the source and destination side.
+        name: the tensor's name for messages.
+        wire_dtype: the element type on the wire and in the destination (defaults to `dst.dtype`).
+    """
+
+    src: Any
+    dst: Any
+    src_tensor: int = 0
+    dst_tensor: int = 0
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or getattr(self.dst, "name", None) or getattr(self.src, "name", None) or "tensor"
+
+    @property
+    def key(self) -> tuple:
+        return (self.src.key, self.dst.key, self.src_tensor, self.dst_tensor, self.name)
+
+
+def _check_item(item: PlanItem, index: int) -> None:
+    src, dst = item.src, item.dst
+    who = f"tensor {item.label!r} (item {index})"
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(
+            f"{who}: global shapes differ: source {tuple(src.shape)}, destination {tuple(dst.shape)} (expected equal)"
+        )
+    if src.dtype != dst.dtype:
+        raise ValueError(f"{who}: dtypes differ: source {src.dtype}, destination {dst.dtype} (expected equal)")
+
+
+class _Builder:
+    """Mutable state of one planning run: loads per rank and the raw transfers emitted so far."""
+
+    def __init__(self, topology: Topology, relay: bool, chunk_cap: int, min_split_bytes: int) -> None:
+        self.topology = topology
+        self.relay = relay
+        self.chunk_cap = chunk_cap
+        self.min_split_bytes = min_split_bytes
+        self.net_send: dict[int, int] = defaultdict(int)
+        self.net_recv: dict[int, int] = defaultdict(int)
+        self.nvl_send: dict[int, int] = defaultdict(int)
+        # raw transfer: [src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep]
+        self.raw: list[tuple] = []
+        self._domain_cache: dict[int, Any] = {}
+
+    def domain(self, rank: int) -> Any:
+        d = self._domain_cache.get(rank)
+        if d is None:
+            d = self.topology.domain(rank)
+            self._domain_cache[rank] = d
+        return d
+
+    def emit(
+        self,
+        src: int,
+        dst: int,
+        src_delta: tuple[int, ...],
+        dst_delta: tuple[int, ...],
+        gbox: Box,
+        itemsize: int,
+        link: str,
+        stage: int,
+        item: int,
+        src_t: int,
+        dst_t: int,
+        dep: int = -1,
+    ) -> int:
+        shape = gbox.shape
+        nbytes = itemsize
+        for s in shape:
+            nbytes *= s
+        src_box = Box._make(tuple(map(operator.add, gbox.offsets, src_delta)), shape)
+        dst_box = Box._make(tuple(map(operator.add, gbox.offsets, dst_delta)), shape)
+        self.raw.append((src, dst, src_box, dst_box, gbox, nbytes, link, stage, item, src_t, dst_t, dep))
+        if link == "network":
+            self.net_send[src] += nbytes
+            self.net_recv[dst] += nbytes
+        elif link == "nvlink":
+            self.nvl_send[src] += nbytes
+        return len(self.raw) - 1
+
+    def parts(self, box: Box, num_candidates: int, itemsize: int) -> list[Box]:
+        """Split `box` for spreading over `num_candidates` ranks, then to fit a chunk; row-major order."""
+        want = min(num_candidates, max(1, box.numel * itemsize // self.min_split_bytes))
+        cap_numel = max(1, self.chunk_cap // itemsize)
+        out: list[Box] = []
+        for part in split_box(box, want):
+            out.extend(split_to_fit(part, cap_numel))
+        return out
+
+
+def _delta(global_box: Box, local_box: Box) -> tuple[int, ...]:
+    return tuple(lo - go for lo, go in zip(local_box.offsets, global_box.offsets))
+
+
+def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
+    """Emit the transfers of one item. See `plan_many` for the algorithm."""
+    src, dst = item.src, item.dst
+    itemsize = dst.dtype.itemsize
+    domain = b.domain
+
+    # unique source boxes and their holders (replicas), in a fixed order
+    holders_of: dict[Box, list[tuple[int, tuple[int, ...]]]] = {}
+    for r in sorted(src.ranks):
+        for p in src.pieces(r):
+            holders_of.setdefault(p.global_box, []).append((r, _delta(p.global_box, p.local_box)))
+    group_boxes = sorted(holders_of, key=lambda x: (x.offsets, x.shape))
+    group_holders = [holders_of[g] for g in group_boxes]
+    group_near: list[dict[Any, list[tuple[int, tuple[int, ...]]]]] = []
+    for hs in group_holders:
+        by_dom: dict[Any, list[tuple[int, tuple[int, ...]]]] = {}
+        for h in hs:
+            by_dom.setdefault(domain(h[0]), []).append(h)
+        group_near.append(by_dom)
+    index = BoxIndex(group_boxes)
+    src_ranks = set(src.ranks)
+
+    # per destination piece: local copies, and what must come from elsewhere
+    nvl_needs: list[tuple[Box, int, tuple[int, ...], list[tuple[int, tuple[int, ...]]]]] = []
+    net_needs: dict[Any, dict[tuple[int, Box], list[tuple[int, tuple[int, ...]]]]] = {}
+    for r in sorted(dst.ranks):
+        dom = domain(r)
+        own = src.pieces(r) if r in src_ranks else ()
+        for piece in dst.pieces(r):
+            d_delta = _delta(piece.global_box, piece.local_box)
+            remaining = [piece.global_box]
+            for sp in own:
+                x = intersect(sp.global_box, piece.global_box)
+                if x is None:
+                    continue
+                b.emit(r, r, _delta(sp.global_box, sp.local_box), d_delta, x, itemsize, "local", 0,
+                       item_index, item.src_tensor, item.dst_tensor)
+                remaining = [y for rem in remaining for y in subtract(rem, x)]
+            for rem in remaining:
+                for gid in index.query(rem):
+                    x = intersect(rem, group_boxes[gid])
+                    if x is None:
+                        continue
+                    near = group_near[gid].get(dom)
+                    if near:
+                        nvl_needs.append((x, r, d_delta, near))
+                    else:
+                        net_needs.setdefault(dom, {}).setdefault((gid, x), []).append((r, d_delta))
+
+    # NVLink sources: spread over the in-domain replicas, largest boxes first
+    nvl_needs.sort(key=lambda n: (-n[0].numel, n[1], n[0].offsets))
+    for x, r, d_delta, near in nvl_needs:
+        for part in b.parts(x, len(near), itemsize):
+            h, h_delta = min(near, key=lambda h: (b.nvl_send[h[0]], h[0]))
+            b.emit(h, r, h_delta, d_delta, part, itemsize, "nvlink", 0, item_index, item.src_tensor, item.dst_tensor)
+
+    # network: per destination domain, each needed box crosses once (relay) or once per needer (no relay)
+    check_arrivals = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
+    for dom in sorted(net_needs, key=repr):
+        needs = net_needs[dom]
+        arrivals: dict[int, list[tuple[Box, int, tuple[int, ...], int]]] = defaultdict(list)
+        for (gid, x) in sorted(needs, key=lambda k: (-k[1].numel, k[0], k[1].offsets)):
+            needers = needs[(gid, x)]
+            holders = group_holders[gid]
+            if not b.relay:
+                for r, d_delta in needers:
+                    for part in b.parts(x, len(holders), itemsize):
+                        h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
+                        b.emit(h, r, h_delta, d_delta, part, itemsize, "network", 0,
+                               item_index, item.src_tensor, item.dst_tensor)
+                continue
+            remaining = [x]
+            # boxes that already reached this domain: needs overlap partially only in custom layouts; DTensor
+            # layouts give pieces that are identical or disjoint, so merged needs never overlap
+            for a_box, a_rank, a_delta, a_idx in (arrivals[gid] if check_arrivals else ()):
+                covered = intersect(a_box, x)
+                if covered is None:
+                    continue
+                remaining = [y for rem in remaining for y in subtract(rem, covered)]
+                for r, d_delta in needers:
+                    if r == a_rank and d_delta == a_delta:
+                        continue
+                    link = "local" if r == a_rank else "nvlink"
+                    b.emit(a_rank, r, a_delta, d_delta, covered, itemsize, link, 1,
+                           item_index, item.dst_tensor, item.dst_tensor, a_idx)
+            for rem in remaining:
+                for part in b.parts(rem, len(needers), itemsize):
+                    recv, recv_delta = min(needers, key=lambda n: (b.net_recv[n[0]], n[0]))
+                    h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
+                    a_idx = b.emit(h, recv, h_delta, recv_delta, part, itemsize, "network", 0,
+                                   item_index, item.src_tensor, item.dst_tensor)
+                    if check_arrivals:
+                        arrivals[gid].append((part, recv, recv_delta, a_idx))
+                    for r, d_delta in needers:
+                        if r == recv and d_delta == recv_delta:
+                            continue
+                        link = "local" if r == recv else "nvlink"
+                        b.emit(recv, r, recv_delta, d_delta, part, itemsize, link, 1,
+                               item_index, item.dst_tensor, item.dst_tensor, a_idx)
+
+
+def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> int:
+    """Per destination domain: |union of what its ranks need| - |the part of it its ranks already hold|."""
+    total = 0
+    for item in items:
+        need: dict[Any, list[Box]] = defaultdict(list)
+        held: dict[Any, list[Box]] = defaultdict(list)
+        for r in item.dst.ranks:
+            need[topology.domain(r)].extend(p.global_box for p in item.dst.pieces(r))
+        for r in item.src.ranks:
+            d = topology.domain(r)
+            if d in need:
+                held[d].extend(p.global_box for p in item.src.pieces(r))
+        for d, boxes in need.items():
+            total += (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
+    return total
+
+
+def _assign_chunks(raw: list[tuple], chunk_cap: int) -> list[int]:
+    """Greedy: each transfer goes to the first chunk where both ends still have room (send + receive bytes of a
+    rank in a chunk stay within `chunk_cap`), and a relay forward at least `RELAY_CHUNK_LAG` chunks after its
+    arrival. Local copies take no staging; a forwarded local copy still waits for its arrival."""
+    used: dict[int, list[int]] = defaultdict(list)
+    first_open: dict[int, int] = defaultdict(int)
+    nearly_full = chunk_cap - chunk_cap // 16
+    chunks = [0] * len(raw)
+    for i, t in enumerate(raw):
+        src, dst, nbytes, link, dep = t[0], t[1], t[5], t[6], t[11]
+        min_c = chunks[dep] + RELAY_CHUNK_LAG if dep >= 0 else 0
+        if link == "local":
+            chunks[i] = min_c
+            continue
+        us, ud = used[src], used[dst]
+        c = max(min_c, first_open[src], first_open[dst])
+        while True:
+            while len(us) <= c:
+                us.append(0)
+            while len(ud) <= c:
+                ud.append(0)
+            if (us[c] + nbytes <= chunk_cap and ud[c] + nbytes <= chunk_cap) or (us[c] == 0 and ud[c] == 0):
+                break
+            c += 1
+        us[c] += nbytes
+        ud[c] += nbytes
+        chunks[i] = c
+        for r, u in ((src, us), (dst, ud)):
+            k = first_open[r]
+            while k < len(u) and u[k] >= nearly_full:
+                k += 1
+            first_open[r] = k
+    return chunks
+
+
+_PLAN_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
+_PLAN_CACHE_SIZE = 128
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan."""
+    _PLAN_CACHE.clear()
+
+
+class Plan:
+    """The full, deterministic list of transfers that turns the source layouts into the destination layouts.
+
+    Every rank builds the same plan from the same inputs; `fingerprint` lets ranks check that they agree.
+
+    Attributes:
+        items: the planned tensors.
+        topology: the NVLink domains used.
+        relay: whether boxes needed by several ranks of a domain cross the network once and are forwarded.
+        staging_bytes: the staging budget per rank.
+        transfers: every transfer, in plan order (stage 0 before the forwards that depend on it).
+        stats: byte accounting, see `PlanStats`.
+        fingerprint: a stable hex digest of the inputs and the result.
+    """
+
+    def __init__(
+        self,
+        items: tuple[PlanItem, ...],
+        topology: Topology,
+        relay: bool,
+        staging_bytes: int,
+        min_split_bytes: int,
+        transfers: tuple[Transfer, ...],
+        network_lower_bound: int,
+        needed_bytes: int,
+    ) -> None:
+        self.items = items
+        self.topology = topology
+        self.relay = relay
+        self.staging_bytes = staging_bytes
+        self.min_split_bytes = min_split_bytes
+        self.transfers = transfers
+        self._by_rank: dict[int, list[int]] | None = None
+        self._rank_plans: dict[int, RankPlan] = {}
+        self.stats = self._compute_stats(network_lower_bound, needed_bytes)
+        self.fingerprint = self._compute_fingerprint()
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    def _compute_stats(self, network_lower_bound: int, needed_bytes: int) -> PlanStats:
+        by_link = dict.fromkeys(LINKS, 0)
+        per: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        pairs: set[tuple[int, int, int]] = set()
+        num_chunks = 0
+        for t in self.transfers:
+            by_link[t.link] += t.nbytes
+            num_chunks = max(num_chunks, t.chunk + 1)
+            if t.link == "local":
+                per[t.dst_rank]["local"] += t.nbytes
+                continue
+            per[t.src_rank][f"{t.link}_send"] += t.nbytes
+            per[t.dst_rank][f"{t.link}_recv"] += t.nbytes
+            key = (t.chunk, t.src_rank, t.dst_rank)
+            if key not in pairs:
+                pairs.add(key)
+                per[t.src_rank]["messages_sent"] += 1
+                per[t.dst_rank]["messages_received"] += 1
+        per_rank = {r: RankBytes(**v) for r, v in sorted(per.items())}
+        sends = [rb.send for rb in per_rank.values() if rb.send]
+        recvs = [rb.recv for rb in per_rank.values() if rb.recv]
+        mean_s = sum(sends) / len(sends) if sends else 0.0
+        mean_r = sum(recvs) / len(recvs) if recvs else 0.0
+        return PlanStats(
+            total_bytes=sum(by_link.values()),
+            network_bytes=by_link["network"],
+            nvlink_bytes=by_link["nvlink"],
+            local_bytes=by_link["local"],
+            needed_bytes=needed_bytes,
+            network_lower_bound=network_lower_bound,
+            messages=len(pairs),
+            num_transfers=len(self.transfers),
+            num_chunks=num_chunks,
+            max_rank_send_bytes=max(sends, default=0),
+            max_rank_recv_bytes=max(recvs, default=0),
+            mean_rank_send_bytes=mean_s,
+            mean_rank_recv_bytes=mean_r,
+            send_imbalance=max(sends) / mean_s if sends else 0.0,
+            recv_imbalance=max(recvs) / mean_r if recvs else 0.0,
+            per_rank=per_rank,
+        )
+
+    def _compute_fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(repr((PLAN_VERSION, self.topology.key, self.relay, self.staging_bytes, self.min_split_bytes)).encode())
+        for it in self.items:
+            h.update(repr(it.key).encode())
+        s = self.stats
+        h.update(repr((s.total_bytes, s.network_bytes, s.nvlink_bytes, s.local_bytes, s.messages,
+                       s.num_transfers, s.num_chunks)).encode())
+        return h.hexdigest()[:32]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank that takes part: holds a source or a destination of some item."""
+        out: set[int] = set()
+        for it in self.items:
+            out.update(it.src.ranks)
+            out.update(it.dst.ranks)
+        return tuple(sorted(out))
+
+    def for_rank(self, rank: int) -> RankPlan:
+        """What `rank` sends, receives, forwards and copies, grouped into chunks in executable order.
+
+        Within a chunk, messages are ordered by peer and their boxes by plan order, so the sender's packing and the
+        receiver's unpacking agree on every byte offset without talking.
+        """
+        cached = self._rank_plans.get(rank)
+        if cached is not None:
+            return cached
+        if self._by_rank is None:
+            by_rank: dict[int, list[int]] = defaultdict(list)
+            for i, t in enumerate(self.transfers):
+                by_rank[t.src_rank].append(i)
+                if t.dst_rank != t.src_rank:
+                    by_rank[t.dst_rank].append(i)
+            self._by_rank = by_rank
+        idxs = self._by_rank.get(rank, [])
+        per_chunk: dict[int, tuple[list, dict, dict]] = {}
+        deps: dict[int, int] = {}
+        for i in idxs:
+            t = self.transfers[i]
+            local, sends, recvs = per_chunk.setdefault(t.chunk, ([], defaultdict(list), defaultdict(list)))
+            if t.link == "local":
+                local.append(t)
+            elif t.src_rank == rank:
+                sends[t.dst_rank].append(t)
+            else:
+                recvs[t.src_rank].append(t)
+            if t.src_rank == rank and t.stage > 0:
+                deps[t.chunk] = max(deps.get(t.chunk, -1), t.chunk - RELAY_CHUNK_LAG)
+        chunks = []
+        max_send = max_recv = 0
+        peers: set[int] = set()
+        for c in sorted(per_chunk):
+            local, sends, recvs = per_chunk[c]
+            send_msgs = _messages(sends)
+            recv_msgs = _messages(recvs)
+            sb = sum(m.nbytes for m in send_msgs)
+            rb = sum(m.nbytes for m in recv_msgs)
+            max_send, max_recv = max(max_send, sb), max(max_recv, rb)
+            peers.update(sends)
+            peers.update(recvs)
+            chunks.append(RankChunk(c, send_msgs, recv_msgs, tuple(local), sb, rb, deps.get(c, -1)))
+        rp = RankPlan(rank, tuple(chunks), max_send, max_recv, tuple(sorted(peers)))
+        self._rank_plans[rank] = rp
+        return rp
+
+    def describe(self, *, max_transfers: int = 200) -> str:
+        """Readable text: the layouts, the statistics, then who sends what to whom, over which link."""
+        s = self.stats
+        lines = [f"Plan {self.fingerprint[:12]}: {len(self.items)} tensor(s), {self.topology}, relay={self.relay}"]
+        for i, it in enumerate(self.items[:20]):
+            lines.append(f"  item {i} {it.label!r}: {it.src!r} -> {it.dst!r}")
+        if len(self.items) > 20:
+            lines.append(f"  ... {len(self.items) - 20} more items")
+        lines.append(format_stats(s))
+        lines.append("transfers (chunk: src -> dst, link, bytes, item, global box, src box -> dst box):")
+        for t in self.transfers[:max_transfers]:
+            relay = f" relay-stage{t.stage}" if t.stage else ""
+            lines.append(
+                f"  [{t.chunk}] {t.src_rank:>4} -> {t.dst_rank:<4} {t.link:<7}{relay} {format_bytes(t.nbytes):>10} "
+                f"item {t.item} global {t.global_box} src {t.src_box} -> dst {t.dst_box}"
+            )
+        if len(self.transfers) > max_transfers:
+            lines.append(f"  ... {len(self.transfers) - max_transfers} more transfers")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (
+            f"Plan({len(self.items)} items, {s.num_transfers} transfers, {s.num_chunks} chunks, "
+            f"network={s.network_bytes}B nvlink={s.nvlink_bytes}B local={s.local_bytes}B)"
+        )
+
+
+def _messages(by_peer: dict[int, list[Transfer]]) -> tuple[Message, ...]:
+    out = []
+    buf = 0
+    for peer in sorted(by_peer):
+        ts = by_peer[peer]
+        offsets = []
+        pos = 0
+        for t in ts:
+            offsets.append(pos)
+            pos += t.nbytes
+        out.append(Message(peer, tuple(ts), tuple(offsets), buf, pos))
+        buf += pos
+    return tuple(out)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def format_stats(s: PlanStats) -> str:
+    return "\n".join(
+        [
+            f"  needed by destinations {format_bytes(s.needed_bytes):>12}",
+            f"  network                {format_bytes(s.network_bytes):>12}   (lower bound "
+            f"{format_bytes(s.network_lower_bound)})",
+            f"  nvlink                 {format_bytes(s.nvlink_bytes):>12}",
+            f"  local copies           {format_bytes(s.local_bytes):>12}",
+            f"  transfers {s.num_transfers}, messages {s.messages}, chunks {s.num_chunks}",
+            f"  busiest rank: send {format_bytes(s.max_rank_send_bytes)} (imbalance {s.send_imbalance:.2f}), "
+            f"recv {format_bytes(s.max_rank_recv_bytes)} (imbalance {s.recv_imbalance:.2f})",
+        ]
+    )
+
+
+def _as_items(items: Iterable[Any]) -> tuple[PlanItem, ...]:
+    out = []
+    for i, it in enumerate(items):
+        if isinstance(it, PlanItem):
+            out.append(it)
+        else:
+            try:
+                src, dst = it
+            except (TypeError, ValueError):
+                raise ValueError(f"plan_many: item {i} must be a PlanItem or a (src, dst) pair, got {it!r}") from None
+            out.append(PlanItem(src, dst, src_tensor=i, dst_tensor=i))
+    return tuple(out)
+
+
+def plan_many(
+    items: Iterable[Any],
+    topology: Topology | None = None,
+    *,
+    relay: bool = True,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+) -> Plan:
+    """Plan many tensors at once, so boxes bound for the same peer share messages.
+
+    Args:
+        items: `PlanItem`s, or `(src_layout, dst_layout)` pairs (item `i` then lives in local tensor `i` on both
+            sides).
+        topology: NVLink domains; default: every rank its own domain.
+        relay: when several ranks of one domain need a box held outside it, send it across the network once and
+            forward it over NVLink (stage 1). Without relay every destination receives directly.
+        staging_bytes: staging memory per rank; one chunk's send + receive bytes per rank stay within half of it.
+        min_split_bytes: smallest part a box is split into to spread it over several senders or relay receivers.
+
+    Returns:
+        A `Plan`, cached on its inputs (see `clear_plan_cache`).
+
+    Algorithm, per item:
+        1. Group the source pieces by global box: each unique box and its holders (replicas).
+        2. For each destination rank and piece: the part the rank holds in its own source tensor is a local copy.
+           The rest is cut along the unique source boxes (found through a `BoxIndex`). A part held by a rank in
+           the destination's domain comes over NVLink, from the least-loaded such holder; otherwise it is a
+           network need of the domain.
+        3. Per domain, identical network needs of several ranks are merged. Each is split into parts (at most one
+           per needer) that cross the network once, each to the needer with the least network receive load so
+           far, from the holder with the least network send load; the receiver forwards it over NVLink to the
+           other needers (stage 1). So network bytes equal the lower bound.
+        4. Boxes are cut to fit a chunk; chunks are assigned greedily (see `_assign_chunks`).
+
+    Example (worked by hand): a `(4, 4)` tensor on ranks `[0, 1]` as `S(0)` to ranks `[2, 3]` as `R`, with
+    `Topology(domain_size=2)`: domain 1 (ranks 2, 3) needs rows 0:2 (from rank 0) and 2:4 (from rank 1). Rows
+    0:2 go to rank 2 over the network and rank 2 forwards them to rank 3; rows 2:4 go to rank 3 (the less loaded
+    receiver) and are forwarded to rank 2. Network bytes = 64 = the lower bound; NVLink bytes = 64.
+    """
+    items = _as_items(items)
+    topology = topology if topology is not None else Topology()
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 2:
+        raise ValueError(f"plan: staging_bytes must be an integer >= 2, got {staging_bytes!r}")
+    if isinstance(min_split_bytes, bool) or not isinstance(min_split_bytes, int) or min_split_bytes < 1:
+        raise ValueError(f"plan: min_split_bytes must be a positive integer, got {min_split_bytes!r}")
+    key = (tuple(it.key for it in items), topology.key, relay, staging_bytes, min_split_bytes)
+    cached = _PLAN_CACHE.get(key)
+    if cached is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return cached
+    for i, it in enumerate(items):
+        _check_item(it, i)
+    chunk_cap = staging_bytes // 2
+    for it in items:
+        if it.dst.dtype.itemsize > chunk_cap:
+            raise ValueError(
+                f"tensor {it.label!r}: staging_bytes={staging_bytes} cannot hold one element of {it.dst.dtype} "
+                "twice (two chunks in flight)"
+            )
+    b = _Builder(topology, relay, chunk_cap, min_split_bytes)
+    for i, it in enumerate(items):
+        _plan_item(b, it, i)
+    chunks = _assign_chunks(b.raw, chunk_cap)
+    transfers = tuple(
+        Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10]) for t, c in zip(b.raw, chunks)
+    )
+    needed = sum(p.global_box.numel * it.dst.dtype.itemsize for it in items for r in it.dst.ranks
+                 for p in it.dst.pieces(r))
+    lower = _network_lower_bound(items, topology)
+    result = Plan(items, topology, relay, staging_bytes, min_split_bytes, transfers, lower, needed)
+    _validate(result)
+    _PLAN_CACHE[key] = result
+    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    logger.debug("planned %d items: %s", len(items), result)
+    return result
+
+
+def plan(
+    src: Any,
+    dst: Any,
+    topology: Topology | None = None,
+    *,
+    relay: bool = True,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+) -> Plan:
+    """Plan moving one tensor from layout `src` to layout `dst`. See `plan_many` for the arguments and algorithm.
+
+    The source and destination rank sets may be disjoint (trainer -> inference), overlap, or be equal.
+    """
+    return plan_many(
+        [PlanItem(src, dst)], topology, relay=relay, staging_bytes=staging_bytes, min_split_bytes=min_split_bytes
+    )
+
+
+def _validate(p: Plan) -> None:
+    """Cheap self-check from box arithmetic: every destination element is written exactly once, boxes are in
+    bounds, and with relays the network bytes meet the lower bound."""
+    written: dict[tuple[int, int], int] = defaultdict(int)
+    local_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+    for t in p.transfers:
+        if t.global_box.shape != t.src_box.shape or t.global_box.shape != t.dst_box.shape:
+            raise AssertionError(f"transfer shapes disagree: {t}")
+        dst_local = local_shapes.get((t.item, t.dst_rank))
+        if dst_local is None:
+            dst_local = local_shapes[(t.item, t.dst_rank)] = p.items[t.item].dst.local_shape(t.dst_rank)
+        if any(o + s > n for o, s, n in zip(t.dst_box.offsets, t.dst_box.shape, dst_local)):
+            raise AssertionError(f"destination box out of bounds of local shape {dst_local}: {t}")
+        written[(t.item, t.dst_rank)] += t.global_box.numel
+    for i, it in enumerate(p.items):
+        for r in it.dst.ranks:
+            expected = sum(piece.global_box.numel for piece in it.dst.pieces(r))
+            got = written.get((i, r), 0)
+            if got != expected:
+                raise AssertionError(
+                    f"tensor {it.label!r}: rank {r} receives {got} elements, expected {expected}"
+                )
+    s = p.stats
+    if p.relay and s.network_bytes != s.network_lower_bound:
+        raise AssertionError(f"network bytes {s.network_bytes} != lower bound {s.network_lower_bound} with relay")
+
+
+def gather_broadcast_bytes(src: Any, dst: Any) -> dict[str, int]:
+    """Bytes that gather-and-broadcast moves for one tensor, the baseline users run today.
+
+    The source ranks all-gather the full tensor (each source rank receives what it lacks), then one source rank
+    broadcasts the full tensor to every destination rank that is not a source rank; each keeps its slice.
+
+    Returns:
+        `{"gather": ..., "broadcast": ..., "total": ...}` in bytes.
+    """
+    full = math.prod(src.shape) * src.dtype.itemsize
+    gather = 0
+    for r in src.ranks:
+        held = union_volume([p.global_box for p in src.pieces(r)]) * src.dtype.itemsize
+        gather += full - held
+    src_ranks = set(src.ranks)
+    broadcast = full * sum(1 for r in dst.ranks if r not in src_ranks)
+    return {"gather": gather, "broadcast": broadcast, "total": gather + broadcast}

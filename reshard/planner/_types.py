@@ -1,0 +1,178 @@
+"""The plan's value types: `Transfer`, `Message`, `RankChunk`, `RankPlan`, `PlanStats`.
+
+All are frozen dataclasses of tuples, so a plan can be shared, hashed and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from reshard.planner._box import Box
+
+Link = Literal["local", "nvlink", "network"]
+LINKS: tuple[Link, ...] = ("local", "nvlink", "network")
+
+
+class Transfer(NamedTuple):
+    """One box moving from a source rank to a destination rank.
+
+    Attributes:
+        src_rank, dst_rank: global ranks (equal for a local copy).
+        src_box: the box in the sender's local tensor. At stage 0 that is the sender's *source-layout* tensor
+            `src_tensor`; at stage >= 1 it is the sender's *destination-layout* tensor `src_tensor` (a relay forwards
+            bytes it received at a lower stage).
+        dst_box: the box in the receiver's destination-layout tensor `dst_tensor`.
+        global_box: the same box in global-tensor coordinates of item `item`.
+        nbytes: bytes on the wire (`global_box.numel * itemsize`).
+        link: `"local"`, `"nvlink"` or `"network"`.
+        stage: 0 reads the source layout; >= 1 forwards (NVLink relay).
+        chunk: the chunk this transfer is sent in; equal on sender and receiver.
+        item: index of the (source, destination) layout pair in the plan.
+        src_tensor, dst_tensor: indices of the local tensors on sender and receiver (several items may share one
+            destination tensor, as fused tensors do).
+    """
+
+    src_rank: int
+    dst_rank: int
+    src_box: Box
+    dst_box: Box
+    global_box: Box
+    nbytes: int
+    link: Link
+    stage: int = 0
+    chunk: int = 0
+    item: int = 0
+    src_tensor: int = 0
+    dst_tensor: int = 0
+
+    def __repr__(self) -> str:
+        relay = f" stage={self.stage}" if self.stage else ""
+        return (
+            f"Transfer({self.src_rank}->{self.dst_rank} {self.link}{relay} chunk={self.chunk} item={self.item} "
+            f"global={self.global_box} src={self.src_box} dst={self.dst_box} {self.nbytes}B)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """All the boxes one rank sends to (or receives from) one peer in one chunk, packed back to back.
+
+    Attributes:
+        peer: the other rank.
+        transfers: in buffer order; transfer `i` occupies `[offsets[i], offsets[i] + transfers[i].nbytes)` of the
+            message.
+        offsets: byte offset of each transfer inside the message.
+        buffer_offset: where the message starts in the rank's send (or receive) staging buffer for the chunk.
+        nbytes: total bytes.
+    """
+
+    peer: int
+    transfers: tuple[Transfer, ...]
+    offsets: tuple[int, ...]
+    buffer_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankChunk:
+    """One rank's work in one chunk: messages to send, messages to receive, and local copies.
+
+    `unpack_before_pack` is the latest earlier chunk whose received bytes this chunk forwards (relay), or -1: the
+    executor must finish unpacking that chunk before packing this one.
+    """
+
+    index: int
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+    local: tuple[Transfer, ...]
+    send_bytes: int
+    recv_bytes: int
+    unpack_before_pack: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """What one rank does, in executable order: chunks in increasing index.
+
+    Attributes:
+        rank: the global rank.
+        chunks: only the chunks in which this rank has work.
+        max_send_bytes, max_recv_bytes: the largest chunk's send and receive bytes, which size the staging buffers.
+        peers: every rank this one exchanges messages with.
+    """
+
+    rank: int
+    chunks: tuple[RankChunk, ...]
+    max_send_bytes: int
+    max_recv_bytes: int
+    peers: tuple[int, ...]
+
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        out: list[Transfer] = []
+        for c in self.chunks:
+            out.extend(c.local)
+            for m in c.sends:
+                out.extend(m.transfers)
+            for m in c.recvs:
+                out.extend(m.transfers)
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class RankBytes:
+    """Bytes one rank sends and receives, per link kind (local copies count once, as `local`)."""
+
+    network_send: int = 0
+    network_recv: int = 0
+    nvlink_send: int = 0
+    nvlink_recv: int = 0
+    local: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+
+    @property
+    def send(self) -> int:
+        return self.network_send + self.nvlink_send
+
+    @property
+    def recv(self) -> int:
+        return self.network_recv + self.nvlink_recv
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Byte accounting of a plan, next to its lower bounds.
+
+    Attributes:
+        total_bytes: all bytes the plan moves, local copies included (`network + nvlink + local`).
+        network_bytes, nvlink_bytes, local_bytes: per link kind.
+        needed_bytes: the bytes the destination ranks hold when done (sum of their pieces).
+        network_lower_bound: per destination domain, the union of what its ranks need minus what its ranks already
+            hold, summed over domains. With relays, `network_bytes == network_lower_bound`.
+        messages: number of (chunk, sender, receiver) messages, local copies excluded.
+        num_transfers: number of transfers.
+        num_chunks: number of chunks.
+        max_rank_send_bytes, max_rank_recv_bytes: the busiest rank's send and receive bytes (network + NVLink).
+        mean_rank_send_bytes, mean_rank_recv_bytes: the mean over ranks that send (receive) anything.
+        send_imbalance, recv_imbalance: max over mean (1.0 is perfect balance; 0.0 when nothing moves).
+        per_rank: rank -> `RankBytes`, for every rank that takes part.
+    """
+
+    total_bytes: int
+    network_bytes: int
+    nvlink_bytes: int
+    local_bytes: int
+    needed_bytes: int
+    network_lower_bound: int
+    messages: int
+    num_transfers: int
+    num_chunks: int
+    max_rank_send_bytes: int
+    max_rank_recv_bytes: int
+    mean_rank_send_bytes: float
+    mean_rank_recv_bytes: float
+    send_imbalance: float
+    recv_imbalance: float
+    per_rank: dict[int, RankBytes] = field(default_factory=dict, compare=False, repr=False)
