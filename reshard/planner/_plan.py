@@ -224,7 +224,7 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                     b.emit(a_rank, r, a_delta, d_delta, covered, itemsize, link, 1,
                            item_index, item.dst_tensor, item.dst_tensor, a_idx)
             for rem in remaining:
-                for part in b.parts(rem, len(needers), itemsize):
+                for part in b.parts(rem, max(len(needers), len(holders)), itemsize):
                     recv, recv_delta = min(needers, key=lambda n: (b.net_recv[n[0]], n[0]))
                     h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
                     a_idx = b.emit(h, recv, h_delta, recv_delta, part, itemsize, "network", 0,

@@ -1,0 +1,61 @@
+"""Ground truth from DTensor itself, in one process, through a fake process group.
+
+`dtensor_local(shape, mesh_ranks, placements, rank, world_size)` returns what `distribute_tensor` gives `rank` for
+an index tensor (element `i` holds `i`), with no communication: exactly the global elements that rank holds, in
+its local order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def index_tensor(shape: Sequence[int]) -> torch.Tensor:
+    """`int64` tensor of `shape` whose element at flat index `i` is `i`."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.arange(n, dtype=torch.int64).reshape(tuple(shape))
+
+
+class FakeWorld:
+    """Switches the (fake) default process group to any rank, reusing it while rank and size stay the same."""
+
+    def __init__(self) -> None:
+        self.rank: int | None = None
+        self.world_size: int | None = None
+
+    def use(self, rank: int, world_size: int) -> None:
+        if (rank, world_size) == (self.rank, self.world_size) and dist.is_initialized():
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        self.rank, self.world_size = rank, world_size
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.rank = self.world_size = None
+
+
+_WORLD = FakeWorld()
+
+
+def dtensor_local(
+    full: torch.Tensor, mesh_ranks: torch.Tensor, placements: Sequence, rank: int, world_size: int
+) -> torch.Tensor:
+    """`distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()` as seen by `rank`."""
+    _WORLD.use(rank, world_size)
+    mesh = DeviceMesh("cpu", mesh_ranks)
+    return distribute_tensor(full, mesh, list(placements), src_data_rank=None).to_local()
+
+
+def close_world() -> None:
+    _WORLD.close()
