@@ -1,0 +1,538 @@
+"""`pack` / `unpack`: many strided boxes <-> one contiguous byte buffer, in one Triton launch or in torch.
+
+Layout of this file: constants, the descriptor-table builder and launcher of the Triton kernels (the kernels
+themselves are in `_triton.py`, which is loaded once compiled and once interpreted), the public functions, then the
+pure-torch references `pack_reference` / `unpack_reference`, which are also the CPU production path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
+from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
+from reshard.planner._box import Box
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "RESHARD_KERNEL_BACKEND"
+"""Environment variable that overrides `backend=None`: `triton` or `torch`. An explicit `backend=` wins over it."""
+
+BACKENDS = ("triton", "torch")
+_MAX_WORD_BYTES = 8  # widest int Triton loads natively; a raw copy moves words of 1, 2, 4 or 8 bytes
+_TABLE_HEAD = 5  # columns before the sizes in a descriptor row (see _triton.py)
+
+
+def launch_config(word_bytes: int, device_type: str) -> tuple[int, int]:
+    """`(BLOCK, num_warps)` for kernels moving `word_bytes`-byte elements: the one place these are chosen.
+
+    On CUDA a program moves about 16 KiB (BLOCK elements), so the grid is large enough to fill the GPU and each
+    thread has several independent loads in flight. The interpreter runs programs one after another in Python, and a
+    smaller block keeps a small box from paying for thousands of masked lanes. Not autotuned: no GPU measurement
+    has shown a better choice yet.
+    """
+    if device_type != "cuda":
+        return 1024, 1
+    block = min(8192, max(1024, 16384 // word_bytes))
+    return block, 8 if block >= 4096 else 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------------------------
+
+_KERNEL_MODULES: dict[bool, ModuleType] = {}
+
+
+def _kernels(interpret: bool) -> ModuleType:
+    """`_triton.py` loaded with Triton's interpreter on (CPU tensors) or off (CUDA tensors), once per process."""
+    if interpret not in _KERNEL_MODULES:
+        from triton import knobs
+
+        name = f"reshard.kernels._triton_{'interpreted' if interpret else 'compiled'}"
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "_triton.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpret
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        _KERNEL_MODULES[interpret] = module
+    return _KERNEL_MODULES[interpret]
+
+
+def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D `dtype` tensor over all of `t`'s storage, starting at the storage's first byte."""
+    storage = t.untyped_storage()
+    out = torch.empty(0, dtype=dtype, device=t.device)
+    return out.set_(storage, 0, (storage.nbytes() // dtype.itemsize,), (1,))
+
+
+def _merge_dims(sizes: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop size-1 dims and merge each dim into the next inner one where `stride[d] == stride[d+1] * size[d+1]`.
+
+    Args:
+        sizes, strides: `[num_boxes, D]` int64, outermost dim first; every size >= 1.
+
+    Returns:
+        `(sizes, strides)` of shape `[num_boxes, D']`, outermost first, left-padded with size 1 / stride 0. Row-major
+        order of the elements is unchanged, so the buffer side of each box stays contiguous.
+
+    Example: sizes (4, 3, 2), strides (6, 2, 1) -> sizes (24,), strides (1,); with strides (12, 2, 1) -> sizes
+    (4, 6), strides (12, 1).
+    """
+    num, dims = sizes.shape
+    out_sizes = np.ones((num, dims), dtype=np.int64)  # innermost first while building
+    out_strides = np.zeros((num, dims), dtype=np.int64)
+    cur = np.full(num, -1, dtype=np.int64)
+    rows = np.arange(num)
+    for d in range(dims - 1, -1, -1):
+        size, stride = sizes[:, d], strides[:, d]
+        at = np.maximum(cur, 0)
+        merge = (size != 1) & (cur >= 0) & (out_strides[rows, at] * out_sizes[rows, at] == stride)
+        new = (size != 1) & ~merge
+        out_sizes[rows[merge], at[merge]] *= size[merge]
+        cur = cur + new
+        out_sizes[rows[new], cur[new]] = size[new]
+        out_strides[rows[new], cur[new]] = stride[new]
+    out_strides[cur < 0, 0] = 1  # a single element: one dim of size 1
+    used = int(max(cur.max(initial=0), 0)) + 1
+    return out_sizes[:, :used][:, ::-1].copy(), out_strides[:, :used][:, ::-1].copy()
+
+
+def _lowest_bit(values: np.ndarray, cap: int) -> int:
+    """The largest power of two <= cap dividing every value (the OR's lowest set bit)."""
+    acc = int(np.bitwise_or.reduce(values)) if values.size else 0
+    return cap if acc == 0 else min(cap, acc & -acc)
+
+
+@dataclass
+class _Launch:
+    """One kernel launch: pointers, descriptor table and constexprs, ready to run (and to run again)."""
+
+    op: str
+    tensor_ptr: torch.Tensor
+    buffer_ptr: torch.Tensor
+    starts: torch.Tensor
+    table: torch.Tensor
+    num_boxes: int
+    num_tiles: int
+    nan: tuple[int, int, int]
+    num_dims: int
+    cast: Cast
+    buffer_bytes: int
+    block: int
+    num_warps: int
+
+    def run(self) -> None:
+        from triton import knobs
+
+        interpret = self.tensor_ptr.device.type != "cuda"
+        kernel = getattr(_kernels(interpret), "_pack_kernel" if self.op == "pack" else "_unpack_kernel")
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpret
+            kernel[(self.num_tiles,)](
+                self.tensor_ptr, self.buffer_ptr, self.starts, self.table, self.num_boxes,
+                max(self.num_boxes - 1, 0).bit_length(), *self.nan,
+                NUM_DIMS=self.num_dims, CAST=int(self.cast), BUFFER_BYTES=self.buffer_bytes, BLOCK=self.block,
+                num_warps=self.num_warps,
+            )
+
+
+def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launch:
+    """Descriptor table for boxes `idx` (all non-empty), which share `cast`; see `_triton.py` for its columns.
+
+    Raw copies (`Cast.NONE`) treat every element as bytes: each box gets an innermost dim of `itemsize` bytes with
+    stride 1, dims are merged, and the copy moves words of the widest size (<= 8 bytes) dividing every address,
+    stride and row length. So any dtype mix shares one launch, and an odd buffer offset only narrows the word to
+    bytes. Casts address the tensor in its elements and the buffer in elements of the buffer dtype, or in bytes when
+    some buffer offset is not a multiple of that size.
+    """
+    tensors = [args.tensors[i] for i in idx]
+    boxes = [args.boxes[i] for i in idx]
+    device = args.device
+    ndim = max(1, max(b.ndim for b in boxes))
+    raw = cast == Cast.NONE
+    dims = ndim + 1 if raw else ndim
+    sizes = np.ones((len(idx), dims), dtype=np.int64)
+    strides = np.zeros((len(idx), dims), dtype=np.int64)
+    starts_elem = np.zeros(len(idx), dtype=np.int64)
+    itemsize = np.array([t.element_size() for t in tensors], dtype=np.int64)
+    ptr = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    for k, (t, box) in enumerate(zip(tensors, boxes)):
+        n = box.ndim
+        if n:
+            sizes[k, ndim - n: ndim] = box.shape
+            strides[k, ndim - n: ndim] = t.stride()
+            starts_elem[k] = sum(o * s for o, s in zip(box.offsets, t.stride()))
+    tensor_abs = ptr + starts_elem * itemsize
+    buffer_abs = args.buffer.data_ptr() + np.array([args.offsets[i] for i in idx], dtype=np.int64)
+    tensor_storage = tensors[0].untyped_storage().data_ptr()
+    buffer_storage = args.buffer.untyped_storage().data_ptr()
+    if raw:
+        strides[:, :ndim] *= itemsize[:, None]
+        sizes[:, ndim] = itemsize
+        strides[:, ndim] = 1
+    sizes, strides = _merge_dims(sizes, strides)
+    buffer_bytes = 0
+    if raw:
+        outer = strides[:, :-1][sizes[:, :-1] > 1]
+        word = _lowest_bit(np.concatenate([tensor_abs, buffer_abs, outer, sizes[:, -1],
+                                           np.array([tensor_storage, buffer_storage], dtype=np.int64)]),
+                           _MAX_WORD_BYTES)
+        tensor_unit = buffer_unit = word
+        tensor_dtype = buffer_dtype = INT_DTYPE_BY_SIZE[word]
+        strides //= word
+        sizes[:, -1] //= word
+    else:
+        tensor_unit = tensors[0].element_size()
+        tensor_dtype = INT_DTYPE_BY_SIZE[tensor_unit]
+        buffer_itemsize = args.buffer_dtypes[idx[0]].itemsize
+        if ((tensor_abs - tensor_storage) % tensor_unit).any() or tensor_storage % tensor_unit:
+            raise NotImplementedError(f"{op}: a tensor's storage is not aligned to its {tensor_unit}-byte elements; "
+                                      "the Triton backend cannot address it, use backend='torch'")
+        aligned = not (np.bitwise_or.reduce(buffer_abs) | buffer_storage) % buffer_itemsize
+        buffer_unit = buffer_itemsize if aligned else 1
+        buffer_bytes = 0 if aligned else buffer_itemsize
+        buffer_dtype = INT_DTYPE_BY_SIZE[buffer_itemsize] if aligned else torch.uint8
+    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type)
+    log_block = block.bit_length() - 1
+
+    row_len = sizes[:, -1]
+    num_rows = np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(len(idx), dtype=np.int64)
+    log2_cols = np.zeros(len(idx), dtype=np.int64)
+    while True:  # smallest power of two >= row_len, capped at BLOCK
+        grow = ((np.int64(1) << log2_cols) < row_len) & (log2_cols < log_block)
+        if not grow.any():
+            break
+        log2_cols += grow
+    num_col_tiles = -(-row_len // (np.int64(1) << log2_cols))
+    rows_per_tile = np.int64(block) >> log2_cols
+    tiles = num_col_tiles * -(-num_rows // rows_per_tile)
+    starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+
+    num_dims = sizes.shape[1]
+    table = np.empty((len(idx), _TABLE_HEAD + 2 * num_dims), dtype=np.int64)
+    table[:, 0] = (tensor_abs - tensor_storage) // tensor_unit
+    table[:, 1] = (buffer_abs - buffer_storage) // buffer_unit
+    table[:, 2] = log2_cols
+    table[:, 3] = num_col_tiles
+    table[:, 4] = num_rows
+    table[:, _TABLE_HEAD: _TABLE_HEAD + num_dims] = sizes
+    table[:, _TABLE_HEAD + num_dims:] = strides
+    packed = torch.from_numpy(np.concatenate([starts, table.ravel()])).to(device)
+    return _Launch(
+        op=op,
+        tensor_ptr=_storage_view(tensors[0], tensor_dtype),
+        buffer_ptr=_storage_view(args.buffer, buffer_dtype),
+        starts=packed[: len(idx)],
+        table=packed[len(idx):],
+        num_boxes=len(idx),
+        num_tiles=int(tiles.sum()),
+        nan=nan_policy(cast, device.type),
+        num_dims=num_dims,
+        cast=cast,
+        buffer_bytes=buffer_bytes,
+        block=block,
+        num_warps=num_warps,
+    )
+
+
+def _casts(op: str, args: CopyArgs) -> list[Cast | None]:
+    """The kernel cast of every box (`None` where the kernels have none)."""
+    out = []
+    for t, bdtype in zip(args.tensors, args.buffer_dtypes):
+        out.append(cast_code(t.dtype, bdtype) if op == "pack" else cast_code(bdtype, t.dtype))
+    return out
+
+
+def _launches(op: str, args: CopyArgs, casts: list[Cast | None]) -> list[_Launch]:
+    """One launch per distinct cast (a single launch for raw copies of any dtype mix); empty boxes are skipped."""
+    groups: dict[Cast, list[int]] = {}
+    for i, (cast, numel) in enumerate(zip(casts, args.numels)):
+        if numel:
+            assert cast is not None
+            groups.setdefault(cast, []).append(i)
+    return [_build_launch(op, args, idx, cast) for cast, idx in groups.items()]
+
+
+def _run_triton(op: str, args: CopyArgs, casts: list[Cast | None]) -> None:
+    if args.device.type == "cuda":
+        with torch.cuda.device(args.device):
+            for launch in _launches(op, args, casts):
+                launch.run()
+    else:
+        for launch in _launches(op, args, casts):
+            launch.run()
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _choose_backend(op: str, args: CopyArgs, backend: str | None) -> tuple[str, list[Cast | None]]:
+    """Resolve `backend` (argument, then `RESHARD_KERNEL_BACKEND`, then the device) and the casts it needs."""
+    source = "backend"
+    if backend is None and os.environ.get(BACKEND_ENV):
+        backend, source = os.environ[BACKEND_ENV], f"${BACKEND_ENV}"
+    explicit = backend is not None
+    if backend is None:
+        backend = "triton" if args.device.type == "cuda" and _triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: {source} must be one of {BACKENDS} (or None), got {backend!r}")
+    if backend == "torch":
+        return backend, []
+    casts = _casts(op, args)
+    bad = [i for i, c in enumerate(casts) if c is None and args.numels[i]]
+    if bad:
+        i = bad[0]
+        pair = ((args.tensors[i].dtype, args.buffer_dtypes[i]) if op == "pack"
+                else (args.buffer_dtypes[i], args.tensors[i].dtype))
+        if not explicit:
+            logger.debug("%s: the Triton kernels cannot cast %s -> %s; using the torch backend", op, *pair)
+            return "torch", []
+        raise NotImplementedError(f"{op}: the Triton kernels cannot cast {pair[0]} -> {pair[1]} (box {i}); they "
+                                  f"cast {', '.join(SUPPORTED_CASTS)}; use backend='torch' for other casts")
+    if not _triton_available():
+        raise NotImplementedError(f"{op}: backend='triton' needs the triton package; use backend='torch'")
+    return backend, casts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def pack(
+    tensors: TensorArg,
+    boxes: Sequence[Box],
+    buffer: torch.Tensor,
+    offsets: OffsetArg,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Write box `i` of `tensors[i]`, row-major and contiguous, into `buffer` at byte `offsets[i]`.
+
+    Args:
+        tensors: one tensor per box (or one tensor for all boxes), any strided view: non-contiguous, transposed,
+            expanded (stride 0). Dtypes of 1, 2, 4 or 8 bytes; they may differ between boxes.
+        boxes: `Box` per tensor, inside its shape.
+        buffer: 1-D contiguous `torch.uint8`, on the tensors' device.
+        offsets: byte offset of each box in `buffer` (ints or a 1-D int tensor); any alignment. Box `i` occupies
+            `boxes[i].numel * itemsize` bytes, `itemsize` of `dtype` if given, else of `tensors[i].dtype`. Ranges
+            must not overlap.
+        dtype: if given, values are cast to it while packing, bit for bit as torch's `.to(dtype)` on a contiguous
+            tensor of the same device. Without it the copy is of raw bits, whatever the dtype (bool, float8, ...).
+        backend: `"triton"`, `"torch"` or `None` (`$RESHARD_KERNEL_BACKEND`, else Triton for CUDA tensors and torch
+            for CPU tensors). Triton on CPU tensors runs under its interpreter. With `None`, a cast the kernels do
+            not fuse (they fuse float32 <-> bfloat16 / float16) falls back to torch; with `"triton"` it raises
+            `NotImplementedError`.
+
+    Returns:
+        `buffer`. Bytes of `buffer` outside the boxes' ranges are not touched.
+
+    Raises:
+        ValueError: bad input (see `check_copy_args`), naming the box index, the tensor shape and the box.
+
+    Example:
+        >>> t = torch.arange(12, dtype=torch.int16).view(3, 4)
+        >>> buf = torch.zeros(8, dtype=torch.uint8)
+        >>> _ = pack([t], [Box((1, 1), (2, 2))], buf, [0])
+        >>> buf.view(torch.int16).tolist()
+        [5, 6, 9, 10]
+    """
+    args = check_copy_args("pack", tensors, boxes, buffer, offsets, dtype)
+    chosen, casts = _choose_backend("pack", args, backend)
+    if chosen == "torch":
+        _pack_torch(args)
+    else:
+        _run_triton("pack", args, casts)
+    return buffer
+
+
+@torch.no_grad()
+def unpack(
+    buffer: torch.Tensor,
+    offsets: OffsetArg,
+    tensors: TensorArg,
+    boxes: Sequence[Box],
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> None:
+    """Overwrite box `i` of `tensors[i]` from `buffer` at byte `offsets[i]`: the inverse of `pack`.
+
+    Args:
+        buffer: 1-D contiguous `torch.uint8`, on the tensors' device.
+        offsets: byte offset of each box's row-major elements in `buffer`; any alignment.
+        tensors: destination per box (or one for all), any strided view without stride 0 along a dim of size > 1.
+        boxes: `Box` per tensor, inside its shape. Boxes of one tensor must not overlap (the result would depend
+            on the order of writes); this is not checked.
+        dtype: the dtype of the elements in `buffer`, if it differs from the tensor's; they are cast to the
+            tensor's dtype as a contiguous torch `.to()` would. Without it the copy is of raw bits.
+        backend: as in `pack`.
+
+    Nothing outside the boxes is written, in the tensors or in memory around them.
+
+    Example:
+        >>> t = torch.zeros(3, 4, dtype=torch.int16)
+        >>> buf = torch.tensor([5, 6, 9, 10], dtype=torch.int16).view(torch.uint8)
+        >>> unpack(buf, [0], [t], [Box((1, 1), (2, 2))])
+        >>> t[1:].tolist()
+        [[0, 5, 6, 0], [0, 9, 10, 0]]
+    """
+    args = check_copy_args("unpack", tensors, boxes, buffer, offsets, dtype)
+    chosen, casts = _choose_backend("unpack", args, backend)
+    if chosen == "torch":
+        _unpack_torch(args)
+    else:
+        _run_triton("unpack", args, casts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure-torch reference (also the CPU production path)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _runs(args: CopyArgs) -> list[list[int]]:
+    """Maximal runs of consecutive non-empty boxes with one tensor dtype whose buffer ranges are back to back.
+
+    Each run is moved with one `torch.cat` (pack) or one `split` (unpack), so thousands of small boxes cost a few
+    tensor views each, not one copy call each.
+    """
+    runs: list[list[int]] = []
+    end = -1
+    prev_dtype = None
+    for i, (t, off, numel, bdtype) in enumerate(zip(args.tensors, args.offsets, args.numels, args.buffer_dtypes)):
+        if not numel:
+            continue
+        if runs and off == end and t.dtype == prev_dtype:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        end = off + numel * bdtype.itemsize
+        prev_dtype = t.dtype
+    return runs
+
+
+class _Views:
+    """Box views of the call's tensors, as the same-width int dtype for raw copies; one `.view()` per tensor."""
+
+    def __init__(self, raw: bool) -> None:
+        self.raw = raw
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor, box: Box) -> torch.Tensor:
+        base = self.cache.get(id(t))
+        if base is None:
+            base = t.view(INT_DTYPE_BY_SIZE[t.element_size()]) if self.raw else t
+            self.cache[id(t)] = base
+        stride = base.stride()
+        start = base.storage_offset() + sum(o * s for o, s in zip(box.offsets, stride))
+        return base.as_strided(box.shape, stride, start)
+
+
+def _typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`region` (1-D `uint8`) viewed as `dtype`, or `None` when its start is not aligned to `dtype`."""
+    size = dtype.itemsize
+    if region.data_ptr() % size or region.storage_offset() % size:
+        return None
+    return region.view(dtype)
+
+
+def _pack_torch(args: CopyArgs) -> None:
+    raw_views, cast_views = _Views(raw=True), _Views(raw=False)
+    for run in _runs(args):
+        first = args.tensors[run[0]]
+        bdtype = args.buffer_dtypes[run[0]]
+        raw = bdtype == first.dtype
+        views = [(raw_views if raw else cast_views)(args.tensors[i], args.boxes[i]) for i in run]
+        total = sum(args.numels[i] for i in run)
+        region = args.buffer.narrow(0, args.offsets[run[0]], total * bdtype.itemsize)
+        out_dtype = INT_DTYPE_BY_SIZE[bdtype.itemsize] if raw else bdtype
+        out = _typed(region, out_dtype)
+        if raw and out is not None:
+            if len(views) == 1:
+                out.view(views[0].shape).copy_(views[0])
+            else:
+                torch.cat([v.reshape(-1) for v in views], out=out)
+            continue
+        # A cast runs contiguous -> contiguous, so NaN bits are those of a contiguous `.to()` (see _cast.py).
+        flat = torch.cat([v.reshape(-1) for v in views]) if len(views) > 1 else views[0].reshape(-1)
+        if out is not None:
+            out.copy_(flat)
+        else:
+            region.copy_(flat.to(out_dtype).view(torch.uint8))
+
+
+def _unpack_torch(args: CopyArgs) -> None:
+    raw_views = _Views(raw=True)
+    for run in _runs(args):
+        first = args.tensors[run[0]]
+        bdtype = args.buffer_dtypes[run[0]]
+        raw = bdtype == first.dtype
+        total = sum(args.numels[i] for i in run)
+        region = args.buffer.narrow(0, args.offsets[run[0]], total * bdtype.itemsize)
+        in_dtype = INT_DTYPE_BY_SIZE[bdtype.itemsize] if raw else bdtype
+        flat = _typed(region, in_dtype)
+        if flat is None:
+            flat = torch.empty(total, dtype=in_dtype, device=region.device)
+            flat.view(torch.uint8).copy_(region)
+        if not raw:
+            flat = flat.to(first.dtype).view(INT_DTYPE_BY_SIZE[first.element_size()])
+        pieces = flat.split([args.numels[i] for i in run]) if len(run) > 1 else (flat,)
+        for i, piece in zip(run, pieces):
+            dst = raw_views(args.tensors[i], args.boxes[i])
+            dst.copy_(piece.view(dst.shape))
+
+
+@torch.no_grad()
+def pack_reference(
+    tensors: TensorArg,
+    boxes: Sequence[Box],
+    buffer: torch.Tensor,
+    offsets: OffsetArg,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Pure-torch `pack`, same signature and semantics; the CPU production path. `backend` must be None/"torch".
+
+    Consecutive boxes of one dtype whose buffer ranges are back to back are copied with one `torch.cat` into a view
+    of the buffer; a lone box with one `copy_`. Casts go through a contiguous copy first (see `_cast.py`).
+    """
+    if backend not in (None, "torch"):
+        raise ValueError(f"pack_reference: backend must be None or 'torch', got {backend!r}")
+    _pack_torch(check_copy_args("pack", tensors, boxes, buffer, offsets, dtype))
+    return buffer
+
+
+@torch.no_grad()
+def unpack_reference(
+    buffer: torch.Tensor,
+    offsets: OffsetArg,
+    tensors: TensorArg,
+    boxes: Sequence[Box],
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> None:
+    """Pure-torch `unpack`, same signature and semantics; the CPU production path. `backend` must be None/"torch".
+
+    Each run of back-to-back boxes is split from one view of the buffer (cast contiguously first if `dtype` is
+    given) and copied into the box views.
+    """
+    if backend not in (None, "torch"):
+        raise ValueError(f"unpack_reference: backend must be None or 'torch', got {backend!r}")
+    _unpack_torch(check_copy_args("unpack", tensors, boxes, buffer, offsets, dtype))
