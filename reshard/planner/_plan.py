@@ -6,6 +6,7 @@ every box bound for the same peer. Planning is pure Python on plain values: no d
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import math
@@ -187,14 +188,22 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                     else:
                         net_needs.setdefault(dom, {}).setdefault((gid, x), []).append((r, d_delta))
 
-    # NVLink sources: spread over the in-domain replicas, largest boxes first
+    # NVLink sources: spread over the in-domain replicas, largest boxes first. A box is split over several
+    # replicas only as far as other needs do not already keep them busy.
     nvl_needs.sort(key=lambda n: (-n[0].numel, n[1], n[0].offsets))
+    nvl_demand: dict[int, int] = defaultdict(int)
     for x, r, d_delta, near in nvl_needs:
-        for part in b.parts(x, len(near), itemsize):
+        nvl_demand[id(near)] += 1
+    for x, r, d_delta, near in nvl_needs:
+        for part in b.parts(x, -(-len(near) // nvl_demand[id(near)]), itemsize):
             h, h_delta = min(near, key=lambda h: (b.nvl_send[h[0]], h[0]))
             b.emit(h, r, h_delta, d_delta, part, itemsize, "nvlink", 0, item_index, item.src_tensor, item.dst_tensor)
 
     # network: per destination domain, each needed box crosses once (relay) or once per needer (no relay)
+    net_demand: dict[int, int] = defaultdict(int)
+    for needs in net_needs.values():
+        for gid, _ in needs:
+            net_demand[gid] += 1
     check_arrivals = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
     for dom in sorted(net_needs, key=repr):
         needs = net_needs[dom]
@@ -204,7 +213,7 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
             holders = group_holders[gid]
             if not b.relay:
                 for r, d_delta in needers:
-                    for part in b.parts(x, len(holders), itemsize):
+                    for part in b.parts(x, -(-len(holders) // (net_demand[gid] * len(needers))), itemsize):
                         h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
                         b.emit(h, r, h_delta, d_delta, part, itemsize, "network", 0,
                                item_index, item.src_tensor, item.dst_tensor)
@@ -224,7 +233,7 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                     b.emit(a_rank, r, a_delta, d_delta, covered, itemsize, link, 1,
                            item_index, item.dst_tensor, item.dst_tensor, a_idx)
             for rem in remaining:
-                for part in b.parts(rem, max(len(needers), len(holders)), itemsize):
+                for part in b.parts(rem, max(len(needers), -(-len(holders) // net_demand[gid])), itemsize):
                     recv, recv_delta = min(needers, key=lambda n: (b.net_recv[n[0]], n[0]))
                     h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
                     a_idx = b.emit(h, recv, h_delta, recv_delta, part, itemsize, "network", 0,
@@ -585,18 +594,26 @@ def plan_many(
                 f"tensor {it.label!r}: staging_bytes={staging_bytes} cannot hold one element of {it.dst.dtype} "
                 "twice (two chunks in flight)"
             )
-    b = _Builder(topology, relay, chunk_cap, min_split_bytes)
-    for i, it in enumerate(items):
-        _plan_item(b, it, i)
-    chunks = _assign_chunks(b.raw, chunk_cap)
-    transfers = tuple(
-        Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10]) for t, c in zip(b.raw, chunks)
-    )
-    needed = sum(p.global_box.numel * it.dst.dtype.itemsize for it in items for r in it.dst.ranks
-                 for p in it.dst.pieces(r))
-    lower = _network_lower_bound(items, topology)
-    result = Plan(items, topology, relay, staging_bytes, min_split_bytes, transfers, lower, needed)
-    _validate(result)
+    # planning allocates many small tuples and no cycles: the cyclic collector would only rescan them
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        b = _Builder(topology, relay, chunk_cap, min_split_bytes)
+        for i, it in enumerate(items):
+            _plan_item(b, it, i)
+        chunks = _assign_chunks(b.raw, chunk_cap)
+        transfers = tuple(
+            Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10])
+            for t, c in zip(b.raw, chunks)
+        )
+        needed = sum(p.global_box.numel * it.dst.dtype.itemsize for it in items for r in it.dst.ranks
+                     for p in it.dst.pieces(r))
+        lower = _network_lower_bound(items, topology)
+        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, transfers, lower, needed)
+        _validate(result)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     _PLAN_CACHE[key] = result
     if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
         _PLAN_CACHE.popitem(last=False)

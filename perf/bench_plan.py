@@ -1,0 +1,114 @@
+"""Planning time for 256 -> 256-rank layout pairs, cold (cache cleared) and from the cache.
+
+Usage:
+    python perf/bench_plan.py [--ranks 256] [--repeat 5] [--out perf/out]
+
+Writes `bench_plan.csv` (with machine and versions) and `bench_plan.png` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reshard import Layout, Mesh, Topology, clear_plan_cache, plan  # noqa: E402
+
+
+def cases(n: int) -> list[tuple[str, Layout, Layout, Topology]]:
+    """Layout pairs of `n` trainer ranks -> `n` inference ranks (disjoint unless said), 8-GPU domains."""
+    shape = (25600, 5120)  # Qwen3-32B MLP weight
+    bf16 = torch.bfloat16
+    tr = torch.arange(n)
+    inf = torch.arange(n, 2 * n)
+    t8 = Topology(domain_size=8)
+
+    def lay(ranks: torch.Tensor, dims: tuple[int, ...], pl: list) -> Layout:
+        return Layout(shape, Mesh(ranks.reshape(dims)), pl, bf16)
+
+    return [
+        ("TP8xDP -> TP4 replicas", lay(tr, (n // 8, 8), [Replicate(), Shard(0)]),
+         lay(inf, (n // 4, 4), [Replicate(), Shard(0)]), t8),
+        ("FSDP -> TP8 replicas", lay(tr, (n,), [Shard(0)]), lay(inf, (n // 8, 8), [Replicate(), Shard(0)]), t8),
+        ("FSDP2+TP8 (_StridedShard) -> TP8 replicas", lay(tr, (n // 8, 8), [_StridedShard(0, split_factor=8), Shard(0)]),
+         lay(inf, (n // 8, 8), [Replicate(), Shard(0)]), t8),
+        ("colocated TP8xDP -> TP2 replicas", lay(tr, (n // 8, 8), [Replicate(), Shard(0)]),
+         lay(tr, (n // 2, 2), [Replicate(), Shard(1)]), t8),
+        ("all-to-all S(0) -> S(1) (n^2 transfers)", lay(tr, (n,), [Shard(0)]), lay(inf, (n,), [Shard(1)]), t8),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="perf/out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, src, dst, topo in cases(args.ranks):
+        cold, warm = [], []
+        for _ in range(args.repeat):
+            clear_plan_cache()
+            t0 = time.perf_counter()
+            p = plan(src, dst, topo)
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            plan(src, dst, topo)
+            warm.append(time.perf_counter() - t0)
+        row = {
+            "case": name,
+            "ranks": args.ranks,
+            "transfers": p.stats.num_transfers,
+            "cold_ms_median": statistics.median(cold) * 1e3,
+            "cold_ms_min": min(cold) * 1e3,
+            "cold_ms_max": max(cold) * 1e3,
+            "cached_ms_median": statistics.median(warm) * 1e3,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        }
+        rows.append(row)
+        print(f"{name:<45} transfers {row['transfers']:>6}  cold {row['cold_ms_median']:8.1f} ms "
+              f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}]  cached {row['cached_ms_median']:.3f} ms")
+    with open(out / "bench_plan.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / "bench_plan.png")
+    print(f"wrote {out / 'bench_plan.csv'} and {out / 'bench_plan.png'}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    names = [r["case"] for r in rows]
+    ax.barh(names, [r["cold_ms_median"] for r in rows], label="cold (median)")
+    ax.barh(names, [r["cached_ms_median"] for r in rows], label="cached (median)")
+    ax.set_xscale("log")
+    ax.set_xlabel("planning time (ms), log scale")
+    ax.set_title(f"plan() for {rows[0]['ranks']} -> {rows[0]['ranks']} ranks, {rows[0]['machine']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
