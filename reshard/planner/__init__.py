@@ -48,3 +48,7 @@ __all__ = [
     "split_to_fit",
     "subtract",
 ]
+
+from reshard.planner._explicit import ExplicitLayout, fuse, vocab_parallel_layout  # noqa: E402
+
+__all__ += ["ExplicitLayout", "fuse", "vocab_parallel_layout"]
