@@ -1,0 +1,424 @@
+"""`Refit`: whole-model weight sync from a trainer to an inference engine, each side declaring only its own layouts.
+
+Runtime contract:
+- Every rank of the group builds one `Refit` and registers what it holds: trainer ranks call `add_source`, inference
+  ranks `add_destination`; a rank on both sides (colocated) calls both. Then every rank calls `run()`.
+- The first `run()` exchanges layout metadata once over the group's control backend, checks names, shapes, dtypes
+  and local tensors on every rank (any problem raises the same `ValueError` on every rank, before data moves),
+  and builds one whole-model plan. Later `run()`s reuse it: each moves the current values of the registered
+  tensors straight into the registered destination tensors.
+- Many small tensors bound for one peer share one message and one pack per chunk: messages per rank pair depend
+  on the chunk count, not on the number of tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.planner import (
+    DEFAULT_STAGING_BYTES,
+    ExplicitLayout,
+    Layout,
+    Plan,
+    PlanItem,
+    Topology,
+    format_bytes,
+    fuse,
+    plan,
+    plan_many,
+)
+from reshard.refit._meta import LayoutLike, check_local, decode_layout, encode_layout
+
+logger = logging.getLogger(__name__)
+
+NameMap = Mapping[str, str] | Callable[[str], "str | None"] | None
+
+POLICIES = ("auto", "reshard", "gather_broadcast")
+
+
+@dataclass
+class RefitReport:
+    """What one `run()` did.
+
+    Attributes:
+        seconds: per phase: `metadata` (exchange and checks), `plan`, `transfer` (0 for phases a cached run skips).
+        network_bytes, nvlink_bytes, local_bytes: bytes the whole-model plan moves per link kind.
+        gather_broadcast_bytes: bytes of the weights that went by gather-and-broadcast.
+        num_tensors: destination global tensors written.
+        messages: messages of the reshard plan (all ranks).
+        first_run: whether metadata was exchanged and the plan built in this run.
+    """
+
+    seconds: dict[str, float]
+    network_bytes: int
+    nvlink_bytes: int
+    local_bytes: int
+    gather_broadcast_bytes: int
+    num_tensors: int
+    messages: int
+    first_run: bool
+    choices: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Dest:
+    """A destination local tensor: its components (global tensor name -> layout in this local tensor's coords)."""
+
+    name: str
+    components: tuple[tuple[str, LayoutLike], ...]
+
+
+class Refit:
+    """Whole-model weight refit from a trainer to an inference engine over one group.
+
+    Args:
+        group: a `reshard.comm.Group` (default: `Group.world()`).
+        name_map: trainer name -> inference (global tensor) name: a dict or a callable; default identity. A source
+            the map does not cover, a destination nobody maps to, and a mapped name no destination declares are all
+            errors, listed together, on every rank.
+        ignore_sources: trainer names to leave out on purpose (e.g. MTP layers the engine does not serve).
+        topology: NVLink domains, in group ranks.
+        staging_bytes: staging memory per rank.
+        relay: forward boxes over NVLink inside a destination domain (see `plan_many`).
+        policy: `"auto"` (per weight, whichever the cost model says is faster), `"reshard"` or
+            `"gather_broadcast"`; `policies` overrides it per trainer name.
+        hardware: the cost model's link figures (`reshard.sim.Hardware`), default the H100 preset.
+        verify: check every received box against its sender's checksum.
+        timeout: seconds (or a timedelta) any wait for a peer may last.
+
+    Example (the trainer and inference sides are different processes of one group):
+        trainer rank:   refit.add_source("model.layers.0.mlp.up_proj.weight", dtensor)
+        inference rank: refit.add_destination("model.layers.0.mlp.gate_up_proj.weight", local,
+                                              [("model.layers.0.mlp.gate_proj.weight", gate_layout),
+                                               ("model.layers.0.mlp.up_proj.weight", up_layout)])
+        every rank:     refit.run()
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        name_map: NameMap = None,
+        ignore_sources: Sequence[str] = (),
+        topology: Topology | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        relay: bool = True,
+        policy: str = "auto",
+        policies: Mapping[str, str] | None = None,
+        hardware: Any = None,
+        verify: bool = False,
+        timeout: Any = None,
+    ) -> None:
+        from reshard.comm import Group
+
+        if policy not in POLICIES:
+            raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")
+        for n, p in (policies or {}).items():
+            if p not in POLICIES:
+                raise ValueError(f"Refit: policy of {n!r} must be one of {POLICIES}, got {p!r}")
+        self.group = group if group is not None else Group.world()
+        self.rank: int = self.group.rank
+        self.name_map = name_map
+        self.ignore_sources = frozenset(ignore_sources)
+        self.topology = topology if topology is not None else Topology()
+        self.staging_bytes = staging_bytes
+        self.relay = relay
+        self.policy = policy
+        self.policies = dict(policies or {})
+        self.hardware = hardware
+        self.verify = verify
+        self.timeout = timeout
+        self._sources: dict[str, tuple[torch.Tensor, LayoutLike]] = {}
+        self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
+        self._built: _Built | None = None
+
+    # ---- registration ----------------------------------------------------------------------------------------
+    def add_source(self, name: str, tensor: Any, layout: LayoutLike | None = None) -> None:
+        """Register a trainer weight held (in part) by this rank.
+
+        Args:
+            name: the trainer's name for it.
+            tensor: a DTensor (its layout is read from it), or this rank's local tensor with `layout`.
+            layout: the global layout, needed for a plain local tensor.
+        """
+        self._check_open(name)
+        if name in self._sources:
+            raise ValueError(f"Refit.add_source: {name!r} registered twice on rank {self.rank}")
+        if layout is None:
+            if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
+                raise ValueError(f"Refit.add_source: {name!r} is a plain tensor; pass its layout too")
+            layout = Layout.from_dtensor(tensor, name=name)
+            tensor = tensor.to_local()
+        self._sources[name] = (tensor, layout)
+
+    def add_destination(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        layout: LayoutLike | Sequence[tuple[str, LayoutLike]],
+        *,
+        dim: int = 0,
+    ) -> None:
+        """Register an inference-engine tensor that this rank holds, to be overwritten in place by `run()`.
+
+        Args:
+            name: the engine's name for the local tensor (e.g. `...qkv_proj.weight`).
+            tensor: this rank's local tensor (the engine's own parameter: written in place, no extra copy).
+            layout: its layout, when it holds one global tensor (named `name`, unless the layout has a name); or,
+                for a fused tensor, the `(global_name, layout)` components in concatenation order along `dim`
+                (vLLM's `qkv_proj`: q, k, v). Component layouts describe each global tensor's own sharding.
+        """
+        self._check_open(name)
+        if name in self._dests:
+            raise ValueError(f"Refit.add_destination: {name!r} registered twice on rank {self.rank}")
+        if isinstance(layout, (Layout, ExplicitLayout)):
+            components: tuple[tuple[str, LayoutLike], ...] = ((layout.name or name, layout),)
+        else:
+            parts = list(layout)
+            if not parts or not all(isinstance(p, tuple) and len(p) == 2 for p in parts):
+                raise ValueError(f"Refit.add_destination: {name!r}: layout must be a Layout or a list of "
+                                 "(global_name, layout) components")
+            renamed = [_with_name(lay, gname) for gname, lay in parts]
+            fused = fuse(renamed, dim=dim) if len(renamed) > 1 else renamed
+            components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
+        self._dests[name] = (tensor, _Dest(name, components))
+
+    def _check_open(self, name: str) -> None:
+        if self._built is not None:
+            raise ValueError(f"Refit: cannot register {name!r} after the first run(); build a new Refit")
+
+    # ---- running ---------------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The whole-model reshard plan (after the first `run()`)."""
+        if self._built is None:
+            raise ValueError("Refit.plan: call run() first")
+        return self._built.plan
+
+    def run(self) -> RefitReport:
+        """Move every registered weight's current values into the destinations. Every rank of the group calls it."""
+        from reshard.comm import execute
+
+        seconds = {"metadata": 0.0, "plan": 0.0, "transfer": 0.0}
+        first = self._built is None
+        if first:
+            t0 = time.perf_counter()
+            meta = self._exchange_metadata()
+            t1 = time.perf_counter()
+            self._built = _build(self, meta)
+            seconds["metadata"] = t1 - t0
+            seconds["plan"] = time.perf_counter() - t1
+        b = self._built
+        assert b is not None
+        t0 = time.perf_counter()
+        src = [self._sources[n][0] if n in self._sources else None for n in b.source_names]
+        dst = [self._dests[n][0] if n in self._dests else None for n in b.dest_names]
+        if b.plan.items:
+            execute(b.plan, self.rank, src, dst, self.group, verify=self.verify, timeout=self.timeout)
+        for gb in b.gather_broadcast:
+            gb.run(self, src, dst)
+        seconds["transfer"] = time.perf_counter() - t0
+        s = b.plan.stats
+        report = RefitReport(seconds, s.network_bytes, s.nvlink_bytes, s.local_bytes,
+                             sum(g.nbytes for g in b.gather_broadcast), len(b.choices), s.messages, first,
+                             dict(b.choices))
+        logger.debug("refit rank %d: %s", self.rank, report)
+        return report
+
+    def describe(self) -> str:
+        """The per-weight choices and the whole-model plan's statistics."""
+        b = self._built
+        if b is None:
+            return f"Refit(rank {self.rank}): {len(self._sources)} sources, {len(self._dests)} destinations, not run"
+        lines = [f"Refit: {len(b.choices)} weights, {len(b.source_names)} source tensors, "
+                 f"{len(b.dest_names)} destination tensors"]
+        counts: dict[str, int] = {}
+        for c in b.choices.values():
+            counts[c] = counts.get(c, 0) + 1
+        lines.append("  per-weight method: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        for name, choice in list(b.choices.items())[:50]:
+            lines.append(f"    {name}: {choice}")
+        if len(b.choices) > 50:
+            lines.append(f"    ... {len(b.choices) - 50} more")
+        lines.append(b.plan.describe(max_transfers=0))
+        return "\n".join(lines)
+
+    # ---- metadata --------------------------------------------------------------------------------------------
+    def _exchange_metadata(self) -> list[dict]:
+        from reshard.comm import all_gather_object
+
+        errors = []
+        for name, (tensor, layout) in self._sources.items():
+            if self.rank not in layout.ranks:
+                errors.append(f"source {name!r}: rank {self.rank} registered it but is not in its layout's ranks")
+            else:
+                e = check_local(name, tensor, layout, self.rank)
+                if e:
+                    errors.append("source " + e)
+        for name, (tensor, d) in self._dests.items():
+            lay = d.components[0][1]
+            if self.rank not in lay.ranks:
+                errors.append(f"destination {name!r}: rank {self.rank} registered it but is not in its layout's "
+                              "ranks")
+                continue
+            e = check_local(name, tensor, lay, self.rank)
+            if e:
+                errors.append("destination " + e)
+        mine = {
+            "rank": self.rank,
+            "sources": {n: encode_layout(lay) for n, (_, lay) in sorted(self._sources.items())},
+            "dests": {n: tuple((g, encode_layout(lay)) for g, lay in d.components)
+                      for n, (_, d) in sorted(self._dests.items())},
+            "errors": errors,
+        }
+        return all_gather_object(self.group, mine, timeout=self.timeout)
+
+
+def _with_name(layout: LayoutLike, name: str) -> LayoutLike:
+    if layout.name == name:
+        return layout
+    if isinstance(layout, Layout):
+        return Layout(layout.shape, layout.mesh, layout.placements, layout.dtype, name=name)
+    return ExplicitLayout(layout.shape, layout.dtype, {r: layout.pieces(r) for r in layout.ranks},
+                          {r: layout.local_shape(r) for r in layout.ranks}, name=name)
+
+
+@dataclass
+class _Built:
+    source_names: list[str]
+    dest_names: list[str]
+    plan: Plan
+    choices: dict[str, str]
+    gather_broadcast: list[Any]
+
+
+def _map_name(name_map: NameMap, name: str) -> str | None:
+    if name_map is None:
+        return name
+    if callable(name_map):
+        return name_map(name)
+    return name_map.get(name)
+
+
+def _build(refit: Refit, meta: list[dict]) -> _Built:
+    """Check the gathered metadata (the same on every rank, so every rank raises the same error) and plan."""
+    errors = [e for m in sorted(meta, key=lambda m: m["rank"]) for e in m["errors"]]
+    sources: dict[str, tuple] = {}
+    holders: dict[str, set[int]] = {}
+    dests: dict[str, tuple] = {}
+    dest_holders: dict[str, set[int]] = {}
+    for m in sorted(meta, key=lambda m: m["rank"]):
+        for n, spec in m["sources"].items():
+            if n in sources and sources[n] != spec:
+                errors.append(f"source {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
+                              f"{min(holders[n])})")
+            sources.setdefault(n, spec)
+            holders.setdefault(n, set()).add(m["rank"])
+        for n, comps in m["dests"].items():
+            if n in dests and dests[n] != comps:
+                errors.append(f"destination {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
+                              f"{min(dest_holders[n])})")
+            dests.setdefault(n, comps)
+            dest_holders.setdefault(n, set()).add(m["rank"])
+    src_layouts = {n: decode_layout(s) for n, s in sorted(sources.items())}
+    for n, lay in src_layouts.items():
+        missing = sorted(set(lay.ranks) - holders[n])
+        if missing:
+            errors.append(f"source {n!r}: ranks {missing} hold part of it by its layout but did not register it")
+    dst_components: dict[str, tuple[str, str, LayoutLike]] = {}  # global name -> (dest tensor, global, layout)
+    for dn, comps in sorted(dests.items()):
+        for gname, spec in comps:
+            lay = decode_layout(spec)
+            missing = sorted(set(lay.ranks) - dest_holders[dn])
+            if missing:
+                errors.append(f"destination {dn!r}: ranks {missing} hold part of it by its layout but did not "
+                              "register it")
+            if gname in dst_components:
+                errors.append(f"destination global tensor {gname!r} is declared by both {dst_components[gname][0]!r}"
+                              f" and {dn!r}")
+            dst_components[gname] = (dn, gname, lay)
+
+    # names: unmapped, extra (mapped to nothing declared), duplicate, missing
+    mapped: dict[str, str] = {}
+    unmapped, extra, dup = [], [], []
+    for sname in src_layouts:
+        if sname in refit.ignore_sources:
+            continue
+        target = _map_name(refit.name_map, sname)
+        if target is None:
+            unmapped.append(sname)
+        elif target not in dst_components:
+            extra.append(f"{sname} -> {target}")
+        elif target in mapped.values():
+            dup.append(f"{sname} -> {target}")
+        else:
+            mapped[sname] = target
+    covered = set(mapped.values())
+    missing = sorted(g for g in dst_components if g not in covered)
+    if unmapped:
+        errors.append(f"{len(unmapped)} trainer weights have no inference name (unmapped): {unmapped}")
+    if extra:
+        errors.append(f"{len(extra)} trainer weights map to names no inference tensor declares (extra): {extra}")
+    if dup:
+        errors.append(f"{len(dup)} trainer weights map to an inference name already taken (duplicate): {dup}")
+    if missing:
+        errors.append(f"{len(missing)} inference weights have no trainer weight mapped to them (missing): {missing}")
+    for sname, gname in sorted(mapped.items()):
+        s, (_, _, d) = src_layouts[sname], dst_components[gname]
+        if tuple(s.shape) != tuple(d.shape):
+            errors.append(f"weight {sname!r} -> {gname!r}: global shape {tuple(s.shape)} on the trainer, "
+                          f"{tuple(d.shape)} on the inference side")
+        elif s.dtype != d.dtype:
+            errors.append(f"weight {sname!r} -> {gname!r}: dtype {s.dtype} on the trainer, {d.dtype} on the "
+                          "inference side")
+    if errors:
+        raise ValueError(f"Refit on rank {refit.rank}: {len(errors)} problem(s), nothing was moved:\n  "
+                         + "\n  ".join(errors))
+
+    source_names = sorted(src_layouts)
+    dest_names = sorted(dests)
+    s_index = {n: i for i, n in enumerate(source_names)}
+    d_index = {n: i for i, n in enumerate(dest_names)}
+    items: list[PlanItem] = []
+    choices: dict[str, str] = {}
+    gather_broadcast: list[Any] = []
+    for sname, gname in sorted(mapped.items(), key=lambda kv: (dst_components[kv[1]][0], kv[1])):
+        dn, _, dlay = dst_components[gname]
+        item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname)
+        choice = _choose(refit, sname, item)
+        choices[sname] = choice
+        if choice == "reshard":
+            items.append(item)
+        else:
+            from reshard.refit._gather import GatherBroadcastWeight
+
+            gather_broadcast.append(GatherBroadcastWeight(item))
+    p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
+    return _Built(source_names, dest_names, p, choices, gather_broadcast)
+
+
+def _choose(refit: Refit, sname: str, item: PlanItem) -> str:
+    """Per-weight method: the override, the policy, or (auto) the cost model's faster one."""
+    policy = refit.policies.get(sname, refit.policy)
+    if policy != "auto":
+        return policy
+    from reshard.sim import gather_broadcast, get_hardware, link_time, plan_loads
+
+    hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
+    alone = plan(item.src, item.dst, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
+    reshard_s = link_time(plan_loads(alone), hw).seconds
+    gb_s = gather_broadcast([(item.src, item.dst, 0)], hw, refit.topology.domain).seconds
+    return "reshard" if reshard_s <= gb_s else "gather_broadcast"
+
+
+def bytes_summary(report: RefitReport) -> str:
+    return (f"network {format_bytes(report.network_bytes)}, nvlink {format_bytes(report.nvlink_bytes)}, "
+            f"local {format_bytes(report.local_bytes)}, gather-broadcast {format_bytes(report.gather_broadcast_bytes)}"
+            f", {report.messages} messages, {math.fsum(report.seconds.values()):.3f} s")
