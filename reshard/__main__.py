@@ -91,10 +91,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    try:
-        from reshard.sim.cli import main as sim_main
-    except ImportError as e:  # pragma: no cover - present once the simulator lands
-        raise SystemExit(f"the simulator is not available: {e}") from None
+    from reshard.sim import main as sim_main
+
     return int(sim_main(argv) or 0)
 
 
