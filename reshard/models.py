@@ -9,7 +9,8 @@ Names follow HuggingFace checkpoints (`model.layers.{i}.self_attn.q_proj.weight`
 |---|---|---|
 | `embedding` | `embed_tokens` | vocab, dim 0 |
 | `lm_head` | `lm_head`, MTP `shared_head.head` | vocab, dim 0 |
-| `column` | q/k/v, gate/up, MLA `q_b_proj`/`kv_b_proj`, shared-expert gate/up | dim 0 |
+| `column` | q, gate/up, MLA `q_b_proj`/`kv_b_proj`, shared-expert gate/up | dim 0 |
+| `column_kv` | k, v (GQA): split by KV head, each head replicated when TP > `num_key_value_heads` | dim 0 |
 | `row` | `o_proj`, `down_proj`, shared-expert down | dim 1 |
 | `norm` | every RMSNorm weight | replicated |
 | `q_a`, `kv_a` | MLA down projections `q_a_proj`, `kv_a_proj_with_mqa` | replicated |
@@ -177,8 +178,8 @@ def _attention(c: ModelConfig, p: str, layer: int) -> Iterator[ParamSpec]:
         return
     d = c.attn_head_dim
     yield ParamSpec(f"{p}.self_attn.q_proj.weight", (c.num_attention_heads * d, h), dt, "column", layer)
-    yield ParamSpec(f"{p}.self_attn.k_proj.weight", (c.num_key_value_heads * d, h), dt, "column", layer)
-    yield ParamSpec(f"{p}.self_attn.v_proj.weight", (c.num_key_value_heads * d, h), dt, "column", layer)
+    yield ParamSpec(f"{p}.self_attn.k_proj.weight", (c.num_key_value_heads * d, h), dt, "column_kv", layer)
+    yield ParamSpec(f"{p}.self_attn.v_proj.weight", (c.num_key_value_heads * d, h), dt, "column_kv", layer)
     yield ParamSpec(f"{p}.self_attn.o_proj.weight", (h, c.num_attention_heads * d), dt, "row", layer)
     if c.qk_norm:
         yield ParamSpec(f"{p}.self_attn.q_norm.weight", (d,), dt, "norm", layer)
