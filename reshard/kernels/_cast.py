@@ -12,8 +12,8 @@ torch's contiguous `.to()` returns for a set of probe NaNs:
 
     nan_out = (sign_bits & sign_mask) | base | ((mantissa shifted to the output's width) & payload_mask)
 
-The quiet bit is either forced into `base` or carried with the payload. The fit is checked against every probe. The torch reference casts only contiguous tensors, so it produces the same
-bits as the kernels.
+The quiet bit is either forced into `base` or carried with the payload. The fit is checked against every probe.
+The torch reference casts only contiguous tensors, so it produces the same bits as the kernels.
 """
 
 from __future__ import annotations

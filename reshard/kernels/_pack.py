@@ -7,6 +7,7 @@ pure-torch references `pack_reference` / `unpack_reference`, which are also the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -41,7 +42,7 @@ def launch_config(word_bytes: int, device_type: str) -> tuple[int, int]:
     has shown a better choice yet.
     """
     if device_type != "cuda":
-        return 1024, 1
+        return 4096, 1
     block = min(8192, max(1024, 16384 // word_bytes))
     return block, 8 if block >= 4096 else 4
 
@@ -185,13 +186,17 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
     sizes, strides = _merge_dims(sizes, strides)
     buffer_bytes = 0
     if raw:
+        # The innermost dim is a run of contiguous bytes, unless 1-byte elements are strided (their byte dim had
+        # size 1 and was dropped): then no word wider than a byte fits inside the box.
+        contiguous = strides[:, -1] == 1
         outer = strides[:, :-1][sizes[:, :-1] > 1]
         word = _lowest_bit(np.concatenate([tensor_abs, buffer_abs, outer, sizes[:, -1],
                                            np.array([tensor_storage, buffer_storage], dtype=np.int64)]),
-                           _MAX_WORD_BYTES)
+                           _MAX_WORD_BYTES if contiguous.all() else 1)
         tensor_unit = buffer_unit = word
         tensor_dtype = buffer_dtype = INT_DTYPE_BY_SIZE[word]
         strides //= word
+        strides[:, -1] = np.where(contiguous, 1, strides[:, -1])
         sizes[:, -1] //= word
     else:
         tensor_unit = tensors[0].element_size()
@@ -408,8 +413,8 @@ def unpack(
 def _runs(args: CopyArgs) -> list[list[int]]:
     """Maximal runs of consecutive non-empty boxes with one tensor dtype whose buffer ranges are back to back.
 
-    Each run is moved with one `torch.cat` (pack) or one `split` (unpack), so thousands of small boxes cost a few
-    tensor views each, not one copy call each.
+    A run is one contiguous region of the buffer, so it needs one view of the buffer (and one cast, one staging
+    copy for an unaligned region) however many boxes it has.
     """
     runs: list[list[int]] = []
     end = -1
@@ -427,20 +432,38 @@ def _runs(args: CopyArgs) -> list[list[int]]:
 
 
 class _Views:
-    """Box views of the call's tensors, as the same-width int dtype for raw copies; one `.view()` per tensor."""
+    """Box views of the call's tensors as the same-width int dtype (a copy between them is a bit copy)."""
 
-    def __init__(self, raw: bool) -> None:
-        self.raw = raw
+    def __init__(self) -> None:
         self.cache: dict[int, torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor, box: Box) -> torch.Tensor:
         base = self.cache.get(id(t))
         if base is None:
-            base = t.view(INT_DTYPE_BY_SIZE[t.element_size()]) if self.raw else t
-            self.cache[id(t)] = base
+            base = self.cache[id(t)] = t.view(INT_DTYPE_BY_SIZE[t.element_size()])
         stride = base.stride()
         start = base.storage_offset() + sum(o * s for o, s in zip(box.offsets, stride))
         return base.as_strided(box.shape, stride, start)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _slots(flat: torch.Tensor, boxes: list[Box]) -> list[torch.Tensor]:
+    """Consecutive row-major views of `flat` (1-D, contiguous) shaped as `boxes`."""
+    out = []
+    pos = flat.storage_offset()
+    for box in boxes:
+        out.append(flat.as_strided(box.shape, _row_major_strides(box.shape), pos))
+        pos += box.numel
+    return out
 
 
 def _typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -452,49 +475,49 @@ def _typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _pack_torch(args: CopyArgs) -> None:
-    raw_views, cast_views = _Views(raw=True), _Views(raw=False)
+    views = _Views()
     for run in _runs(args):
         first = args.tensors[run[0]]
         bdtype = args.buffer_dtypes[run[0]]
-        raw = bdtype == first.dtype
-        views = [(raw_views if raw else cast_views)(args.tensors[i], args.boxes[i]) for i in run]
+        word = INT_DTYPE_BY_SIZE[first.element_size()]
         total = sum(args.numels[i] for i in run)
         region = args.buffer.narrow(0, args.offsets[run[0]], total * bdtype.itemsize)
-        out_dtype = INT_DTYPE_BY_SIZE[bdtype.itemsize] if raw else bdtype
-        out = _typed(region, out_dtype)
-        if raw and out is not None:
-            if len(views) == 1:
-                out.view(views[0].shape).copy_(views[0])
-            else:
-                torch.cat([v.reshape(-1) for v in views], out=out)
+        raw = bdtype == first.dtype
+        out = _typed(region, word) if raw else None
+        staging = out if out is not None else torch.empty(total, dtype=word, device=region.device)
+        boxes = [args.boxes[i] for i in run]
+        torch._foreach_copy_(_slots(staging, boxes), [views(args.tensors[i], args.boxes[i]) for i in run])
+        if raw:
+            if out is None:
+                region.copy_(staging.view(torch.uint8))
             continue
-        # A cast runs contiguous -> contiguous, so NaN bits are those of a contiguous `.to()` (see _cast.py).
-        flat = torch.cat([v.reshape(-1) for v in views]) if len(views) > 1 else views[0].reshape(-1)
+        # The cast runs contiguous -> contiguous, so NaN bits are those of a contiguous `.to()` (see _cast.py).
+        src = staging.view(first.dtype)
+        out = _typed(region, bdtype)
         if out is not None:
-            out.copy_(flat)
+            out.copy_(src)
         else:
-            region.copy_(flat.to(out_dtype).view(torch.uint8))
+            region.copy_(src.to(bdtype).view(torch.uint8))
 
 
 def _unpack_torch(args: CopyArgs) -> None:
-    raw_views = _Views(raw=True)
+    views = _Views()
     for run in _runs(args):
         first = args.tensors[run[0]]
         bdtype = args.buffer_dtypes[run[0]]
-        raw = bdtype == first.dtype
+        word = INT_DTYPE_BY_SIZE[first.element_size()]
         total = sum(args.numels[i] for i in run)
         region = args.buffer.narrow(0, args.offsets[run[0]], total * bdtype.itemsize)
-        in_dtype = INT_DTYPE_BY_SIZE[bdtype.itemsize] if raw else bdtype
+        raw = bdtype == first.dtype
+        in_dtype = word if raw else bdtype
         flat = _typed(region, in_dtype)
         if flat is None:
             flat = torch.empty(total, dtype=in_dtype, device=region.device)
             flat.view(torch.uint8).copy_(region)
         if not raw:
-            flat = flat.to(first.dtype).view(INT_DTYPE_BY_SIZE[first.element_size()])
-        pieces = flat.split([args.numels[i] for i in run]) if len(run) > 1 else (flat,)
-        for i, piece in zip(run, pieces):
-            dst = raw_views(args.tensors[i], args.boxes[i])
-            dst.copy_(piece.view(dst.shape))
+            flat = flat.to(first.dtype).view(word)
+        boxes = [args.boxes[i] for i in run]
+        torch._foreach_copy_([views(args.tensors[i], args.boxes[i]) for i in run], _slots(flat, boxes))
 
 
 @torch.no_grad()
@@ -509,8 +532,9 @@ def pack_reference(
 ) -> torch.Tensor:
     """Pure-torch `pack`, same signature and semantics; the CPU production path. `backend` must be None/"torch".
 
-    Consecutive boxes of one dtype whose buffer ranges are back to back are copied with one `torch.cat` into a view
-    of the buffer; a lone box with one `copy_`. Casts go through a contiguous copy first (see `_cast.py`).
+    Consecutive boxes of one dtype whose buffer ranges are back to back form a run: one `torch._foreach_copy_` from
+    the box views into consecutive views of the buffer (or of a staging tensor when the run is unaligned or cast).
+    Casts go through a contiguous copy first (see `_cast.py`).
     """
     if backend not in (None, "torch"):
         raise ValueError(f"pack_reference: backend must be None or 'torch', got {backend!r}")
@@ -530,8 +554,8 @@ def unpack_reference(
 ) -> None:
     """Pure-torch `unpack`, same signature and semantics; the CPU production path. `backend` must be None/"torch".
 
-    Each run of back-to-back boxes is split from one view of the buffer (cast contiguously first if `dtype` is
-    given) and copied into the box views.
+    Each run of back-to-back boxes is one view of the buffer (cast contiguously first if `dtype` is given), copied
+    into the box views with one `torch._foreach_copy_`.
     """
     if backend not in (None, "torch"):
         raise ValueError(f"unpack_reference: backend must be None or 'torch', got {backend!r}")

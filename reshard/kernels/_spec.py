@@ -129,6 +129,7 @@ def check_copy_args(
     """Validate the arguments of `pack` (`op == "pack"`) or `unpack` and normalise them.
 
     Raises:
+        TypeError: a tensor that is not a `torch.Tensor` or a box that is not a `Box`.
         ValueError: naming the box index, the tensor shape and the box, for: lengths that differ, a box whose rank
             differs from its tensor's or that leaves the tensor, a buffer that is not a 1-D contiguous `uint8`
             tensor or is too small, a negative offset, boxes whose buffer ranges overlap (pack), tensors on another
@@ -156,38 +157,47 @@ def check_copy_args(
     capacity = buffer.numel()
     numels: list[int] = []
     buffer_dtypes: list[torch.dtype] = []
-    checked_tensors: dict[int, None] = {}
+    # per tensor, checked once: (shape, dtype of its elements in the buffer, that dtype's itemsize)
+    known: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = {}
     for i, (t, box, off) in enumerate(zip(tensor_list, boxes, offset_list)):
-        if id(t) not in checked_tensors:
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t)}")
-            if t.device != device:
-                raise ValueError(f"{op}: tensors[{i}] is on {t.device} but the buffer is on {device}; "
-                                 "all tensors must be on the buffer's device")
-            _dtype_itemsize(t.dtype, f"{op}: tensors[{i}]")
-            if op == "unpack" and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
-                raise ValueError(f"{op}: tensors[{i}] of shape {tuple(t.shape)} has strides {t.stride()}; a "
-                                 "destination with stride 0 along a dim of size > 1 would receive several elements "
-                                 "in one memory location")
-            checked_tensors[id(t)] = None
-        shape = t.shape
-        if not isinstance(box, Box):
-            raise ValueError(f"{op}: boxes[{i}] must be a Box, got {type(box)}")
-        if box.ndim != len(shape) or any(o + s > n for o, s, n in zip(box.offsets, box.shape, shape)):
-            raise ValueError(f"{op}: box {i} {box!r} does not fit in tensor {i} of shape {tuple(shape)}; a box needs "
-                             "the tensor's rank and offsets + shape <= the tensor's shape along every dim")
-        numel = math.prod(box.shape)
-        bdtype = t.dtype if dtype is None else dtype
-        nbytes = numel * bdtype.itemsize
-        if off < 0 or off + nbytes > capacity:
+        meta = known.get(id(t))
+        if meta is None:
+            meta = known[id(t)] = _check_tensor(op, i, t, device, dtype)
+        shape, bdtype, itemsize = meta
+        if type(box) is not Box and not isinstance(box, Box):
+            raise TypeError(f"{op}: boxes[{i}] must be a Box, got {type(box)}")
+        box_shape = box.shape
+        if len(box_shape) != len(shape) or any(o + s > n for o, s, n in zip(box.offsets, box_shape, shape)):
+            raise ValueError(f"{op}: box {i} {box!r} does not fit in tensor {i} of shape {shape}; a box needs the "
+                             "tensor's rank and offsets + shape <= the tensor's shape along every dim")
+        numel = math.prod(box_shape)
+        if off < 0 or off + numel * itemsize > capacity:
             raise ValueError(f"{op}: buffer too small or offset out of range for box {i} {box!r} of tensor {i} of "
-                             f"shape {tuple(shape)}: it needs bytes [{off}, {off + nbytes}) as {bdtype} but the "
+                             f"shape {shape}: it needs bytes [{off}, {off + numel * itemsize}) as {bdtype} but the "
                              f"buffer has {capacity} bytes")
         numels.append(numel)
         buffer_dtypes.append(bdtype)
     if op == "pack":
         _check_disjoint(op, offset_list, numels, buffer_dtypes)
     return CopyArgs(tensor_list, boxes, offset_list, numels, buffer_dtypes, buffer)
+
+
+def _check_tensor(
+    op: str, i: int, t: object, device: torch.device, dtype: torch.dtype | None
+) -> tuple[tuple[int, ...], torch.dtype, int]:
+    """Check `tensors[i]` once per call; return its shape and the dtype (and itemsize) of its buffer elements."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t)}")
+    if t.device != device:
+        raise ValueError(f"{op}: tensors[{i}] is on {t.device} but the buffer is on {device}; all tensors must be on "
+                         "the buffer's device")
+    _dtype_itemsize(t.dtype, f"{op}: tensors[{i}]")
+    shape = tuple(t.shape)
+    if op == "unpack" and any(st == 0 and sz > 1 for st, sz in zip(t.stride(), shape)):
+        raise ValueError(f"{op}: tensors[{i}] of shape {shape} has strides {t.stride()}; a destination with stride 0 "
+                         "along a dim of size > 1 would receive several elements in one memory location")
+    bdtype = t.dtype if dtype is None else dtype
+    return shape, bdtype, bdtype.itemsize
 
 
 def _check_disjoint(op: str, offsets: list[int], numels: list[int], dtypes: list[torch.dtype]) -> None:
