@@ -287,9 +287,9 @@ def _triton_available() -> bool:
 def _choose_backend(op: str, args: CopyArgs, backend: str | None) -> tuple[str, list[Cast | None]]:
     """Resolve `backend` (argument, then `RESHARD_KERNEL_BACKEND`, then the device) and the casts it needs."""
     source = "backend"
+    explicit = backend is not None  # only an explicit argument makes an unfusable cast an error
     if backend is None and os.environ.get(BACKEND_ENV):
         backend, source = os.environ[BACKEND_ENV], f"${BACKEND_ENV}"
-    explicit = backend is not None
     if backend is None:
         backend = "triton" if args.device.type == "cuda" and _triton_available() else "torch"
     if backend not in BACKENDS:
@@ -309,6 +309,15 @@ def _choose_backend(op: str, args: CopyArgs, backend: str | None) -> tuple[str, 
                                   f"cast {', '.join(SUPPORTED_CASTS)}; use backend='torch' for other casts")
     if not _triton_available():
         raise NotImplementedError(f"{op}: backend='triton' needs the triton package; use backend='torch'")
+    for cast in set(casts) - {None, Cast.NONE}:
+        try:
+            nan_policy(cast, args.device.type)
+        except NotImplementedError:
+            if explicit:
+                raise
+            logger.warning("%s: torch's NaN bits for %s on %s follow no rule the kernels implement; using the "
+                           "torch backend", op, cast.name, args.device.type)
+            return "torch", []
     return backend, casts
 
 
@@ -340,9 +349,9 @@ def pack(
         dtype: if given, values are cast to it while packing, bit for bit as torch's `.to(dtype)` on a contiguous
             tensor of the same device. Without it the copy is of raw bits, whatever the dtype (bool, float8, ...).
         backend: `"triton"`, `"torch"` or `None` (`$RESHARD_KERNEL_BACKEND`, else Triton for CUDA tensors and torch
-            for CPU tensors). Triton on CPU tensors runs under its interpreter. With `None`, a cast the kernels do
-            not fuse (they fuse float32 <-> bfloat16 / float16) falls back to torch; with `"triton"` it raises
-            `NotImplementedError`.
+            for CPU tensors). Triton on CPU tensors runs under its interpreter. With `None` (even when the variable
+            says `triton`), a cast the kernels do not fuse (they fuse float32 <-> bfloat16 / float16) falls back to
+            torch; with `backend="triton"` it raises `NotImplementedError`.
 
     Returns:
         `buffer`. Bytes of `buffer` outside the boxes' ranges are not touched.

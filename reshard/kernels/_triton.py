@@ -2,7 +2,8 @@
 
 This module holds only `@triton.jit` functions. `_pack.py` loads it twice, once with Triton's interpreter switched on
 (for CPU tensors) and once compiled (for CUDA tensors), so one process can use both, whatever `TRITON_INTERPRET`
-said when triton was imported.
+said when triton was imported. For the same reason the kernels call only core builtins, never the `@jit` helpers of
+`triton.language.standard` (`tl.sum`, `tl.cdiv`, ...), which exist in the one mode triton was imported in.
 
 Descriptor table (built by `_pack._build_table`), one row of int64 per non-empty box:
 
@@ -186,9 +187,9 @@ def _pack_kernel(
                                                         NUM_DIMS, BLOCK)
     vals = _convert(tl.load(tensor_ptr + tensor_off, mask=mask), nan_sign_mask, nan_base, nan_payload_mask, CAST)
     if BUFFER_BYTES > 0:
-        byte = tl.arange(0, BUFFER_BYTES)
-        parts = ((vals.to(tl.int32)[:, None] >> (8 * byte)[None, :]) & 0xFF).to(tl.uint8)
-        tl.store(buffer_ptr + (buffer_base + index * BUFFER_BYTES)[:, None] + byte[None, :], parts, mask=mask[:, None])
+        byte_ptr = buffer_ptr + buffer_base + index * BUFFER_BYTES
+        for k in tl.static_range(BUFFER_BYTES):
+            tl.store(byte_ptr + k, ((vals.to(tl.int32) >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
     else:
         tl.store(buffer_ptr + buffer_base + index, vals, mask=mask)
 
@@ -220,10 +221,10 @@ def _unpack_kernel(
     tensor_off, index, buffer_base, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps,
                                                         NUM_DIMS, BLOCK)
     if BUFFER_BYTES > 0:
-        byte = tl.arange(0, BUFFER_BYTES)
-        parts = tl.load(buffer_ptr + (buffer_base + index * BUFFER_BYTES)[:, None] + byte[None, :], mask=mask[:, None],
-                        other=0)
-        vals = tl.sum(parts.to(tl.int32) << (8 * byte)[None, :], axis=1)  # disjoint bits: the sum is an OR
+        byte_ptr = buffer_ptr + buffer_base + index * BUFFER_BYTES
+        vals = tl.load(byte_ptr, mask=mask, other=0).to(tl.int32)
+        for k in tl.static_range(1, BUFFER_BYTES):
+            vals |= tl.load(byte_ptr + k, mask=mask, other=0).to(tl.int32) << (8 * k)
         if BUFFER_BYTES == 2:
             vals = vals.to(tl.int16)
     else:
