@@ -25,6 +25,8 @@ from reshard.kernels import (
     pack_reference,
     packed_nbytes,
     packed_offsets,
+    prepare_pack,
+    prepare_unpack,
     unpack,
     unpack_reference,
 )
@@ -408,21 +410,35 @@ def test_bad_backend() -> None:
         pack_reference(t, [Box((0,), (4,))], buf, [0], backend="triton")
 
 
-@pytest.mark.skipif(ON_GPU, reason="checks the CPU default")
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    monkeypatch.setattr(pack_module, "_run_triton", lambda op, args, casts: calls.append(op))
-    t = torch.zeros(4)
-    buf = torch.zeros(16, dtype=torch.uint8)
+    t = torch.zeros(4, device=DEVICE)
+    buf = torch.zeros(16, dtype=torch.uint8, device=DEVICE)
+    box = [Box((0,), (4,))]
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    pack(t, [Box((0,), (4,))], buf, [0])
-    assert calls == []  # CPU tensors default to torch
+    assert prepare_pack(t, box, buf, [0]).backend == ("triton" if ON_GPU else "torch")
     monkeypatch.setenv(BACKEND_ENV, "triton")
-    pack(t, [Box((0,), (4,))], buf, [0])
-    unpack(buf, [0], t, [Box((0,), (4,))])
-    assert calls == ["pack", "unpack"]
-    pack(t, [Box((0,), (4,))], buf, [0], backend="torch")  # the argument wins over the variable
-    assert calls == ["pack", "unpack"]
+    assert prepare_pack(t, box, buf, [0]).backend == "triton"
+    assert prepare_unpack(buf, [0], t, box).backend == "triton"
+    assert prepare_pack(t, box, buf, [0], backend="torch").backend == "torch"  # the argument wins
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert prepare_unpack(buf, [0], t, box).backend == "torch"
     monkeypatch.setenv(BACKEND_ENV, "gpu")
     with pytest.raises(ValueError, match=r"\$RESHARD_KERNEL_BACKEND must be one of"):
-        pack(t, [Box((0,), (4,))], buf, [0])
+        pack(t, box, buf, [0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prepared_copy_runs_again(backend: str) -> None:
+    # prepared once, run after the source values change: the copy follows the values, not a snapshot
+    src = torch.arange(60, dtype=torch.float32, device=DEVICE).view(6, 10)
+    boxes = [Box((1, 2), (3, 4)), Box((0, 9), (6, 1))]
+    buf = torch.zeros(73, dtype=torch.uint8, device=DEVICE)
+    packer = prepare_pack([src, src.t()], [boxes[0], Box((9, 0), (1, 6))], buf, [1, 49], backend=backend)
+    dst = torch.zeros_like(src)
+    unpacker = prepare_unpack(buf, [1, 49], [dst, dst.t()], [boxes[0], Box((9, 0), (1, 6))], backend=backend)
+    for step in range(3):
+        src.add_(step)
+        packer.run()
+        unpacker.run()
+        for box in boxes:
+            assert torch.equal(dst[box.slices()], src[box.slices()])

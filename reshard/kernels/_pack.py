@@ -139,14 +139,17 @@ class _Launch:
 
         interpret = self.tensor_ptr.device.type != "cuda"
         kernel = getattr(_kernels(interpret), "_pack_kernel" if self.op == "pack" else "_unpack_kernel")
-        with knobs.runtime.scope():
+        launch = kernel[(self.num_tiles,)]
+        params = (self.tensor_ptr, self.buffer_ptr, self.starts, self.table, self.num_boxes,
+                  max(self.num_boxes - 1, 0).bit_length(), *self.nan)
+        constexprs = {"NUM_DIMS": self.num_dims, "CAST": int(self.cast), "BUFFER_BYTES": self.buffer_bytes,
+                          "BLOCK": self.block, "num_warps": self.num_warps}
+        if knobs.runtime.interpret == interpret:
+            launch(*params, **constexprs)
+            return
+        with knobs.runtime.scope():  # the mode this module copy was loaded in, whatever TRITON_INTERPRET says
             knobs.runtime.interpret = interpret
-            kernel[(self.num_tiles,)](
-                self.tensor_ptr, self.buffer_ptr, self.starts, self.table, self.num_boxes,
-                max(self.num_boxes - 1, 0).bit_length(), *self.nan,
-                NUM_DIMS=self.num_dims, CAST=int(self.cast), BUFFER_BYTES=self.buffer_bytes, BLOCK=self.block,
-                num_warps=self.num_warps,
-            )
+            launch(*params, **constexprs)
 
 
 def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launch:
@@ -270,16 +273,6 @@ def _launches(op: str, args: CopyArgs, casts: list[Cast | None]) -> list[_Launch
     return [_build_launch(op, args, idx, cast) for cast, idx in groups.items()]
 
 
-def _run_triton(op: str, args: CopyArgs, casts: list[Cast | None]) -> None:
-    if args.device.type == "cuda":
-        with torch.cuda.device(args.device):
-            for launch in _launches(op, args, casts):
-                launch.run()
-    else:
-        for launch in _launches(op, args, casts):
-            launch.run()
-
-
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -326,6 +319,66 @@ def _choose_backend(op: str, args: CopyArgs, backend: str | None) -> tuple[str, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class PreparedCopy:
+    """A `pack` or `unpack` whose arguments are checked and whose copies are planned once, to run many times.
+
+    On the Triton backend the descriptor tables are built and uploaded to the device here, so `run()` is only the
+    kernel launches (one per distinct cast). On the torch backend the box views and staging tensors are made here,
+    so `run()` is one `torch._foreach_copy_` plus the whole-run copies. A refit that moves the same boxes every step
+    prepares once per plan.
+
+    It holds addresses and views: the tensors and the buffer must keep their storage (not be freed, resized or
+    replaced) while it is used. This is not checked. Their values may change freely between runs.
+    """
+
+    def __init__(self, op: str, args: CopyArgs, backend: str | None) -> None:
+        self.op = op
+        self.backend, casts = _choose_backend(op, args, backend)
+        self.device = args.device
+        self._launches = _launches(op, args, casts) if self.backend == "triton" else []
+        self._torch = _torch_program(op, args) if self.backend == "torch" else None
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Move the bytes: box views -> buffer (pack) or buffer -> box views (unpack)."""
+        if self._torch is not None:
+            self._torch.run()
+        elif self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                for launch in self._launches:
+                    launch.run()
+        else:
+            for launch in self._launches:
+                launch.run()
+
+
+def prepare_pack(
+    tensors: TensorArg,
+    boxes: Sequence[Box],
+    buffer: torch.Tensor,
+    offsets: OffsetArg,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> PreparedCopy:
+    """`pack`, checked and planned now, run by `.run()` as often as wanted; arguments as in `pack`."""
+    return PreparedCopy("pack", check_copy_args("pack", tensors, boxes, buffer, offsets, dtype), backend)
+
+
+def prepare_unpack(
+    buffer: torch.Tensor,
+    offsets: OffsetArg,
+    tensors: TensorArg,
+    boxes: Sequence[Box],
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> PreparedCopy:
+    """`unpack`, checked and planned now, run by `.run()` as often as wanted; arguments as in `unpack`."""
+    return PreparedCopy("unpack", check_copy_args("unpack", tensors, boxes, buffer, offsets, dtype), backend)
+
+
+
 @torch.no_grad()
 def pack(
     tensors: TensorArg,
@@ -366,12 +419,7 @@ def pack(
         >>> buf.view(torch.int16).tolist()
         [5, 6, 9, 10]
     """
-    args = check_copy_args("pack", tensors, boxes, buffer, offsets, dtype)
-    chosen, casts = _choose_backend("pack", args, backend)
-    if chosen == "torch":
-        _pack_torch(args)
-    else:
-        _run_triton("pack", args, casts)
+    prepare_pack(tensors, boxes, buffer, offsets, dtype=dtype, backend=backend).run()
     return buffer
 
 
@@ -406,12 +454,7 @@ def unpack(
         >>> t[1:].tolist()
         [[0, 5, 6, 0], [0, 9, 10, 0]]
     """
-    args = check_copy_args("unpack", tensors, boxes, buffer, offsets, dtype)
-    chosen, casts = _choose_backend("unpack", args, backend)
-    if chosen == "torch":
-        _unpack_torch(args)
-    else:
-        _run_triton("unpack", args, casts)
+    prepare_unpack(buffer, offsets, tensors, boxes, dtype=dtype, backend=backend).run()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -483,8 +526,33 @@ def _typed(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     return region.view(dtype)
 
 
-def _pack_torch(args: CopyArgs) -> None:
+@dataclass
+class _TorchProgram:
+    """The torch path of one call: plain copies before, one `torch._foreach_copy_`, plain copies after.
+
+    `pre` / `post` hold whole-run copies: staging of unaligned runs and the contiguous casts. The foreach moves
+    every box between its strided view and its slot of a contiguous run, as same-width ints (a bit copy).
+    """
+
+    pre: list[tuple[torch.Tensor, torch.Tensor]]
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    post: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def run(self) -> None:
+        for dst, src in self.pre:
+            dst.copy_(src)
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+        for dst, src in self.post:
+            dst.copy_(src)
+
+
+def _torch_program(op: str, args: CopyArgs) -> _TorchProgram:
+    """Views, staging tensors and copies of the torch path; casts always run contiguous -> contiguous, so NaN bits are
+    those of a contiguous `.to()` (see `_cast.py`)."""
     views = _Views()
+    prog = _TorchProgram([], [], [], [])
     for run in _runs(args):
         first = args.tensors[run[0]]
         bdtype = args.buffer_dtypes[run[0]]
@@ -492,41 +560,36 @@ def _pack_torch(args: CopyArgs) -> None:
         total = sum(args.numels[i] for i in run)
         region = args.buffer.narrow(0, args.offsets[run[0]], total * bdtype.itemsize)
         raw = bdtype == first.dtype
-        out = _typed(region, word) if raw else None
-        staging = out if out is not None else torch.empty(total, dtype=word, device=region.device)
         boxes = [args.boxes[i] for i in run]
-        torch._foreach_copy_(_slots(staging, boxes), [views(args.tensors[i], args.boxes[i]) for i in run])
-        if raw:
-            if out is None:
-                region.copy_(staging.view(torch.uint8))
-            continue
-        # The cast runs contiguous -> contiguous, so NaN bits are those of a contiguous `.to()` (see _cast.py).
-        src = staging.view(first.dtype)
-        out = _typed(region, bdtype)
-        if out is not None:
-            out.copy_(src)
+        box_views = [views(args.tensors[i], args.boxes[i]) for i in run]
+        if op == "pack":
+            out = _typed(region, word) if raw else None
+            staging = out if out is not None else torch.empty(total, dtype=word, device=region.device)
+            prog.dst += _slots(staging, boxes)
+            prog.src += box_views
+            if not raw:
+                out = _typed(region, bdtype)
+                if out is None:
+                    out = torch.empty(total, dtype=bdtype, device=region.device)
+                    prog.post.append((out, staging.view(first.dtype)))
+                    prog.post.append((region, out.view(torch.uint8)))
+                else:
+                    prog.post.append((out, staging.view(first.dtype)))
+            elif out is None:
+                prog.post.append((region, staging.view(torch.uint8)))
         else:
-            region.copy_(src.to(bdtype).view(torch.uint8))
-
-
-def _unpack_torch(args: CopyArgs) -> None:
-    views = _Views()
-    for run in _runs(args):
-        first = args.tensors[run[0]]
-        bdtype = args.buffer_dtypes[run[0]]
-        word = INT_DTYPE_BY_SIZE[first.element_size()]
-        total = sum(args.numels[i] for i in run)
-        region = args.buffer.narrow(0, args.offsets[run[0]], total * bdtype.itemsize)
-        raw = bdtype == first.dtype
-        in_dtype = word if raw else bdtype
-        flat = _typed(region, in_dtype)
-        if flat is None:
-            flat = torch.empty(total, dtype=in_dtype, device=region.device)
-            flat.view(torch.uint8).copy_(region)
-        if not raw:
-            flat = flat.to(first.dtype).view(word)
-        boxes = [args.boxes[i] for i in run]
-        torch._foreach_copy_([views(args.tensors[i], args.boxes[i]) for i in run], _slots(flat, boxes))
+            in_dtype = word if raw else bdtype
+            flat = _typed(region, in_dtype)
+            if flat is None:
+                flat = torch.empty(total, dtype=in_dtype, device=region.device)
+                prog.pre.append((flat.view(torch.uint8), region))
+            if not raw:
+                cast = torch.empty(total, dtype=first.dtype, device=region.device)
+                prog.pre.append((cast, flat))
+                flat = cast.view(word)
+            prog.dst += box_views
+            prog.src += _slots(flat, boxes)
+    return prog
 
 
 @torch.no_grad()
@@ -547,7 +610,7 @@ def pack_reference(
     """
     if backend not in (None, "torch"):
         raise ValueError(f"pack_reference: backend must be None or 'torch', got {backend!r}")
-    _pack_torch(check_copy_args("pack", tensors, boxes, buffer, offsets, dtype))
+    _torch_program("pack", check_copy_args("pack", tensors, boxes, buffer, offsets, dtype)).run()
     return buffer
 
 
@@ -568,4 +631,4 @@ def unpack_reference(
     """
     if backend not in (None, "torch"):
         raise ValueError(f"unpack_reference: backend must be None or 'torch', got {backend!r}")
-    _unpack_torch(check_copy_args("unpack", tensors, boxes, buffer, offsets, dtype))
+    _torch_program("unpack", check_copy_args("unpack", tensors, boxes, buffer, offsets, dtype)).run()
