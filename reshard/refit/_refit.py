@@ -252,7 +252,8 @@ class Refit:
 
     # ---- metadata --------------------------------------------------------------------------------------------
     def _exchange_metadata(self) -> list[dict]:
-        from reshard.comm import all_gather_object
+        from reshard.comm._group import as_timedelta
+        from reshard.comm._handshake import all_gather_object
 
         errors = []
         for name, (tensor, layout) in self._sources.items():
@@ -278,7 +279,8 @@ class Refit:
                       for n, (_, d) in sorted(self._dests.items())},
             "errors": errors,
         }
-        return all_gather_object(self.group, mine, timeout=self.timeout)
+        td = as_timedelta(self.timeout, default=self.group.timeout)
+        return all_gather_object(self.group, mine, timeout=td, what="refit metadata exchange")
 
 
 def _with_name(layout: LayoutLike, name: str) -> LayoutLike:

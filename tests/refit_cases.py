@@ -1,0 +1,191 @@
+"""Jobs that run on every rank of a `RankPool` for the model-refit tests (top-level functions, so they pickle).
+
+The oracle here is independent of the planner: the expected inference local tensors are cut from full tensors
+with vLLM's own rules, written out by hand (TP chunks, K/V head replication, padded vocabulary, fused
+`qkv_proj` / `gate_up_proj` / `w13`).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+
+from reshard.comm import Group
+from reshard.models import PRESETS, param_specs
+from reshard.planner import Topology
+from reshard.refit import Refit
+from reshard.refit._vllm import engine_tensors
+from reshard.sim import System, model_layouts
+
+SENTINEL = 0x5A5A  # fills inference tensors before a refit; padding rows must keep it
+
+
+def full_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bits (every bit pattern, NaNs included) for `name`, the same in every process."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ (seed * 7919))
+    int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    info = torch.iinfo(int_dtype)
+    return torch.empty(shape, dtype=int_dtype).random_(info.min, info.max, generator=g).view(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def small_models() -> dict:
+    return {
+        # Qwen3-0.6B's per-tensor shapes, two decoder layers instead of 28 to keep CI within its budget
+        "qwen3-0.6b": PRESETS["qwen3-0.6b"].replace(num_hidden_layers=2),
+        # DeepSeek-V3's structure (MLA, shared + routed experts, a dense first layer) at toy size
+        "tiny-deepseek": PRESETS["deepseek-v3"].replace(
+            name="tiny-deepseek", hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=200, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16),
+    }
+
+
+def setup(model: str, system: str, rank: int, seed: int, *, dtensor_every: int = 2,
+          staging_bytes: int = 64 << 20, **refit_kwargs):
+    """Build this rank's side of the refit: trainer weights from full tensors via DTensor, zeroed engine tensors.
+
+    Returns `(refit, sources, dests, system)`: `sources` name -> local tensor (trainer), `dests` name -> local
+    tensor (inference).
+    """
+    config = small_models()[model]
+    sysm = System.parse(system)
+    weights = model_layouts(config, sysm, stack_experts=True)
+    refit = Refit(Group.world(), topology=Topology(domain_size=sysm.domain_size), staging_bytes=staging_bytes,
+                  **refit_kwargs)
+    sources: dict[str, torch.Tensor] = {}
+    for i, w in enumerate(weights):
+        lay = w.train
+        if rank not in lay.ranks:
+            continue
+        full = full_tensor(w.spec.name, w.spec.shape, w.spec.dtype, seed)
+        mesh = DeviceMesh("cpu", torch.tensor(lay.mesh.ranks).reshape(lay.mesh.shape), _init_backend=False)
+        dt = distribute_tensor(full, mesh, list(lay.placements), src_data_rank=None)
+        if i % dtensor_every == 0:
+            refit.add_source(w.spec.name, dt)  # the DTensor form
+        else:
+            refit.add_source(w.spec.name, dt.to_local(), lay)  # the local tensor + Layout form
+        sources[w.spec.name] = dt.to_local()
+    dests: dict[str, torch.Tensor] = {}
+    for et in engine_tensors([(w.spec.name, w.gen) for w in weights]):
+        if rank not in et.ranks:
+            continue
+        local = bits(torch.empty(et.local_shape(rank), dtype=et.dtype)).fill_(SENTINEL).view(et.dtype)
+        refit.add_destination(et.name, local, list(et.components), dim=et.dim)
+        dests[et.name] = local
+    return refit, sources, dests, sysm, config
+
+
+def vllm_expected(name: str, config, seed: int, tp: int, tp_idx: int, ref_local: torch.Tensor) -> torch.Tensor:
+    """The engine's local tensor `name` on TP rank `tp_idx`, cut from full tensors by vLLM's rules."""
+    specs = {s.name: s for s in param_specs(config, stack_experts=True)}
+
+    def full(n: str) -> torch.Tensor:
+        return full_tensor(n, specs[n].shape, specs[n].dtype, seed)
+
+    def rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return t.chunk(tp, dim)[tp_idx]
+
+    m = re.match(r"^(.*)\.qkv_proj\.weight$", name)
+    if m:
+        q, k, v = (full(f"{m.group(1)}.{x}_proj.weight") for x in "qkv")
+        kv_heads, hd = config.num_key_value_heads, config.attn_head_dim
+        if kv_heads >= tp:
+            k, v = rows(k), rows(v)
+        else:  # each KV head replicated on tp / kv_heads consecutive TP ranks
+            h = tp_idx // (tp // kv_heads)
+            k, v = k[h * hd:(h + 1) * hd], v[h * hd:(h + 1) * hd]
+        return torch.cat([rows(q), k, v])
+    m = re.match(r"^(.*)\.gate_up_proj\.weight$", name)
+    if m:
+        return torch.cat([rows(full(f"{m.group(1)}.gate_proj.weight")), rows(full(f"{m.group(1)}.up_proj.weight"))])
+    m = re.match(r"^(.*)\.experts\.w13_weight$", name)
+    if m:  # stacked [E, I, H], tensor-parallel over I
+        g, u = full(f"{m.group(1)}.experts.gate_proj.weight"), full(f"{m.group(1)}.experts.up_proj.weight")
+        return torch.cat([rows(g, 1), rows(u, 1)], dim=1)
+    m = re.match(r"^(.*)\.experts\.w2_weight$", name)
+    if m:
+        return rows(full(f"{m.group(1)}.experts.down_proj.weight"), 2)
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        t = full(name)
+        per = ref_local.shape[0]  # vocabulary padded to a multiple of 64, split evenly
+        lo, hi = min(tp_idx * per, t.shape[0]), min((tp_idx + 1) * per, t.shape[0])
+        out = ref_local.clone()
+        out[: hi - lo] = t[lo:hi]
+        return out
+    t = full(name)
+    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
+        return rows(t, 1)
+    if re.search(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$", name):
+        return rows(t)
+    return t  # norms, MLA down-projections, routers: replicated
+
+
+def job_refit(rank: int, world: int, model: str, system: str, seed: int, new_seed: int | None = None) -> dict:
+    """Refit, verify every engine tensor bit for bit; optionally change the trainer's weights and run again."""
+    refit, sources, dests, sysm, config = setup(model, system, rank, seed)
+    reports = [refit.run()]
+    mismatches = _verify(rank, dests, sysm, config, seed)
+    if new_seed is not None:
+        train = {w.spec.name: w for w in model_layouts(config, sysm)}
+        for name, local in sources.items():  # an optimizer step: new values, in place, same tensors
+            spec, lay = train[name].spec, train[name].train
+            new_full = full_tensor(name, spec.shape, spec.dtype, new_seed)
+            mesh = DeviceMesh("cpu", torch.tensor(lay.mesh.ranks).reshape(lay.mesh.shape), _init_backend=False)
+            local.copy_(distribute_tensor(new_full, mesh, list(lay.placements), src_data_rank=None).to_local())
+        reports.append(refit.run())
+        mismatches += _verify(rank, dests, sysm, config, new_seed)
+    return {
+        "mismatches": mismatches,
+        "checked": len(dests),
+        "first_run": [r.first_run for r in reports],
+        "metadata_s": [r.seconds["metadata"] for r in reports],
+        "network_bytes": reports[0].network_bytes,
+        "messages": reports[0].messages,
+        "num_items": len(refit.plan.items),
+        "choices": sorted(set(reports[0].choices.values())),
+    }
+
+
+def _verify(rank: int, dests: dict, sysm, config, seed: int) -> list[str]:
+    if rank not in sysm.gen_ranks:
+        return []
+    i = rank - sysm.gen_offset
+    tp = sysm.gen.tp
+    out = []
+    for name, local in dests.items():
+        expected = vllm_expected(name, config, seed, tp, i % tp, bits(torch.empty_like(local)).fill_(SENTINEL)
+                                 .view(local.dtype))
+        if expected.shape != local.shape or not torch.equal(bits(expected), bits(local)):
+            out.append(f"rank {rank}: {name} shape {tuple(local.shape)} vs expected {tuple(expected.shape)}")
+    return out
+
+
+def job_refit_error(rank: int, world: int, model: str, system: str, case: str) -> str:
+    """Build a refit with one deliberate mistake; every rank must raise the same ValueError naming it."""
+    kwargs: dict = {}
+    if case == "unmapped":
+        kwargs["name_map"] = lambda n: None if n.endswith("input_layernorm.weight") else n
+    elif case == "extra":
+        kwargs["name_map"] = lambda n: n.replace("post_attention_layernorm", "post_attn_norm")
+    refit, sources, dests, sysm, config = setup(model, system, rank, 0, **kwargs)
+    if case == "shape" and rank in sysm.gen_ranks:
+        # the engine declares a different global shape for one weight
+        from reshard.planner import Layout
+
+        name = "model.layers.0.self_attn.o_proj.weight"
+        local, d = refit._dests[name]
+        lay = d.components[0][1]
+        bad = Layout((lay.shape[0], lay.shape[1] + 2), lay.mesh, lay.placements, lay.dtype, name=name)
+        del refit._dests[name]
+        refit.add_destination(name, torch.zeros(bad.local_shape(rank), dtype=bad.dtype), bad)
+    refit.run()
+    return "no error"
