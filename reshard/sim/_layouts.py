@@ -123,7 +123,7 @@ class _Builder:
         self._meshes: dict[tuple, Mesh] = {}
 
     def mesh(self, ranks: range | Sequence[int], shape: tuple[int, ...]) -> Mesh:
-        key = (ranks.start, ranks.stop) if isinstance(ranks, range) else tuple(ranks), shape
+        key = (("range", ranks.start, ranks.stop) if isinstance(ranks, range) else ("ranks", *ranks)), shape
         m = self._meshes.get(key)
         if m is None:
             m = Mesh(np.asarray(ranks, dtype=np.int64).reshape(shape))

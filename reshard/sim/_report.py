@@ -160,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("perf/out/simulate"), help="folder for CSV and PNG")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.verbose:  # a no-op basicConfig (a caller configured logging first) must not swallow -v
+        logging.getLogger("reshard.sim").setLevel(logging.INFO)
     models = args.model or ["qwen3-32b"]
     systems = args.system or ["qwen3-32b-tp4pp4dp2-to-tp4dp8-64gpus-h100"]
     results = []
