@@ -49,9 +49,9 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, time
         job = jobs.get()
         if job is None:
             break
-        fn, args = job
+        fn, args, kwargs = job
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - carried back to the caller
             results.put((rank, False, RankError(type(e).__name__, str(e), traceback.format_exc())))
     # no destroy_process_group: it may wait on peers that are already gone; the process exit releases gloo
@@ -80,13 +80,14 @@ class RankPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """`fn(rank, world_size, *args)` on every rank; per-rank results, a `RankError` where a rank raised.
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """`fn(rank, world_size, *args, **kwargs)` on every rank; per-rank results, a `RankError` where a rank
+        raised.
 
         `fn` must be a top-level (picklable) function.
         """
         for q in self._jobs:
-            q.put((fn, args))
+            q.put((fn, args, kwargs))
         out: list[Any] = [None] * self.world_size
         for _ in range(self.world_size):
             try:
@@ -98,9 +99,9 @@ class RankPool:
             out[rank] = value
         return out
 
-    def run_ok(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+    def run_ok(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Like `run`, but raise the first rank's error, with its traceback, if any rank failed."""
-        out = self.run(fn, *args, timeout_s=timeout_s)
+        out = self.run(fn, *args, timeout_s=timeout_s, **kwargs)
         for r, v in enumerate(out):
             if isinstance(v, RankError):
                 raise RuntimeError(f"rank {r} failed:\n{v.traceback}")

@@ -129,9 +129,10 @@ def vllm_expected(name: str, config, seed: int, tp: int, tp_idx: int, ref_local:
     return t  # norms, MLA down-projections, routers: replicated
 
 
-def job_refit(rank: int, world: int, model: str, system: str, seed: int, new_seed: int | None = None) -> dict:
+def job_refit(rank: int, world: int, model: str, system: str, seed: int, new_seed: int | None = None,
+              **refit_kwargs) -> dict:
     """Refit, verify every engine tensor bit for bit; optionally change the trainer's weights and run again."""
-    refit, sources, dests, sysm, config = setup(model, system, rank, seed)
+    refit, sources, dests, sysm, config = setup(model, system, rank, seed, **refit_kwargs)
     reports = [refit.run()]
     mismatches = _verify(rank, dests, sysm, config, seed)
     if new_seed is not None:
@@ -152,6 +153,7 @@ def job_refit(rank: int, world: int, model: str, system: str, seed: int, new_see
         "messages": reports[0].messages,
         "num_items": len(refit.plan.items),
         "choices": sorted(set(reports[0].choices.values())),
+        "gather_broadcast_bytes": reports[0].gather_broadcast_bytes,
     }
 
 

@@ -37,6 +37,16 @@ def test_deepseek_style_moe_from_ep2_to_tp2(pool) -> None:
     assert out[4]["checked"] > 0
 
 
+def test_gather_broadcast_policy_is_also_exact(pool) -> None:
+    """Every weight by gather-and-broadcast (to a root, then whole to every destination): same result, more bytes."""
+    out = pool.run_ok(job_refit, "tiny-deepseek", MOE_SYSTEM, 5, None, policy="gather_broadcast")
+    for o in out:
+        assert o["mismatches"] == [], o["mismatches"]
+        assert o["choices"] == ["gather_broadcast"] and o["num_items"] == 0
+    resharded = pool.run_ok(job_refit, "tiny-deepseek", MOE_SYSTEM, 5)
+    assert out[0]["gather_broadcast_bytes"] > resharded[0]["network_bytes"] > 0
+
+
 @pytest.mark.parametrize("case,pattern", [
     ("unmapped", r"have no inference name \(unmapped\).*input_layernorm"),
     ("extra", r"map to names no inference tensor declares \(extra\).*post_attn_norm"),
