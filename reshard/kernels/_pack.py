@@ -131,6 +131,7 @@ class _Launch:
     num_dims: int
     cast: Cast
     buffer_bytes: int
+    vec: int
     block: int
     num_warps: int
 
@@ -143,7 +144,8 @@ class _Launch:
         params = (self.tensor_ptr, self.buffer_ptr, self.starts, self.table, self.num_boxes,
                   max(self.num_boxes - 1, 0).bit_length(), *self.nan)
         constexprs = {"NUM_DIMS": self.num_dims, "CAST": int(self.cast), "BUFFER_BYTES": self.buffer_bytes,
-                          "BLOCK": self.block, "num_warps": self.num_warps}
+                      "VEC": self.vec, "BLOCK": self.block, "num_warps": self.num_warps,
+                      "enable_fp_fusion": False}  # no fused multiply-adds: casts stay bit-exact
         if knobs.runtime.interpret == interpret:
             launch(*params, **constexprs)
             return
@@ -213,6 +215,16 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         buffer_bytes = 0 if aligned else buffer_itemsize
         buffer_dtype = INT_DTYPE_BY_SIZE[buffer_itemsize] if aligned else torch.uint8
     block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type)
+    vec = 1
+    if not buffer_bytes and (strides[:, -1] == 1).all():
+        # Widest group of elements (at most 16 bytes on either side) that every base, stride and row length keeps
+        # together and aligned: the kernels then use 16-byte loads and stores (see _triton._locate_tile).
+        tensor_base = (tensor_abs - tensor_storage) // tensor_unit
+        buffer_base = (buffer_abs - buffer_storage) // buffer_unit
+        outer = strides[:, :-1][sizes[:, :-1] > 1]
+        cap = 16 // max(tensor_unit, buffer_unit)
+        if cap > 1:
+            vec = _lowest_bit(np.concatenate([tensor_base, buffer_base, outer, sizes[:, -1]]), cap)
     log_block = block.bit_length() - 1
 
     row_len = sizes[:, -1]
@@ -250,6 +262,7 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         num_dims=num_dims,
         cast=cast,
         buffer_bytes=buffer_bytes,
+        vec=vec,
         block=block,
         num_warps=num_warps,
     )

@@ -29,21 +29,24 @@ _F32_TO_F16 = tl.constexpr(int(Cast.F32_TO_F16))
 _BF16_TO_F32 = tl.constexpr(int(Cast.BF16_TO_F32))
 _F16_TO_F32 = tl.constexpr(int(Cast.F16_TO_F32))
 _ROW_HEAD = tl.constexpr(5)  # table columns before the sizes
+# Runtime ints that must not multiply compiled variants (Triton specializes ints equal to 1 or divisible by 16).
+_NO_SPECIALIZE = ["num_boxes", "num_search_steps", "nan_sign_mask", "nan_base", "nan_payload_mask"]
 
 
 @triton.jit
 def _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Map program `pid` to its box and tile; return `(tensor_offsets, buffer_index, buffer_base, mask)`.
+                 BUFFER_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """Map program `pid` to its box and tile; return `(tensor_offsets, buffer_offsets, mask)`.
 
     The box is found by binary search over `starts` (`num_search_steps = ceil(log2(num_boxes))` steps). Within the
     box, tile `t` covers rows `[(t // num_col_tiles) * R, +R)` and columns `[(t % num_col_tiles) * C, +C)` with
     `C = 2**log2_tile_cols` and `R = BLOCK // C`, so lane `k` of the tile is row `k >> log2_tile_cols`, column
-    `k & (C - 1)`. `buffer_index` is the element's row-major index inside the box. All offsets are int64.
+    `k & (C - 1)`. A buffer offset is the box's base plus the element's row-major index inside the box, in buffer
+    elements, or in bytes (index * BUFFER_BYTES) when the buffer is addressed in bytes. All offsets are int64.
 
     Example: BLOCK = 8, a box of sizes (3, 2) with strides (5, 1): C = 2, R = 4, one tile. Lanes 0..7 are
     (row, col) = (0,0) (0,1) (1,0) (1,1) (2,0) (2,1) (3,0) (3,1); lanes 6 and 7 are masked (row 3 >= 3 rows).
-    Their tensor offsets are base + 0, 1, 5, 6, 10, 11 and their buffer indices 0..5.
+    Their tensor offsets are base + 0, 1, 5, 6, 10, 11 and their buffer offsets buffer_base + 0..5.
     """
     lo = num_boxes * 0
     hi = num_boxes - 1
@@ -79,7 +82,14 @@ def _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DI
         rest = rest // size
     if NUM_DIMS > 1:
         tensor_off += rest * tl.load(row_ptr + _ROW_HEAD + NUM_DIMS)
-    return tensor_off, row * row_len + col, buffer_base, mask
+    buffer_off = buffer_base + (row * row_len + col) * max(BUFFER_BYTES, 1)
+    if VEC > 1:
+        # The launcher sets VEC only when the inner stride is 1 and every base, stride and row length is a multiple of
+        # VEC, so each aligned group of VEC lanes is VEC consecutive elements, all in or all out: one wide access.
+        tensor_off = tl.max_contiguous(tl.multiple_of(tensor_off, VEC), VEC)
+        buffer_off = tl.max_contiguous(tl.multiple_of(buffer_off, VEC), VEC)
+        mask = tl.max_constancy(mask, VEC)
+    return tensor_off, buffer_off, mask
 
 
 @triton.jit
@@ -157,7 +167,7 @@ def _convert(vals, nan_sign_mask, nan_base, nan_payload_mask, CAST: tl.constexpr
         return vals
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _pack_kernel(
     tensor_ptr,  # source elements as same-width ints (or words); every box's base is an offset from here
     buffer_ptr,  # packed elements as same-width ints (or words), or bytes when BUFFER_BYTES > 0
@@ -171,6 +181,7 @@ def _pack_kernel(
     NUM_DIMS: tl.constexpr,
     CAST: tl.constexpr,
     BUFFER_BYTES: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gather: buffer[box b, element i] = cast(tensor[box b, element i]) for every box in one launch.
@@ -178,23 +189,23 @@ def _pack_kernel(
     Grid: `(total_tiles,)`; program `pid` handles tile `pid - starts[b]` of the box `b` with
     `starts[b] <= pid < starts[b + 1]`, so a 1-element box and a 64 MiB box share one launch. `BUFFER_BYTES > 0`
     writes each element as that many little-endian bytes, for buffer offsets not aligned to the element size.
+    `VEC > 1` promises groups of VEC contiguous, aligned elements on both sides, for 16-byte accesses.
 
     Example: two boxes with 3 and 9000 elements and BLOCK = 4096 give starts = [0, 1] and 4 programs: program 0
     copies box 0, programs 1..3 copy elements [0, 4096), [4096, 8192) and [8192, 9000) of box 1.
     """
     pid = tl.program_id(0)
-    tensor_off, index, buffer_base, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps,
-                                                        NUM_DIMS, BLOCK)
+    tensor_off, buffer_off, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
+                                                BUFFER_BYTES, VEC, BLOCK)
     vals = _convert(tl.load(tensor_ptr + tensor_off, mask=mask), nan_sign_mask, nan_base, nan_payload_mask, CAST)
     if BUFFER_BYTES > 0:
-        byte_ptr = buffer_ptr + buffer_base + index * BUFFER_BYTES
         for k in tl.static_range(BUFFER_BYTES):
-            tl.store(byte_ptr + k, ((vals.to(tl.int32) >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+            tl.store(buffer_ptr + buffer_off + k, ((vals.to(tl.int32) >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
     else:
-        tl.store(buffer_ptr + buffer_base + index, vals, mask=mask)
+        tl.store(buffer_ptr + buffer_off, vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _unpack_kernel(
     tensor_ptr,  # destination elements as same-width ints (or words); every box's base is an offset from here
     buffer_ptr,  # packed elements as same-width ints (or words), or bytes when BUFFER_BYTES > 0
@@ -208,6 +219,7 @@ def _unpack_kernel(
     NUM_DIMS: tl.constexpr,
     CAST: tl.constexpr,
     BUFFER_BYTES: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Scatter: tensor[box b, element i] = cast(buffer[box b, element i]); nothing outside the boxes is written.
@@ -218,15 +230,14 @@ def _unpack_kernel(
     and writes tensor offsets base + 0, 1, 2, 10, 11, 12.
     """
     pid = tl.program_id(0)
-    tensor_off, index, buffer_base, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps,
-                                                        NUM_DIMS, BLOCK)
+    tensor_off, buffer_off, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
+                                                BUFFER_BYTES, VEC, BLOCK)
     if BUFFER_BYTES > 0:
-        byte_ptr = buffer_ptr + buffer_base + index * BUFFER_BYTES
-        vals = tl.load(byte_ptr, mask=mask, other=0).to(tl.int32)
+        vals = tl.load(buffer_ptr + buffer_off, mask=mask, other=0).to(tl.int32)
         for k in tl.static_range(1, BUFFER_BYTES):
-            vals |= tl.load(byte_ptr + k, mask=mask, other=0).to(tl.int32) << (8 * k)
+            vals |= tl.load(buffer_ptr + buffer_off + k, mask=mask, other=0).to(tl.int32) << (8 * k)
         if BUFFER_BYTES == 2:
             vals = vals.to(tl.int16)
     else:
-        vals = tl.load(buffer_ptr + buffer_base + index, mask=mask)
+        vals = tl.load(buffer_ptr + buffer_off, mask=mask)
     tl.store(tensor_ptr + tensor_off, _convert(vals, nan_sign_mask, nan_base, nan_payload_mask, CAST), mask=mask)
