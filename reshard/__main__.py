@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="the main job of `make demo`")
     d.add_argument("--world-size", type=int, default=8)
     d.add_argument("--plan-only", action="store_true", help="only plan, move no data")
+    d.add_argument("--layers", type=int, default=None, help="decoder layers of the refit model (default: all)")
     d.set_defaults(func=cmd_demo)
     sub.add_parser("simulate", help="cluster-scale refit simulator (see --help after it)")
     args = ap.parse_args(argv)

@@ -45,6 +45,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, time
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    results.put((rank, True, "ready"))
     while True:
         job = jobs.get()
         if job is None:
@@ -79,6 +80,20 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
+        self.run_results("start-up")
+
+    def run_results(self, what: str, timeout_s: float | None = None) -> list[Any]:
+        """One result from every rank, in rank order."""
+        out: list[Any] = [None] * self.world_size
+        for _ in range(self.world_size):
+            try:
+                rank, _, value = self._results.get(timeout=timeout_s or self.timeout_s)
+            except queue.Empty as e:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                raise TimeoutError(f"RankPool: {what}: no result within {timeout_s or self.timeout_s} s "
+                                   f"(dead ranks: {dead})") from e
+            out[rank] = value
+        return out
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """`fn(rank, world_size, *args, **kwargs)` on every rank; per-rank results, a `RankError` where a rank
@@ -88,16 +103,7 @@ class RankPool:
         """
         for q in self._jobs:
             q.put((fn, args, kwargs))
-        out: list[Any] = [None] * self.world_size
-        for _ in range(self.world_size):
-            try:
-                rank, _, value = self._results.get(timeout=timeout_s or self.timeout_s)
-            except queue.Empty as e:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                raise TimeoutError(f"RankPool: no result within {timeout_s or self.timeout_s} s "
-                                   f"(dead ranks: {dead})") from e
-            out[rank] = value
-        return out
+        return self.run_results(getattr(fn, "__name__", "job"), timeout_s)
 
     def run_ok(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Like `run`, but raise the first rank's error, with its traceback, if any rank failed."""

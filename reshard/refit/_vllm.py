@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard.planner import ExplicitLayout, Layout, vocab_parallel_layout
+from reshard.planner import ExplicitLayout, Layout, fuse, vocab_parallel_layout
 
 _FUSIONS = (
     (re.compile(r"^(.*\.self_attn\.)(q|k|v)_proj\.(weight|bias)$"), "{0}qkv_proj.{2}", ("q", "k", "v"), 0),
@@ -44,6 +44,13 @@ class EngineTensor:
         out = list(shapes[0])
         out[self.dim] = sum(s[self.dim] for s in shapes)
         return tuple(out)
+
+    def fused(self) -> list[tuple[str, Layout | ExplicitLayout]]:
+        """The components' layouts in the coordinates of this fused local tensor (see `reshard.planner.fuse`)."""
+        if len(self.components) == 1:
+            return list(self.components)
+        return [(n, lay) for (n, _), lay in zip(self.components, fuse([lay for _, lay in self.components],
+                                                                       dim=self.dim))]
 
     @property
     def dtype(self) -> torch.dtype:
