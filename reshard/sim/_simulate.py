@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from reshard.models import ModelConfig, get_preset
 from reshard.planner import DEFAULT_STAGING_BYTES, Plan, PlanItem, Topology, plan_many
 from reshard.sim._cost import (
+    GatherBroadcast,
     LinkLoads,
     LowerBound,
     Timing,
@@ -76,7 +77,7 @@ class SimResult:
     num_tensors: int
     model_bytes: int
     methods: tuple[MethodResult, ...]
-    gather_broadcast: object = field(repr=False, default=None)
+    gather_broadcast: GatherBroadcast | None = field(repr=False, default=None)
     lower: LowerBound | None = None
 
     def method(self, name: str) -> MethodResult:
