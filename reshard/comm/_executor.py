@@ -1,0 +1,656 @@
+"""The executor: run one rank's part of a `Plan`, chunk by chunk, with packing, transfer and unpacking overlapped.
+
+One call, on every rank of the plan:
+
+1. check the local tensors against the plan's layouts, reserve staging (once per plan, reused), and agree with the
+   other ranks (plan fingerprint + error flags, see `_handshake.agree`): bad input raises on every rank before any
+   byte moves;
+2. for each of the rank's chunks, in increasing chunk index:
+   pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post all the chunk's
+   sends and receives together, make its local copies, then finish the *previous* chunk (wait for it and unpack
+   it into the destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is
+   packed and chunk i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed;
+3. with `verify=True`, per-box checksums travel next to the data, every receiver checks them after unpacking, and
+   a last agreement round makes every rank raise if any box was corrupted.
+
+Deadlock freedom. Every rank posts the messages of a chunk before it waits on any message of that chunk or of a
+later one, and it waits on chunks in increasing index. Sender and receiver of a message put it in the same chunk
+(the plan says so). Take the lowest chunk index `c` some rank is blocked on: its peer in that message only blocks
+on chunks >= `c`, and only after posting every chunk <= the one it blocks on, so it has posted its side of the
+message in chunk `c`; both sides are posted, and the transport (gloo's threads, NCCL's kernels, which see groups
+in the same chunk order on every rank) completes it. Hence no cycle of waits, for any plan.
+
+Staging. Two slots, each a send buffer of the rank's largest chunk send bytes and a receive buffer of its largest
+chunk receive bytes (the planner keeps one chunk's send + receive bytes within half the budget), reserved before
+the handshake, cached on the group and reused by later calls. The steady-state loop allocates nothing (except
+checksums with `verify=True`).
+
+On CUDA the stages run on three streams, ordered by events named for each hand-off, with no host synchronization
+in the steady state; on CPU the same order runs on the host, with gloo progressing transfers in the background.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.comm._group import CommError, Group, Timeout, as_timedelta
+from reshard.comm._handshake import agree
+from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
+from reshard.kernels import pack, unpack
+from reshard.planner import Box, Plan, Transfer
+
+logger = logging.getLogger(__name__)
+
+NUM_SLOTS = 2
+"""Pipeline slots: chunk i and chunk i+1 are in flight together."""
+
+_CHECKSUM_STEP = 1 << 22  # bytes per checksum slice: bounds the int64 temporaries of `verify=True`
+_CHECKSUM_MIX = 1_000_003
+
+
+class ChecksumError(CommError):
+    """With `verify=True`: a box arrived with other bytes than its sender's checksum says."""
+
+
+# -------------------------------------------------------------------------------------------------------------
+# The program: one rank's chunks as flat lists ready for pack / post / unpack, built once per (plan, rank)
+# -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Copies:
+    """The boxes of one `pack` or `unpack` call, in buffer order.
+
+    `from_dst[i]` says box `i` is read from the destination tensor `tensors[i]` (a relay forward) instead of the
+    source tensor. `offsets[i]` is the box's byte offset in the chunk's staging buffer.
+    """
+
+    transfers: tuple[Transfer, ...]
+    from_dst: tuple[bool, ...]
+    tensors: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One chunk of one rank.
+
+    Attributes:
+        index: the chunk index (equal on every rank that takes part in the chunk).
+        dep: the latest chunk whose unpack must finish before this one is packed (relay), or -1.
+        sends, recvs: `(peer, buffer_offset, nbytes, first_box, num_boxes)` per message, by peer.
+        pack, unpack: the boxes of the chunk's one pack call and one unpack call.
+        local: local copies (never a message).
+    """
+
+    index: int
+    dep: int
+    sends: tuple[tuple[int, int, int, int, int], ...]
+    recvs: tuple[tuple[int, int, int, int, int], ...]
+    pack: _Copies
+    unpack: _Copies
+    local: tuple[Transfer, ...]
+    send_bytes: int
+    recv_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    rank: int
+    steps: tuple[_Step, ...]
+    max_send_bytes: int
+    max_recv_bytes: int
+    max_send_boxes: int
+    max_recv_boxes: int
+    local_bytes: int
+
+
+def _copies(messages: Sequence[Any], *, sending: bool) -> tuple[_Copies, tuple[tuple[int, int, int, int, int], ...]]:
+    transfers: list[Transfer] = []
+    offsets: list[int] = []
+    msgs = []
+    for m in messages:
+        if m.nbytes == 0:
+            continue
+        msgs.append((m.peer, m.buffer_offset, m.nbytes, len(transfers), len(m.transfers)))
+        transfers.extend(m.transfers)
+        offsets.extend(m.buffer_offset + o for o in m.offsets)
+    if sending:
+        from_dst = tuple(t.stage > 0 for t in transfers)
+        tensors = tuple(t.src_tensor for t in transfers)
+        boxes = tuple(t.src_box for t in transfers)
+    else:
+        from_dst = (True,) * len(transfers)
+        tensors = tuple(t.dst_tensor for t in transfers)
+        boxes = tuple(t.dst_box for t in transfers)
+    return _Copies(tuple(transfers), from_dst, tensors, boxes, tuple(offsets)), tuple(msgs)
+
+
+_PROGRAMS: weakref.WeakKeyDictionary[Plan, dict[int, _Program]] = weakref.WeakKeyDictionary()
+
+
+def _program(plan: Plan, rank: int) -> _Program:
+    per_plan = _PROGRAMS.setdefault(plan, {})
+    prog = per_plan.get(rank)
+    if prog is not None:
+        return prog
+    rp = plan.for_rank(rank)
+    steps = []
+    for c in rp.chunks:
+        pk, sends = _copies(c.sends, sending=True)
+        up, recvs = _copies(c.recvs, sending=False)
+        steps.append(_Step(c.index, c.unpack_before_pack, sends, recvs, pk, up, c.local, c.send_bytes, c.recv_bytes))
+    prog = _Program(
+        rank,
+        tuple(steps),
+        rp.max_send_bytes,
+        rp.max_recv_bytes,
+        max((len(s.pack.boxes) for s in steps), default=0),
+        max((len(s.unpack.boxes) for s in steps), default=0),
+        sum(t.nbytes for s in steps for t in s.local),
+    )
+    per_plan[rank] = prog
+    return prog
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Staging
+# -------------------------------------------------------------------------------------------------------------
+
+
+class Staging:
+    """Staging memory of one rank: `NUM_SLOTS` slots, each a send and a receive `uint8` buffer.
+
+    Reserved once per plan and reused for every chunk; `reshard` keeps it on the group so later calls with the
+    same (or a smaller) plan reuse it too. On CUDA it also holds the pipeline's streams and events.
+
+    Attributes:
+        device: where the buffers live.
+        send, recv: `NUM_SLOTS` 1-D `uint8` tensors of `send_bytes` / `recv_bytes` each.
+        send_sums, recv_sums: `NUM_SLOTS` 1-D `int64` checksum buffers (`verify=True`), one entry per box.
+    """
+
+    def __init__(self, device: torch.device, send_bytes: int, recv_bytes: int, send_boxes: int = 0,
+                 recv_boxes: int = 0) -> None:
+        self.device = device
+        self.send_bytes, self.recv_bytes = send_bytes, recv_bytes
+        self.send_boxes, self.recv_boxes = send_boxes, recv_boxes
+        # two separate allocations per slot, so a slot's buffers never alias another slot's
+        self.send = [torch.empty(send_bytes, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
+        self.recv = [torch.empty(recv_bytes, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
+        self.send_sums = [torch.zeros(send_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
+        self.recv_sums = [torch.zeros(recv_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
+        self.streams = _Streams(device) if device.type == "cuda" else None
+
+    def fits(self, device: torch.device, send_bytes: int, recv_bytes: int, send_boxes: int, recv_boxes: int) -> bool:
+        return (self.device == device and self.send_bytes >= send_bytes and self.recv_bytes >= recv_bytes
+                and self.send_boxes >= send_boxes and self.recv_boxes >= recv_boxes)
+
+    @property
+    def nbytes(self) -> int:
+        return NUM_SLOTS * (self.send_bytes + self.recv_bytes)
+
+    def __repr__(self) -> str:
+        return f"Staging({self.device}, {NUM_SLOTS} slots x (send {self.send_bytes} B + recv {self.recv_bytes} B))"
+
+
+class _Streams:
+    """The CUDA streams of the pipeline and the events that order them; one event per hand-off and slot."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pack = torch.cuda.Stream(device)
+        self.comm = torch.cuda.Stream(device)
+        self.unpack = torch.cuda.Stream(device)
+        # pack -> comm: the slot's send buffer holds the chunk's packed boxes
+        self.packed = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
+        # comm -> unpack: the slot's receive buffer holds the chunk's bytes; comm -> pack: its send buffer is free
+        self.transferred = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
+        # unpack -> comm: the slot's receive buffer is free; unpack -> pack: relayed boxes have landed
+        self.unpacked = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
+        # caller -> pipeline: inputs are ready; pipeline -> caller: outputs are ready (per stream)
+        self.inputs_ready = torch.cuda.Event()
+        self.done = [torch.cuda.Event() for _ in range(3)]
+
+
+def _staging_for(group: Group | None, prog: _Program, device: torch.device, verify: bool) -> Staging:
+    need = (prog.max_send_bytes, prog.max_recv_bytes, prog.max_send_boxes if verify else 0,
+            prog.max_recv_boxes if verify else 0)
+    cached = group.cache.get("staging") if group is not None else None
+    if isinstance(cached, Staging) and cached.fits(device, *need):
+        return cached
+    staging = Staging(device, *need)
+    if group is not None:
+        group.cache["staging"] = staging
+    return staging
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Report
+# -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecutionReport:
+    """What one rank did in one `execute` call (bytes exclude checksums; seconds are host wall time)."""
+
+    rank: int
+    chunks: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied_locally: int = 0
+    staging_bytes: int = 0
+    seconds: float = 0.0
+    seconds_handshake: float = 0.0
+    seconds_pack: float = 0.0
+    seconds_wait: float = 0.0
+    seconds_unpack: float = 0.0
+    verified_boxes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Validation
+# -------------------------------------------------------------------------------------------------------------
+
+
+def _check_tensors(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
+                   dst: Sequence[torch.Tensor] | None) -> tuple[list[str], torch.device | None]:
+    """Local shapes, dtypes and devices against the plan's layouts; returns error messages and the device."""
+    errors: list[str] = []
+    devices: dict[str, torch.device] = {}
+    seen: set[tuple[str, int]] = set()
+    for i, item in enumerate(plan.items):
+        for side, layout, tensors, idx in (("source", item.src, src, item.src_tensor),
+                                           ("destination", item.dst, dst, item.dst_tensor)):
+            if rank not in layout.ranks or (side, idx) in seen:
+                continue
+            seen.add((side, idx))
+            who = f"tensor {item.label!r} (item {i}): rank {rank}"
+            expected = tuple(layout.local_shape(rank))
+            if tensors is None:
+                errors.append(f"{who} holds a {side} shard of {layout!r} but got no {side} tensors (None); expected "
+                              f"a {side} local tensor of shape {expected} and dtype {layout.dtype}")
+                continue
+            if idx >= len(tensors) or tensors[idx] is None:
+                errors.append(f"{who}: {side} local tensor {idx} is missing (got {len(tensors)} {side} tensors); "
+                              f"expected shape {expected} and dtype {layout.dtype}")
+                continue
+            t = tensors[idx]
+            if not isinstance(t, torch.Tensor):
+                errors.append(f"{who}: {side} local tensor {idx} must be a torch.Tensor, got {type(t).__name__}")
+                continue
+            if tuple(t.shape) != expected:
+                errors.append(f"{who}: {side} local tensor {idx} has shape {tuple(t.shape)}, expected {expected} "
+                              f"(the local shape of {layout!r})")
+            if t.dtype != layout.dtype:
+                errors.append(f"{who}: {side} local tensor {idx} has dtype {t.dtype}, expected {layout.dtype}")
+            if side == "destination" and t.numel() > 1 and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+                errors.append(f"{who}: destination local tensor {idx} has stride 0 (expanded) along a dim of "
+                              f"shape {tuple(t.shape)}, strides {t.stride()}; it cannot be written")
+            devices.setdefault(str(t.device), t.device)
+    if len(devices) > 1:
+        errors.append(f"rank {rank}: local tensors are on several devices {sorted(devices)}; expected one")
+    device = next(iter(devices.values())) if len(devices) == 1 else None
+    return errors, device
+
+
+def _describe_plan(plan: Plan) -> list[tuple[str, str]]:
+    """What a plan was built from, field by field, for saying what differs between ranks."""
+    out = [
+        ("topology", repr(plan.topology)),
+        ("relay", repr(plan.relay)),
+        ("staging_bytes", repr(plan.staging_bytes)),
+        ("min_split_bytes", repr(plan.min_split_bytes)),
+        ("number of tensors", repr(len(plan.items))),
+    ]
+    for i, it in enumerate(plan.items):
+        who = f"tensor {it.label!r} (item {i})"
+        for side, lay in (("source", it.src), ("destination", it.dst)):
+            text = repr(lay)
+            out.append((f"{who} {side} layout", text))
+            out.append((f"{who} {side} layout key", repr(getattr(lay, "key", text))))
+        out.append((f"{who} local tensor indices", repr((it.src_tensor, it.dst_tensor))))
+    # when reprs agree but keys differ, show the keys; otherwise keys only repeat the repr
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Checksums
+# -------------------------------------------------------------------------------------------------------------
+
+
+def _checksum(view: torch.Tensor, out: torch.Tensor) -> None:
+    """Write into `out` (0-D `int64`) a position-weighted checksum of `view`'s bytes in row-major order.
+
+    Any single changed byte changes it: byte `i` (value `v`) contributes `v * (i + 1 + MIX)` modulo 2**64.
+    """
+    flat = view.reshape(-1)
+    flat = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
+    acc = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHECKSUM_STEP):
+        part = flat[start: start + _CHECKSUM_STEP].to(torch.int64)
+        weights = torch.arange(start + 1 + _CHECKSUM_MIX, start + 1 + _CHECKSUM_MIX + part.numel(),
+                               dtype=torch.int64, device=flat.device)
+        acc += (part * weights).sum()
+    out.copy_(acc)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# The run
+# -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _InFlight:
+    step: _Step
+    slot: int
+    handle: TransferHandle
+
+
+class _Run:
+    """One `execute` call on one rank: the pipeline's state. See the module docstring for the order of work."""
+
+    def __init__(self, prog: _Program, plan: Plan, group: Group, src: Sequence[torch.Tensor],
+                 dst: Sequence[torch.Tensor], staging: Staging, verify: bool, timeout: datetime.timedelta,
+                 report: ExecutionReport) -> None:
+        self.prog = prog
+        self.plan = plan
+        self.group = group
+        self.src = src
+        self.dst = dst
+        self.staging = staging
+        self.verify = verify
+        self.timeout = timeout
+        self.report = report
+        self.streams = staging.streams
+        self.errors: list[str] = []
+        self.debug = logger.isEnabledFor(logging.DEBUG)
+
+    def _tensors(self, copies: _Copies) -> list[torch.Tensor]:
+        src, dst = self.src, self.dst
+        return [dst[i] if d else src[i] for d, i in zip(copies.from_dst, copies.tensors)]
+
+    # -- stages ---------------------------------------------------------------------------------------------
+
+    def pack(self, step: _Step, slot: int, reused: bool, relay_ready: Any) -> None:
+        if not step.pack.boxes:
+            return
+        s = self.streams
+        t0 = time.perf_counter()
+        with _on(s and s.pack):
+            if s is not None:
+                if reused:
+                    s.pack.wait_event(s.transferred[slot])  # comm -> pack: the send buffer of chunk i-2 is free
+                if relay_ready is not None:
+                    s.pack.wait_event(relay_ready)  # unpack -> pack: the boxes this chunk forwards have landed
+            tensors = self._tensors(step.pack)
+            pack(tensors, step.pack.boxes, self.staging.send[slot], step.pack.offsets)
+            if self.verify:
+                sums = self.staging.send_sums[slot]
+                for k, (t, box) in enumerate(zip(tensors, step.pack.boxes)):
+                    _checksum(t[box.slices()], sums[k])
+            if s is not None:
+                s.packed[slot].record(s.pack)
+        self.report.seconds_pack += time.perf_counter() - t0
+
+    def post(self, step: _Step, slot: int, reused: bool) -> TransferHandle:
+        st = self.staging
+        sends = [(peer, st.send[slot].narrow(0, off, n)) for peer, off, n, _, _ in step.sends]
+        recvs = [(peer, st.recv[slot].narrow(0, off, n)) for peer, off, n, _, _ in step.recvs]
+        if self.debug:
+            logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
+                         [(p, n) for p, _, n, _, _ in step.sends], [(p, n) for p, _, n, _, _ in step.recvs],
+                         len(step.local))
+        s = self.streams
+        with _on(s and s.comm):
+            if s is not None:
+                s.comm.wait_event(s.packed[slot])  # pack -> comm
+                if reused:
+                    s.comm.wait_event(s.unpacked[slot])  # unpack -> comm: the receive buffer of chunk i-2 is free
+            what = f"chunk {step.index}"
+            if self.verify:
+                sends += [(peer, st.send_sums[slot].narrow(0, first, num)) for peer, _, _, first, num in step.sends]
+                recvs += [(peer, st.recv_sums[slot].narrow(0, first, num)) for peer, _, _, first, num in step.recvs]
+            handle = _post_tagged(sends, recvs, self.group, len(step.sends), len(step.recvs), self.verify,
+                                  self.timeout, what)
+            if s is not None:
+                handle.wait()  # CUDA: the comm stream waits for NCCL; the host does not
+                s.transferred[slot].record(s.comm)
+        self.report.messages_sent += len(step.sends)
+        self.report.messages_received += len(step.recvs)
+        self.report.bytes_sent += step.send_bytes
+        self.report.bytes_received += step.recv_bytes
+        return handle
+
+    def local(self, step: _Step) -> None:
+        if not step.local:
+            return
+        with _on(self.streams and self.streams.unpack):
+            for t in step.local:
+                source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
+                self.dst[t.dst_tensor][t.dst_box.slices()].copy_(source[t.src_box.slices()])
+                self.report.bytes_copied_locally += t.nbytes
+
+    def finish(self, flight: _InFlight) -> None:
+        step, slot = flight.step, flight.slot
+        s = self.streams
+        t0 = time.perf_counter()
+        if s is None:
+            flight.handle.wait()
+        t1 = time.perf_counter()
+        self.report.seconds_wait += t1 - t0
+        if step.unpack.boxes:
+            with _on(s and s.unpack):
+                if s is not None:
+                    s.unpack.wait_event(s.transferred[slot])  # comm -> unpack
+                tensors = self._tensors(step.unpack)
+                unpack(self.staging.recv[slot], step.unpack.offsets, tensors, step.unpack.boxes)
+                if self.verify:
+                    self._check_sums(step, slot, tensors)
+                if s is not None:
+                    s.unpacked[slot].record(s.unpack)
+        elif s is not None:
+            with _on(s.unpack):
+                s.unpack.wait_event(s.transferred[slot])
+                s.unpacked[slot].record(s.unpack)
+        self.report.seconds_unpack += time.perf_counter() - t1
+
+    def _check_sums(self, step: _Step, slot: int, tensors: list[torch.Tensor]) -> None:
+        n = len(step.unpack.boxes)
+        got = torch.empty(n, dtype=torch.int64, device=self.staging.device)
+        for k, (t, box) in enumerate(zip(tensors, step.unpack.boxes)):
+            _checksum(t[box.slices()], got[k])
+        expected = self.staging.recv_sums[slot][:n].cpu()  # verify mode syncs the host here, once per chunk
+        got = got.cpu()
+        self.report.verified_boxes += n
+        for k in torch.nonzero(got != expected).flatten().tolist():
+            t = step.unpack.transfers[k]
+            item = self.plan.items[t.item]
+            self.errors.append(
+                f"checksum mismatch in chunk {step.index}: box {t.global_box} of tensor {item.label!r} "
+                f"(item {t.item}), sent by rank {t.src_rank} (from its {'destination' if t.stage else 'source'} "
+                f"box {t.src_box}) to rank {t.dst_rank} (destination box {t.dst_box}): sender checksum "
+                f"{int(expected[k]):#x}, receiver checksum {int(got[k]):#x}")
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        s = self.streams
+        pending: deque[_InFlight] = deque()
+        last_unpacked: dict[str, Any] = {"index": -1, "event": None}
+        if s is not None:
+            caller = torch.cuda.current_stream(self.staging.device)
+            s.inputs_ready.record(caller)
+            for stream in (s.pack, s.comm, s.unpack):
+                stream.wait_event(s.inputs_ready)  # caller -> pipeline: source tensors and staging are ready
+
+        def finish_oldest() -> None:
+            flight = pending.popleft()
+            self.finish(flight)
+            last_unpacked["index"] = flight.step.index
+            last_unpacked["event"] = s.unpacked[flight.slot] if s is not None else None
+
+        try:
+            for k, step in enumerate(self.prog.steps):
+                slot = k % NUM_SLOTS
+                while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.dep):
+                    finish_oldest()
+                relay_ready = last_unpacked["event"] if step.dep >= 0 else None
+                self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
+                handle = self.post(step, slot, k >= NUM_SLOTS)
+                pending.append(_InFlight(step, slot, handle))
+                self.local(step)
+                while len(pending) > 1:  # unpack chunk i-1 while chunk i is in flight
+                    finish_oldest()
+                self.report.chunks += 1
+            while pending:
+                finish_oldest()
+        finally:
+            if s is not None:
+                # pipeline -> caller: whatever happened, the caller's stream runs after every stage's work
+                caller = torch.cuda.current_stream(self.staging.device)
+                for ev, stream in zip(s.done, (s.pack, s.comm, s.unpack)):
+                    ev.record(stream)
+                    caller.wait_event(ev)
+
+
+class _on:
+    """`torch.cuda.stream(stream)` when given a stream, nothing on CPU."""
+
+    def __init__(self, stream: Any) -> None:
+        self.ctx = torch.cuda.stream(stream) if stream else None
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _post_tagged(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group: Group,
+                 num_send_msgs: int, num_recv_msgs: int, verify: bool, timeout: datetime.timedelta,
+                 what: str) -> TransferHandle:
+    """Data messages with `TAG_DATA`, checksum messages (after them in the lists) with `TAG_CHECKSUM`."""
+    if not verify:
+        return post(sends, recvs, group, tag=TAG_DATA, timeout=timeout, what=what)
+    data = post(sends[:num_send_msgs], recvs[:num_recv_msgs], group, tag=TAG_DATA, timeout=timeout, what=what)
+    sums = post(sends[num_send_msgs:], recvs[num_recv_msgs:], group, tag=TAG_CHECKSUM, timeout=timeout,
+                what=f"{what} checksums")
+    return _Both(data, sums)
+
+
+class _Both(TransferHandle):
+    def __init__(self, a: TransferHandle, b: TransferHandle) -> None:
+        self.a, self.b = a, b
+
+    def wait(self, timeout: Timeout | None = None) -> None:
+        self.a.wait(timeout)
+        self.b.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self.a.is_completed() and self.b.is_completed()
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Public entry
+# -------------------------------------------------------------------------------------------------------------
+
+
+def execute(
+    plan: Plan,
+    rank: int | None,
+    src_tensors: Sequence[torch.Tensor] | None,
+    dst_tensors: Sequence[torch.Tensor] | None,
+    group: Group | None = None,
+    *,
+    verify: bool = False,
+    timeout: Timeout | None = None,
+) -> ExecutionReport:
+    """Run `rank`'s part of `plan`: send what it holds, receive and write what it needs, forward relayed boxes.
+
+    Every rank of `plan.ranks` calls this with the same plan; other ranks of the group need not (a call from a rank
+    outside the plan returns at once).
+
+    Args:
+        plan: from `plan` / `plan_many`, built with the group's rank numbering, identical on every rank.
+        rank: this process's rank in `group` (None: `group.rank`).
+        src_tensors: the source local tensors, indexed by the plan items' `src_tensor`; None on a rank that holds
+            no source. Tensor `i` has the local shape and dtype of the items' source layouts on this rank.
+        dst_tensors: the destination local tensors, indexed by the items' `dst_tensor`, written in place; None on
+            a rank that holds no destination. Must not overlap the source tensors in memory.
+        group: default `Group.world()`.
+        verify: send per-box checksums with the data and check every received box; every rank raises
+            `ChecksumError` naming the box, its sender and receiver if one differs. Costs an extra read of every
+            box on both sides (and, on CUDA, a host sync per chunk).
+        timeout: seconds or a `timedelta` that any one wait for a peer may last (default: the group's).
+
+    Returns:
+        An `ExecutionReport` of this rank's work.
+
+    Raises:
+        ValueError: on every rank of the plan, before any byte moves, when plans differ between ranks (saying
+            what differs) or some rank's local tensors have the wrong shape, dtype or device (naming the tensor,
+            the rank, the expected and the actual value).
+        CommError: a peer died, failed or did not answer within `timeout`.
+        ChecksumError: with `verify=True`, on every rank, when a received box does not match its checksum.
+    """
+    group = group if group is not None else Group.world()
+    if rank is None:
+        rank = group.rank
+    if rank != group.rank:
+        raise ValueError(f"execute: rank {rank} is not this process's rank {group.rank} in {group}")
+    td = as_timedelta(timeout, default=group.timeout)
+    report = ExecutionReport(rank)
+    ranks = plan.ranks
+    if rank not in ranks:
+        return report
+    if ranks[-1] >= group.size:
+        raise ValueError(f"execute: the plan spans ranks up to {ranks[-1]} but {group} has {group.size} ranks")
+    start = time.perf_counter()
+    with torch.no_grad():
+        prog = _program(plan, rank)
+        errors, device = _check_tensors(plan, rank, src_tensors, dst_tensors)
+        staging: Staging | None = None
+        if not errors and prog.steps:
+            device = device or torch.device("cpu")
+            try:
+                if prog.max_send_bytes or prog.max_recv_bytes:
+                    group.data_backend(device)
+                staging = _staging_for(group, prog, device, verify)
+            except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
+                errors.append(f"rank {rank}: cannot reserve staging on {device}: {e}")
+        if len(ranks) > 1:
+            agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=td,
+                  what="plan handshake")
+        elif errors:
+            raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
+        report.seconds_handshake = time.perf_counter() - start
+        verify_errors: list[str] = []
+        if staging is not None:
+            report.staging_bytes = staging.nbytes
+            run = _Run(prog, plan, group, src_tensors or (), dst_tensors or (), staging, verify, td, report)
+            run.run()
+            verify_errors = run.errors
+        if verify and len(ranks) > 1:
+            # every rank of the plan, even one without work, takes part, so all raise together
+            agree(group, ranks, plan.fingerprint, verify_errors, lambda: _describe_plan(plan), timeout=td,
+                  what="verify", error_type=ChecksumError, failure="received bytes differ from what was sent")
+        elif verify_errors:
+            raise ChecksumError("received bytes differ from what was sent:\n  " + "\n  ".join(verify_errors))
+    report.seconds = time.perf_counter() - start
+    logger.debug("rank %d: executed plan %s: %s", rank, plan.fingerprint[:12], report)
+    return report

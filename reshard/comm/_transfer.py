@@ -1,0 +1,181 @@
+"""`transfer`: post the sends and receives of one step together and return a handle with `wait()`.
+
+With `reshard.kernels.pack` / `unpack`, this is the third primitive a user needs to build their own pipeline:
+pack boxes into a buffer per peer, `transfer` the buffers, unpack on arrival.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from reshard.comm._group import CommError, Group, Timeout, as_timedelta
+
+logger = logging.getLogger(__name__)
+
+TAG_DATA = 1
+"""Tag of staging-buffer messages. Matching per (peer, tag) is first-in first-out, and both ends of a pair post
+their messages in the same (chunk, peer) order, so equal tags never mismatch."""
+TAG_CHECKSUM = 2
+TAG_CONTROL = 3
+
+TensorMap = Mapping[int, "torch.Tensor | Sequence[torch.Tensor]"]
+
+
+def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    out = list(value)
+    for t in out:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"transfer: {what} must be tensors, got {type(t).__name__}")
+    return out
+
+
+class TransferHandle:
+    """The sends and receives of one `transfer` call, in flight.
+
+    Runtime contract: until `wait()` returns, do not write a tensor being sent nor read one being received. On
+    CPU (gloo), `wait()` blocks until every operation completed, at most `timeout` in all, and raises `CommError`
+    naming the peer if one failed or did not answer. On CUDA (NCCL), `wait()` makes the *current stream* wait for
+    the transfers and returns without blocking the host; failures then surface through NCCL's own watchdog, which
+    uses the group's timeout.
+    """
+
+    def __init__(self, works: list[tuple[str, int, Any]], group: Group, timeout: datetime.timedelta,
+                 what: str) -> None:
+        self._works = works
+        self._group = group
+        self._timeout = timeout
+        self._what = what
+        self._done = not works
+
+    def wait(self, timeout: Timeout | None = None) -> None:
+        """Complete every send and receive (see the class docstring).
+
+        Raises:
+            CommError: a peer died, failed or did not answer within `timeout` (default: the one given to
+                `transfer`).
+        """
+        if self._done:
+            return
+        limit = as_timedelta(timeout, default=self._timeout)
+        start = time.monotonic()
+        deadline = start + limit.total_seconds()
+        for kind, peer, work in self._works:
+            remaining = max(deadline - time.monotonic(), 0.001)
+            try:
+                work.wait(datetime.timedelta(seconds=remaining))
+            except Exception as e:  # gloo raises RuntimeError for timeouts and closed connections
+                waited = time.monotonic() - start
+                self._done = True
+                raise CommError(
+                    f"rank {self._group.rank} of {self._group}: {self._what}: {kind} rank {peer} failed after "
+                    f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
+                    f"different plans: {e}"
+                ) from e
+        self._done = True
+
+    def is_completed(self) -> bool:
+        """True when `wait()` would not block (every operation finished or failed)."""
+        return self._done or all(w.is_completed() for _, _, w in self._works)
+
+
+def post(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: Group,
+    *,
+    tag: int = TAG_DATA,
+    timeout: datetime.timedelta | None = None,
+    what: str = "transfer",
+    control: bool = False,
+) -> TransferHandle:
+    """Post `(peer, tensor)` sends and receives on `group`'s data backend for their device (or, with `control`,
+    on its gloo control backend); no argument checks.
+
+    Peers must differ from `group.rank`. All operations of one call are posted together: on NCCL inside one
+    coalesced group (so a pair that sends both ways cannot block), on gloo one after another (gloo progresses
+    them in the background).
+    """
+    works: list[tuple[str, int, Any]] = []
+    if sends or recvs:
+        dev = (sends[0][1] if sends else recvs[0][1]).device
+        pg = group.control if control else group.data_backend(dev)
+        coalesce = dev.type == "cuda"
+        if coalesce:
+            pg._start_coalescing(dev)
+        try:
+            for peer, t in recvs:
+                works.append(("receive from", peer, pg.recv([t], peer, tag)))
+            for peer, t in sends:
+                works.append(("send to", peer, pg.send([t], peer, tag)))
+        finally:
+            if coalesce:
+                work = pg._end_coalescing(dev)
+                works = [("transfer with", -1, work)] if work is not None else works
+    return TransferHandle(works, group, timeout if timeout is not None else group.timeout, what)
+
+
+def transfer(
+    sends: TensorMap,
+    recvs: TensorMap,
+    group: Group | None = None,
+    *,
+    timeout: Timeout | None = None,
+) -> TransferHandle:
+    """Post all sends and receives of one step together and return a handle with `wait()`.
+
+    Args:
+        sends: peer rank -> tensor (or list of tensors) to send to it, in order.
+        recvs: peer rank -> tensor (or list) to receive into. For every pair of ranks, the sender's list for the
+            receiver and the receiver's list for the sender must have the same length and sizes, in the same order.
+        group: the group whose ranks the peers are; default `Group.world()`.
+        timeout: seconds or a `timedelta` for `wait()`; default the group's.
+
+    A rank listed as its own peer is a local copy, never a message: `sends[rank][i]` is copied into
+    `recvs[rank][i]`.
+
+    Returns:
+        A `TransferHandle`; call `wait()` before touching the tensors.
+
+    Example (each of two ranks swaps a buffer with the other):
+        >>> handle = transfer({1 - rank: out}, {1 - rank: inp}, group)
+        >>> handle.wait()
+    """
+    group = group if group is not None else Group.world()
+    td = as_timedelta(timeout, default=group.timeout)
+    send_list: list[tuple[int, torch.Tensor]] = []
+    recv_list: list[tuple[int, torch.Tensor]] = []
+    self_sends: list[torch.Tensor] = []
+    self_recvs: list[torch.Tensor] = []
+    devices: set[torch.device] = set()
+    for what, mapping, out, mine in (("sends", sends, send_list, self_sends), ("recvs", recvs, recv_list, self_recvs)):
+        for peer in sorted(mapping):
+            if isinstance(peer, bool) or not isinstance(peer, int):
+                raise ValueError(f"transfer: {what} keys must be integer ranks, got {peer!r}")
+            group.check_rank(peer, f"transfer: {what}")
+            for t in _as_list(mapping[peer], what):
+                devices.add(t.device)
+                if peer == group.rank:
+                    mine.append(t)
+                else:
+                    out.append((peer, t if t.is_contiguous() else t.contiguous()))
+    if len(devices) > 1:
+        raise ValueError(f"transfer: all tensors must be on one device, got {sorted(map(str, devices))}")
+    for peer, t in recv_list:
+        if not t.is_contiguous():
+            raise ValueError(f"transfer: the tensor received from rank {peer} must be contiguous")
+    if len(self_sends) != len(self_recvs) or any(a.shape != b.shape for a, b in zip(self_sends, self_recvs)):
+        raise ValueError(f"transfer: rank {group.rank} sends itself {[tuple(t.shape) for t in self_sends]} but "
+                         f"receives {[tuple(t.shape) for t in self_recvs]}; a transfer to yourself is a local copy "
+                         "and needs matching tensors")
+    for a, b in zip(self_sends, self_recvs):
+        b.copy_(a)
+    logger.debug("rank %d: transfer posts %d sends, %d receives", group.rank, len(send_list), len(recv_list))
+    return post(send_list, recv_list, group, timeout=td, what="transfer")
