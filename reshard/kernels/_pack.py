@@ -37,9 +37,9 @@ def launch_config(word_bytes: int, device_type: str) -> tuple[int, int]:
     """`(BLOCK, num_warps)` for kernels moving `word_bytes`-byte elements: the one place these are chosen.
 
     On CUDA a program moves about 16 KiB (BLOCK elements), so the grid is large enough to fill the GPU and each
-    thread has several independent loads in flight. The interpreter runs programs one after another in Python, and a
-    smaller block keeps a small box from paying for thousands of masked lanes. Not autotuned: no GPU measurement
-    has shown a better choice yet.
+    thread has several independent loads in flight. Not autotuned: no GPU measurement has been made yet. The
+    interpreter runs programs one after another in Python at a few ms each, so fewer, larger programs win (measured
+    on the 2-core dev VM: 2**20 float32 elements in 1.26 s with BLOCK 1024, 0.33 s with 4096).
     """
     if device_type != "cuda":
         return 4096, 1

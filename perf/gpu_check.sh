@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# GPU check: one command for a machine with a CUDA GPU. Runs each section below with its own time limit, logs it to
+# DIR/<section>.log and writes one line per section to DIR/summary.txt. Exits non-zero if any section failed.
+#
+# Usage: perf/gpu_check.sh DIR
+#
+# Uses the system `python` (override with PYTHON=...), with torch, triton and pytest installed, and the repository
+# root on PYTHONPATH. TRITON_INTERPRET is unset: the kernels run compiled. Whole run: under 5 minutes.
+#
+# To add a check, append a section at the end: `section NAME LIMIT_SECONDS command args...`. Files it writes into
+# "$DIR" come back with the others (keep the total small: a log and at most a CSV and a PNG per section).
+#
+# For a plumbing check on a machine without a GPU: GPU_CHECK_DEVICE=cpu GPU_CHECK_BACKEND=torch perf/gpu_check.sh DIR
+# (the kernel tests then run Triton under its interpreter, and the bench times the torch path).
+set -u -o pipefail
+
+DIR=${1:?usage: perf/gpu_check.sh DIR}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+PY=${PYTHON:-python}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+BACKEND=${GPU_CHECK_BACKEND:-triton}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+SUMMARY="$DIR/summary.txt"
+FAILED=0
+START=$(date +%s)
+
+# section NAME LIMIT_SECONDS CMD...: run CMD from the repository root, output to DIR/NAME.log, one summary line.
+section() {
+    local name=$1 limit=$2
+    shift 2
+    local t0 rc status
+    t0=$(date +%s)
+    echo "== $name (limit ${limit}s)"
+    (cd "$ROOT" && timeout --kill-after=10 "$limit" "$@") >"$DIR/$name.log" 2>&1
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+        status="ok"
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        status="TIMED OUT after ${limit}s"
+        FAILED=1
+    else
+        status="FAILED (exit $rc)"
+        FAILED=1
+    fi
+    echo "$name: $status in $(($(date +%s) - t0))s (log: $name.log)" | tee -a "$SUMMARY"
+    tail -n 8 "$DIR/$name.log"
+}
+
+{
+    echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) device=$DEVICE backend=$BACKEND commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
+    "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+} >"$SUMMARY" 2>&1
+cat "$SUMMARY"
+if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA GPU visible to torch: nothing to check (GPU_CHECK_DEVICE=cpu runs the plumbing on CPU)" | tee -a "$SUMMARY"
+    exit 2
+fi
+
+# --- kernels (issue 3): tests on the device, then the pack/unpack bandwidth sweep with the Triton backend ---------
+section kernels_tests 170 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+    tests/test_kernels.py tests/test_kernels_cast.py tests/test_kernels_large.py
+section kernels_bench 110 "$PY" perf/bench_kernels.py --device "$DEVICE" --backend "$BACKEND" --out "$DIR" --repeat 5
+if [ -f "$DIR/bench_kernels_summary.txt" ]; then grep -E "target" "$DIR/bench_kernels_summary.txt" | tee -a "$SUMMARY"; fi
+
+# --- append further sections here (comm streams check, fp8 quant check), each with its own limit ----------------
+
+echo "total $(($(date +%s) - START))s, $([ "$FAILED" -eq 0 ] && echo 'all sections ok' || echo 'SOME SECTIONS FAILED')" | tee -a "$SUMMARY"
+exit "$FAILED"
