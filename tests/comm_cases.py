@@ -64,6 +64,16 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def dtensor_local(full: torch.Tensor, layout: Any) -> torch.Tensor:
+    """DTensor's `distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()` for `layout` on this
+    process (its rank in the default world must be its rank in `layout`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = DeviceMesh("cpu", torch.tensor(layout.mesh.ranks).reshape(layout.mesh.shape), _init_backend=False)
+    return distribute_tensor(full, mesh, list(layout.placements), src_data_rank=None).to_local()
+
+
 def _mesh_ranks(mesh: Any) -> list[int]:
     return torch.as_tensor(mesh).flatten().tolist()
 
@@ -137,10 +147,12 @@ def _pl(p: Any) -> str:
     return placement_str(p).replace(" ", "")
 
 
+A, B = [0, 1, 2, 3], [4, 5, 6, 7]
+A2, B2 = [[0, 1], [2, 3]], [[4, 5], [6, 7]]
+
+
 def build_cases() -> list[Case]:
     """Every case of the comm suite over 8 ranks. Each group says why its values are there."""
-    A, B = [0, 1, 2, 3], [4, 5, 6, 7]
-    A2, B2 = [[0, 1], [2, 3]], [[4, 5], [6, 7]]
     f32, bf16 = torch.float32, torch.bfloat16
     cases: list[Case] = []
 

@@ -20,9 +20,9 @@ on chunks >= `c`, and only after posting every chunk <= the one it blocks on, so
 message in chunk `c`; both sides are posted, and the transport (gloo's threads, NCCL's kernels, which see groups
 in the same chunk order on every rank) completes it. Hence no cycle of waits, for any plan.
 
-Staging. Two slots, each a send buffer of the rank's largest chunk send bytes and a receive buffer of its largest
-chunk receive bytes (the planner keeps one chunk's send + receive bytes within half the budget), reserved before
-the handshake, cached on the group and reused by later calls. The steady-state loop allocates nothing (except
+Staging. Two slots, each one buffer of the rank's largest chunk send + receive bytes, which the planner keeps
+within half the budget: a chunk's packed sends at its start, its receives right after. Reserved before the
+handshake, cached on the group and reused by later calls. The steady-state loop allocates nothing (except
 checksums with `verify=True`).
 
 On CUDA the stages run on three streams, ordered by events named for each hand-off, with no host synchronization
@@ -108,8 +108,7 @@ class _Step:
 class _Program:
     rank: int
     steps: tuple[_Step, ...]
-    max_send_bytes: int
-    max_recv_bytes: int
+    max_chunk_bytes: int
     max_send_boxes: int
     max_recv_boxes: int
     local_bytes: int
@@ -153,8 +152,7 @@ def _program(plan: Plan, rank: int) -> _Program:
     prog = _Program(
         rank,
         tuple(steps),
-        rp.max_send_bytes,
-        rp.max_recv_bytes,
+        max((s.send_bytes + s.recv_bytes for s in steps), default=0),
         max((len(s.pack.boxes) for s in steps), default=0),
         max((len(s.unpack.boxes) for s in steps), default=0),
         sum(t.nbytes for s in steps for t in s.local),
@@ -169,39 +167,47 @@ def _program(plan: Plan, rank: int) -> _Program:
 
 
 class Staging:
-    """Staging memory of one rank: `NUM_SLOTS` slots, each a send and a receive `uint8` buffer.
+    """Staging memory of one rank: `NUM_SLOTS` slots, each one `uint8` buffer for one chunk's sends and receives.
 
-    Reserved once per plan and reused for every chunk; `reshard` keeps it on the group so later calls with the
-    same (or a smaller) plan reuse it too. On CUDA it also holds the pipeline's streams and events.
+    A chunk with `send_bytes` and `recv_bytes` packs its sends into `slot[:send_bytes]` and receives into
+    `slot[send_bytes:send_bytes + recv_bytes]`; the planner keeps their sum within half the budget, so all slots
+    together stay within `staging_bytes`. Reserved once per plan and reused for every chunk; `execute` keeps it
+    on the group so later calls with the same (or a smaller) plan reuse it too. On CUDA it also holds the
+    pipeline's streams and events.
 
     Attributes:
         device: where the buffers live.
-        send, recv: `NUM_SLOTS` 1-D `uint8` tensors of `send_bytes` / `recv_bytes` each.
+        slots: `NUM_SLOTS` 1-D `uint8` tensors of `slot_bytes` each (separate allocations: no slot aliases another).
         send_sums, recv_sums: `NUM_SLOTS` 1-D `int64` checksum buffers (`verify=True`), one entry per box.
     """
 
-    def __init__(self, device: torch.device, send_bytes: int, recv_bytes: int, send_boxes: int = 0,
-                 recv_boxes: int = 0) -> None:
+    def __init__(self, device: torch.device, slot_bytes: int, send_boxes: int = 0, recv_boxes: int = 0) -> None:
         self.device = device
-        self.send_bytes, self.recv_bytes = send_bytes, recv_bytes
+        self.slot_bytes = slot_bytes
         self.send_boxes, self.recv_boxes = send_boxes, recv_boxes
-        # two separate allocations per slot, so a slot's buffers never alias another slot's
-        self.send = [torch.empty(send_bytes, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
-        self.recv = [torch.empty(recv_bytes, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
         self.send_sums = [torch.zeros(send_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
         self.recv_sums = [torch.zeros(recv_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
         self.streams = _Streams(device) if device.type == "cuda" else None
 
-    def fits(self, device: torch.device, send_bytes: int, recv_bytes: int, send_boxes: int, recv_boxes: int) -> bool:
-        return (self.device == device and self.send_bytes >= send_bytes and self.recv_bytes >= recv_bytes
-                and self.send_boxes >= send_boxes and self.recv_boxes >= recv_boxes)
+    def fits(self, device: torch.device, slot_bytes: int, send_boxes: int, recv_boxes: int) -> bool:
+        return (self.device == device and self.slot_bytes >= slot_bytes and self.send_boxes >= send_boxes
+                and self.recv_boxes >= recv_boxes)
+
+    def send(self, slot: int, step: _Step) -> torch.Tensor:
+        """The slot's send area for `step`: `step.send_bytes` bytes."""
+        return self.slots[slot].narrow(0, 0, step.send_bytes)
+
+    def recv(self, slot: int, step: _Step) -> torch.Tensor:
+        """The slot's receive area for `step`: `step.recv_bytes` bytes after its send area."""
+        return self.slots[slot].narrow(0, step.send_bytes, step.recv_bytes)
 
     @property
     def nbytes(self) -> int:
-        return NUM_SLOTS * (self.send_bytes + self.recv_bytes)
+        return NUM_SLOTS * self.slot_bytes
 
     def __repr__(self) -> str:
-        return f"Staging({self.device}, {NUM_SLOTS} slots x (send {self.send_bytes} B + recv {self.recv_bytes} B))"
+        return f"Staging({self.device}, {NUM_SLOTS} slots x {self.slot_bytes} B)"
 
 
 class _Streams:
@@ -223,8 +229,7 @@ class _Streams:
 
 
 def _staging_for(group: Group | None, prog: _Program, device: torch.device, verify: bool) -> Staging:
-    need = (prog.max_send_bytes, prog.max_recv_bytes, prog.max_send_boxes if verify else 0,
-            prog.max_recv_boxes if verify else 0)
+    need = (prog.max_chunk_bytes, prog.max_send_boxes if verify else 0, prog.max_recv_boxes if verify else 0)
     cached = group.cache.get("staging") if group is not None else None
     if isinstance(cached, Staging) and cached.fits(device, *need):
         return cached
@@ -392,11 +397,13 @@ class _Run:
         with _on(s and s.pack):
             if s is not None:
                 if reused:
-                    s.pack.wait_event(s.transferred[slot])  # comm -> pack: the send buffer of chunk i-2 is free
+                    # comm -> pack and unpack -> pack: chunk i-2 is sent and unpacked, so its slot is free
+                    s.pack.wait_event(s.transferred[slot])
+                    s.pack.wait_event(s.unpacked[slot])
                 if relay_ready is not None:
                     s.pack.wait_event(relay_ready)  # unpack -> pack: the boxes this chunk forwards have landed
             tensors = self._tensors(step.pack)
-            pack(tensors, step.pack.boxes, self.staging.send[slot], step.pack.offsets)
+            pack(tensors, step.pack.boxes, self.staging.send(slot, step), step.pack.offsets)
             if self.verify:
                 sums = self.staging.send_sums[slot]
                 for k, (t, box) in enumerate(zip(tensors, step.pack.boxes)):
@@ -407,8 +414,9 @@ class _Run:
 
     def post(self, step: _Step, slot: int, reused: bool) -> TransferHandle:
         st = self.staging
-        sends = [(peer, st.send[slot].narrow(0, off, n)) for peer, off, n, _, _ in step.sends]
-        recvs = [(peer, st.recv[slot].narrow(0, off, n)) for peer, off, n, _, _ in step.recvs]
+        send_area, recv_area = st.send(slot, step), st.recv(slot, step)
+        sends = [(peer, send_area.narrow(0, off, n)) for peer, off, n, _, _ in step.sends]
+        recvs = [(peer, recv_area.narrow(0, off, n)) for peer, off, n, _, _ in step.recvs]
         if self.debug:
             logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
                          [(p, n) for p, _, n, _, _ in step.sends], [(p, n) for p, _, n, _, _ in step.recvs],
@@ -418,7 +426,7 @@ class _Run:
             if s is not None:
                 s.comm.wait_event(s.packed[slot])  # pack -> comm
                 if reused:
-                    s.comm.wait_event(s.unpacked[slot])  # unpack -> comm: the receive buffer of chunk i-2 is free
+                    s.comm.wait_event(s.unpacked[slot])  # unpack -> comm: chunk i-2's receive area is read
             what = f"chunk {step.index}"
             if self.verify:
                 sends += [(peer, st.send_sums[slot].narrow(0, first, num)) for peer, _, _, first, num in step.sends]
@@ -456,7 +464,7 @@ class _Run:
                 if s is not None:
                     s.unpack.wait_event(s.transferred[slot])  # comm -> unpack
                 tensors = self._tensors(step.unpack)
-                unpack(self.staging.recv[slot], step.unpack.offsets, tensors, step.unpack.boxes)
+                unpack(self.staging.recv(slot, step), step.unpack.offsets, tensors, step.unpack.boxes)
                 if self.verify:
                     self._check_sums(step, slot, tensors)
                 if s is not None:
@@ -579,6 +587,7 @@ def execute(
     *,
     verify: bool = False,
     timeout: Timeout | None = None,
+    confirm: bool = True,
 ) -> ExecutionReport:
     """Run `rank`'s part of `plan`: send what it holds, receive and write what it needs, forward relayed boxes.
 
@@ -597,6 +606,9 @@ def execute(
             `ChecksumError` naming the box, its sender and receiver if one differs. Costs an extra read of every
             box on both sides (and, on CUDA, a host sync per chunk).
         timeout: seconds or a `timedelta` that any one wait for a peer may last (default: the group's).
+        confirm: end with a completion round (one small message to and from the lowest rank of the plan), so
+            that if any rank failed, every rank raises, and a rank that returns knows the whole plan is done.
+            Without it, a rank returns as soon as its own part is done.
 
     Returns:
         An `ExecutionReport` of this rank's work.
@@ -605,7 +617,7 @@ def execute(
         ValueError: on every rank of the plan, before any byte moves, when plans differ between ranks (saying
             what differs) or some rank's local tensors have the wrong shape, dtype or device (naming the tensor,
             the rank, the expected and the actual value).
-        CommError: a peer died, failed or did not answer within `timeout`.
+        CommError: a peer died, failed or did not answer within `timeout` (with `confirm`, on every rank).
         ChecksumError: with `verify=True`, on every rank, when a received box does not match its checksum.
     """
     group = group if group is not None else Group.world()
@@ -628,7 +640,7 @@ def execute(
         if not errors and prog.steps:
             device = device or torch.device("cpu")
             try:
-                if prog.max_send_bytes or prog.max_recv_bytes:
+                if prog.max_chunk_bytes:
                     group.data_backend(device)
                 staging = _staging_for(group, prog, device, verify)
             except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
@@ -645,10 +657,11 @@ def execute(
             run = _Run(prog, plan, group, src_tensors or (), dst_tensors or (), staging, verify, td, report)
             run.run()
             verify_errors = run.errors
-        if verify and len(ranks) > 1:
-            # every rank of the plan, even one without work, takes part, so all raise together
+        if (verify or confirm) and len(ranks) > 1:
+            # every rank of the plan, even one without work, takes part, so all return or all raise together
             agree(group, ranks, plan.fingerprint, verify_errors, lambda: _describe_plan(plan), timeout=td,
-                  what="verify", error_type=ChecksumError, failure="received bytes differ from what was sent")
+                  what="verify" if verify else "completion", error_type=ChecksumError,
+                  failure="received bytes differ from what was sent")
         elif verify_errors:
             raise ChecksumError("received bytes differ from what was sent:\n  " + "\n  ".join(verify_errors))
     report.seconds = time.perf_counter() - start

@@ -164,8 +164,10 @@ def transfer(
                 devices.add(t.device)
                 if peer == group.rank:
                     mine.append(t)
+                elif what == "recvs" or t.is_contiguous():
+                    out.append((peer, t))
                 else:
-                    out.append((peer, t if t.is_contiguous() else t.contiguous()))
+                    out.append((peer, t.contiguous()))  # a send may be any view: send a contiguous copy
     if len(devices) > 1:
         raise ValueError(f"transfer: all tensors must be on one device, got {sorted(map(str, devices))}")
     for peer, t in recv_list:

@@ -1,0 +1,392 @@
+"""Comm on 8 gloo ranks: the transfer primitive, multi-tensor plans, separate default worlds, and bad input.
+
+Every error test checks that *every* rank raises (not only the one with the bad input), with a message that names
+what is wrong, and, where the contract says so, that no byte moved. Functions named `on_rank_*` run on the ranks
+of the shared pool (see `mp_pool`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from comm_cases import B2, S0, SENTINEL, A, B, R, as_bytes, dtensor_local, full_tensor
+from mp_pool import shared_pool
+from torch.distributed.tensor import Replicate, Shard
+
+from reshard import Layout, Mesh, PlanItem, Topology, plan, plan_many
+from reshard.comm import Group, reshard
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(WORLD)
+
+
+def _layouts(dst_pl: tuple = (R, S0), shape=(64, 48), dtype=torch.float32, dst_mesh=B2):
+    return (Layout(shape, Mesh(A), [Shard(0)], dtype, name="w"),
+            Layout(shape, Mesh(dst_mesh), list(dst_pl), dtype, name="w"))
+
+
+def _locals(rank: int, src: Layout, dst: Layout, seed: str = "w") -> tuple:
+    """DTensor's source local (from the full tensor) and a sentinel-filled destination local, or None."""
+    full = full_tensor(src.shape, src.dtype, seed)
+    s = dtensor_local(full, src) if rank in src.ranks else None
+    d = None
+    if rank in dst.ranks:
+        d = torch.empty(dst.local_shape(rank), dtype=dst.dtype)
+        as_bytes(d).fill_(SENTINEL)
+    return full, s, d
+
+
+def _untouched(d: torch.Tensor | None) -> bool:
+    return d is None or bool((as_bytes(d) == SENTINEL).all())
+
+
+def _expect_all_raise(outs, error_type: str, *patterns: str) -> None:
+    for o in outs:
+        assert not o.ok, f"rank {o.rank} did not raise (returned {o.value!r})"
+        assert o.error_type == error_type, f"rank {o.rank}: {o.error}\n{o.trace}"
+        for pat in patterns:
+            assert pat in o.error, f"rank {o.rank}: {pat!r} not in:\n{o.error}"
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the transfer primitive
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_all_to_all(w) -> list[list[int]]:
+    from reshard.comm import transfer
+
+    n = w.world_size
+    sends = {p: [torch.full((3,), 100 * w.rank + p, dtype=torch.int32), torch.tensor([w.rank], dtype=torch.int64)]
+             for p in range(n)}
+    recvs = {p: [torch.empty(3, dtype=torch.int32), torch.empty(1, dtype=torch.int64)] for p in range(n)}
+    handle = transfer(sends, recvs, w.group, timeout=30)  # peer == rank: a local copy, never a message
+    handle.wait()
+    assert handle.is_completed()
+    with pytest.raises(ValueError, match="must be contiguous"):
+        transfer({}, {(w.rank + 1) % n: torch.empty(4, 2).t()}, w.group)
+    return [[int(recvs[p][0][0]), int(recvs[p][1][0])] for p in range(n)]
+
+
+def test_transfer_all_to_all_with_self(pool) -> None:
+    got = pool.run_ok(on_rank_all_to_all)
+    for r, per_peer in enumerate(got):
+        assert per_peer == [[100 * p + r, p] for p in range(WORLD)]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# multi-tensor plans, reports and logging
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_multi_tensor(w) -> list[dict]:
+    """Three tensors of different dtypes in one plan (messages mix dtypes), executed twice on reused staging."""
+    from reshard.comm import execute
+
+    specs = [
+        ("a", (37, 12), torch.float32, Mesh(A), [Shard(0)], Mesh(B), [Shard(1)]),
+        ("b", (20, 9), torch.bfloat16, Mesh([0, 1]), [Replicate()], Mesh([[4, 5], [6, 7]]), [Shard(1), Shard(0)]),
+        ("c", (8, 8, 5), torch.int8, Mesh([[0, 1], [2, 3]]), [Shard(2), Shard(0)], Mesh([5, 6, 7, 0]), [Shard(1)]),
+    ]
+    items, srcs, dsts, fulls = [], [], [], []
+    for i, (name, shape, dt, sm, sp, dm, dp) in enumerate(specs):
+        s, d = Layout(shape, sm, sp, dt, name=name), Layout(shape, dm, dp, dt, name=name)
+        items.append(PlanItem(s, d, src_tensor=i, dst_tensor=2 - i, name=name))  # indices need not match
+        full = full_tensor(shape, dt, name)
+        fulls.append(full)
+        srcs.append(dtensor_local(full, s) if w.rank in s.ranks else None)
+        dsts.append(torch.zeros(d.local_shape(w.rank), dtype=dt) if w.rank in d.ranks else None)
+    p = plan_many(items, Topology(domain_size=4), staging_bytes=512, min_split_bytes=32)
+    dsts.reverse()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("reshard.comm._executor")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        reports = [execute(p, w.rank, srcs, dsts, w.group, timeout=30) for _ in range(2)]
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(logging.NOTSET)
+    for i, it in enumerate(items):
+        if w.rank in it.dst.ranks:
+            expected = dtensor_local(fulls[i], it.dst)
+            assert torch.equal(as_bytes(dsts[2 - i]), as_bytes(expected)), it.name
+    r = reports[1]
+    return [{"sent": r.bytes_sent, "received": r.bytes_received, "local": r.bytes_copied_locally,
+             "messages_sent": r.messages_sent, "chunks": r.chunks, "staging": r.staging_bytes,
+             "chunk_logs": sum("chunk" in m for m in records),
+             "plan": (p.stats.network_bytes + p.stats.nvlink_bytes, p.stats.local_bytes, p.stats.messages)}]
+
+
+def test_multi_tensor_plan_counts_bytes_and_messages(pool) -> None:
+    reports = [r[0] for r in pool.run_ok(on_rank_multi_tensor)]
+    moved, local, messages = reports[0]["plan"]
+    assert sum(r["sent"] for r in reports) == sum(r["received"] for r in reports) == moved
+    assert sum(r["local"] for r in reports) == local
+    assert sum(r["messages_sent"] for r in reports) == messages
+    assert max(r["chunks"] for r in reports) > 2  # a small budget: several chunks, pipelined
+    assert all(r["staging"] <= 512 for r in reports)  # two slots of at most half the budget each
+    assert all(r["chunk_logs"] >= r["chunks"] for r in reports)  # one debug line per chunk at least
+
+
+def on_rank_identical(w) -> dict:
+    lay = Layout((16, 16), Mesh([[0, 1], [2, 3]]), [Shard(0), Shard(1)], torch.float32)
+    _, s, d = _locals(w.rank, lay, lay)
+    from reshard.comm import execute
+
+    r = execute(plan(lay, lay), w.rank, None if s is None else [s], None if d is None else [d], w.group)
+    assert d is None or torch.equal(as_bytes(d), as_bytes(s))
+    return {"messages": r.messages_sent + r.messages_received, "local": r.bytes_copied_locally}
+
+
+def test_identical_layouts_send_no_message(pool) -> None:
+    out = pool.run_ok(on_rank_identical)
+    assert sum(o["messages"] for o in out) == 0
+    assert sum(o["local"] for o in out) == 16 * 16 * 4
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Group.rendezvous between processes that have their own default worlds
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_two_worlds(w, run: int) -> dict:
+    """Ranks 0-3 form a 'trainer' world and ranks 4-7 an 'inference' world, each with its own default group and
+    DTensor meshes in its own ranks; a rendezvous group spans both. Trainer passes (src, None), inference
+    (None, dst)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from reshard.comm import reshard_dtensor
+
+    trainer = w.rank < 4
+    own = w.rank if trainer else w.rank - 4
+    w.init_world(f"{'trainer' if trainer else 'inference'}{run}/", own, 4)
+    try:
+        assert dist.get_world_size() == 4 and dist.get_rank() == own
+        group = w.new_group(f"two-worlds-{run}", rank=w.rank)  # group ranks: trainer 0-3, inference 4 + own
+        shape = (40, 30)
+        full = full_tensor(shape, torch.bfloat16, "two-worlds")
+        if trainer:
+            mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), _init_backend=False)
+            src = distribute_tensor(full, mesh, [Shard(1), Shard(0)], src_data_rank=None)
+            reshard_dtensor(src, None, group=group, timeout=30)
+            reshard_dtensor(src, None, group=group, timeout=30)  # second call: layouts come from the cache
+            out = None
+        else:
+            mesh = DeviceMesh("cpu", torch.arange(4), _init_backend=False)
+            expected = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to_local()
+            dst = DTensor.from_local(torch.zeros_like(expected), mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                     stride=full.stride())
+            assert reshard_dtensor(None, dst, group=group, timeout=30) is dst
+            out = torch.equal(as_bytes(dst.to_local()), as_bytes(expected))
+            dst.to_local().zero_()
+            reshard_dtensor(None, dst, group=group, timeout=30)
+            out = out and torch.equal(as_bytes(dst.to_local()), as_bytes(expected))
+        # each side's own world still works, untouched
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        group.close()
+        return {"ok": out, "own_world_sum": float(t), "cached": len(group.cache) == 0}
+    finally:
+        w.init_world(f"world-after-two-worlds{run}/", w.rank, w.world_size)
+
+
+def test_rendezvous_between_separate_default_worlds(pool) -> None:
+    out = pool.run_ok(on_rank_two_worlds, 1)
+    assert all(o["own_world_sum"] == 4.0 for o in out)
+    assert all(o["ok"] for o in out[4:]), out
+
+
+def on_rank_world_group(w) -> tuple[int, int]:
+    g = Group.world()
+    assert Group.world() is g
+    return g.rank, g.size
+
+
+def test_group_world_wraps_default_world(pool) -> None:
+    assert pool.run_ok(on_rank_world_group) == [(r, WORLD) for r in range(WORLD)]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# bad input: every rank raises, before any byte moves
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_plans_differ(w, variant: str) -> None:
+    src, dst = _layouts()
+    if variant == "placements" and w.rank == 3:
+        src, dst = _layouts(dst_pl=(Shard(1), Replicate()))
+    if variant == "ranks" and w.rank == 5:
+        src, dst = _layouts(dst_pl=(Shard(0),), dst_mesh=[4, 5, 6])
+    if variant == "budget" and w.rank == 6:
+        w.scratch["staging"] = 1 << 16
+    p = plan(src, dst, staging_bytes=w.scratch.pop("staging", 1 << 20))
+    _, s, d = _locals(w.rank, src, dst)
+    try:
+        reshard(s, d, p, w.group, timeout=30)
+    finally:
+        assert _untouched(d), f"rank {w.rank}: bytes moved before the error"
+
+
+@pytest.mark.parametrize("variant, patterns", [
+    ("placements", ["ranks hold different plans", "destination layout: rank 0 has", "rank 3 has", "[S(1), R]"]),
+    ("ranks", ["ranks hold different plans", "rank 5 has", "ranks=4-6"]),
+    ("budget", ["staging_bytes: rank 0 has 1048576, rank 6 has 65536"]),
+])
+def test_plans_that_differ_between_ranks_raise_on_every_rank(pool, variant, patterns) -> None:
+    outs = pool.run(on_rank_plans_differ, variant)
+    _expect_all_raise(outs, "ValueError", *patterns)
+
+
+def on_rank_dtensor_layouts_differ(w) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from reshard.comm import reshard_dtensor
+
+    full = full_tensor((16, 8), torch.float32, "dt")
+    smesh = DeviceMesh("cpu", torch.tensor(A), _init_backend=False)
+    dmesh = DeviceMesh("cpu", torch.tensor(B), _init_backend=False)
+    dpl = [Shard(1)] if w.rank == 6 else [Shard(0)]
+    src = distribute_tensor(full, smesh, [Shard(0)], src_data_rank=None) if w.rank < 4 else None
+    dst = distribute_tensor(torch.zeros_like(full), dmesh, dpl, src_data_rank=None) if w.rank >= 4 else None
+    reshard_dtensor(src, dst, group=w.group, timeout=30)
+
+
+def test_dtensor_layouts_that_differ_raise_on_every_rank(pool) -> None:
+    outs = pool.run(on_rank_dtensor_layouts_differ)
+    _expect_all_raise(outs, "ValueError", "destination DTensors differ between ranks", "ranks [6]: [16, 8] float32",
+                      "[S(1)]", "ranks [4, 5, 7]")
+
+
+def on_rank_wrong_locals(w, variant: str) -> None:
+    src, dst = _layouts()
+    p = plan(src, dst)
+    _, s, d = _locals(w.rank, src, dst)
+    if variant == "shape" and w.rank == 5:
+        d = torch.empty(d.shape[0] + 1, d.shape[1])
+    if variant == "dtype" and w.rank == 2:
+        s = s.to(torch.float64)
+    if variant == "missing" and w.rank == 1:
+        s = None
+    try:
+        reshard(s, d, p, w.group, timeout=30)
+    finally:
+        assert _untouched(d) or (variant == "shape" and w.rank == 5), f"rank {w.rank}: bytes moved before the error"
+
+
+@pytest.mark.parametrize("variant, patterns", [
+    ("shape", ["tensor 'w' (item 0): rank 5: destination local tensor 0 has shape (33, 48), expected (32, 48)"]),
+    ("dtype", ["tensor 'w' (item 0): rank 2: source local tensor 0 has dtype torch.float64, expected torch.float32"]),
+    ("missing", ["rank 1 holds a source shard", "got no source tensors (None)", "shape (16, 48)"]),
+])
+def test_wrong_local_tensors_raise_on_every_rank_before_bytes_move(pool, variant, patterns) -> None:
+    outs = pool.run(on_rank_wrong_locals, variant)
+    _expect_all_raise(outs, "ValueError", "bad input, nothing was moved", *patterns)
+
+
+def test_reshard_refuses_multi_tensor_plans() -> None:
+    a = Layout((4, 4), Mesh([0, 1]), [Shard(0)])
+    p = plan_many([PlanItem(a, a, 0, 0), PlanItem(a, a, 1, 1)])
+    with pytest.raises(ValueError, match="use reshard.comm.execute"):
+        reshard(None, None, p, object())  # type: ignore[arg-type]
+
+
+def test_rendezvous_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        Group.rendezvous("127.0.0.1", 1, 3, 2)
+    with pytest.raises(ValueError, match="backend must be None, 'gloo' or 'nccl'"):
+        Group.rendezvous("127.0.0.1", 1, 0, 2, backend="mpi")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        Group.rendezvous("127.0.0.1", 1, 0, 2, timeout=0)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# corruption and stuck peers
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_corrupt(w, verify: bool) -> bool:
+    """Rank 6 flips one byte of its receive buffer before unpacking (a bit flip on the wire)."""
+    import reshard.comm._executor as ex
+
+    src, dst = _layouts(shape=(64, 48))
+    p = plan(src, dst, staging_bytes=8192, min_split_bytes=256)
+    full, s, d = _locals(w.rank, src, dst)
+    original = ex.unpack
+    calls = []
+
+    def corrupting_unpack(buffer, offsets, tensors, boxes, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            buffer[int(offsets[0]) + 5] ^= 0x10
+        return original(buffer, offsets, tensors, boxes, **kw)
+
+    if w.rank == 6:
+        ex.unpack = corrupting_unpack
+    try:
+        reshard(s, d, p, w.group, verify=verify, timeout=30)
+    finally:
+        ex.unpack = original
+    return d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
+
+
+def test_corrupt_byte_with_verify_raises_on_every_rank(pool) -> None:
+    outs = pool.run(on_rank_corrupt, True)
+    _expect_all_raise(outs, "ChecksumError", "received bytes differ from what was sent", "checksum mismatch",
+                      "of tensor 'w' (item 0), sent by rank", "to rank 6 (destination box")
+    # without verify the same corruption goes unnoticed: this is what verify is for
+    unverified = pool.run_ok(on_rank_corrupt, False)
+    assert unverified[6] is False and all(unverified[r] for r in range(WORLD) if r != 6)
+
+
+def on_rank_stuck(w, timeout: float) -> float:
+    """Rank 7 stops answering in its third chunk; the others must raise within `timeout` of its silence."""
+    import reshard.comm._executor as ex
+
+    group = w.new_group("stuck", timeout=timeout)
+    src, dst = _layouts(shape=(64, 48))
+    p = plan(src, dst, staging_bytes=4096, min_split_bytes=256)
+    _, s, d = _locals(w.rank, src, dst)
+    original = ex.unpack
+    calls = []
+
+    def stalling_unpack(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(timeout + 3)
+            raise RuntimeError("rank 7 was stuck on purpose")
+        return original(*args, **kw)
+
+    if w.rank == 7:
+        ex.unpack = stalling_unpack
+    start = time.monotonic()
+    try:
+        reshard(s, d, p, group, timeout=timeout)
+    finally:
+        ex.unpack = original
+        w.scratch["elapsed"] = time.monotonic() - start
+        group.close()
+    return w.scratch["elapsed"]
+
+
+def test_stuck_peer_makes_every_rank_raise_within_timeout(pool) -> None:
+    timeout = 2.0
+    outs = pool.run(on_rank_stuck, timeout)
+    assert outs[7].error_type == "RuntimeError"
+    for o in outs[:7]:
+        assert o.error_type == "CommError", f"rank {o.rank}: {o.error}"
+        assert f"rank {o.rank} of" in o.error and "timeout 2.0 s" in o.error
+        # rank 7 goes silent within a fraction of a second of the start; allow for 2 cores running 8 ranks
+        assert o.seconds < timeout + 2.5, (o.rank, o.seconds)

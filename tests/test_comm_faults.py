@@ -1,0 +1,64 @@
+"""A rank killed in the middle of a reshard: every other rank raises within the timeout, none hangs.
+
+Runs on its own small pool (3 ranks), because a killed rank breaks the pool's groups.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from comm_cases import as_bytes, dtensor_local, full_tensor
+from mp_pool import RankPool
+from torch.distributed.tensor import Shard
+
+from reshard import Layout, Mesh, plan
+
+TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(3)
+    yield p
+    p.close()
+
+
+def on_rank_killed(w, victim: int) -> bool:
+    """Everyone sends to everyone in many chunks; `victim` exits abruptly when packing its second chunk."""
+    import reshard.comm._executor as ex
+    from reshard.comm import reshard
+
+    src = Layout((96, 64), Mesh([0, 1, 2]), [Shard(0)], torch.float32)
+    dst = Layout((96, 64), Mesh([2, 0, 1]), [Shard(1)], torch.float32)
+    p = plan(src, dst, staging_bytes=4096, min_split_bytes=256)
+    assert p.stats.num_chunks > 4
+    full = full_tensor(src.shape, src.dtype, "killed")
+    s = dtensor_local(full, src)
+    d = torch.zeros(dst.local_shape(w.rank))
+    original = ex.pack
+    calls = []
+
+    def dying_pack(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os._exit(17)
+        return original(*args, **kw)
+
+    if w.rank == victim:
+        ex.pack = dying_pack
+    try:
+        reshard(s, d, p, w.group, timeout=TIMEOUT)
+    finally:
+        ex.pack = original
+    return torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
+
+
+def test_killed_rank_makes_every_other_rank_raise_within_timeout(pool) -> None:
+    outs = pool.run(on_rank_killed, 1, timeout=60)
+    assert outs[1].died and "exit code 17" in outs[1].error
+    for o in (outs[0], outs[2]):
+        assert o.error_type == "CommError", f"rank {o.rank}: {o.error}\n{o.trace}"
+        assert f"rank {o.rank} of" in o.error
+        assert o.seconds < TIMEOUT + 2.0, (o.rank, o.seconds)
