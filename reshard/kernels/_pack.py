@@ -392,7 +392,6 @@ def prepare_unpack(
 
 
 
-@torch.no_grad()
 def pack(
     tensors: TensorArg,
     boxes: Sequence[Box],
@@ -436,7 +435,6 @@ def pack(
     return buffer
 
 
-@torch.no_grad()
 def unpack(
     buffer: torch.Tensor,
     offsets: OffsetArg,
