@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--count-box-bytes", type=int, default=4 * KiB, help="box bytes of the count sweep")
     ap.add_argument("--max-total-bytes", type=int, default=None,
                     help="size sweep: boxes per config = min(1000, this // box bytes); default 64 MiB on CPU, "
-                         "1 GiB on CUDA")
+                         "256 MiB on CUDA")
     ap.add_argument("--layouts", default="cols,rows")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=5)
@@ -210,7 +210,7 @@ def main() -> None:
     if "ceiling" not in args.impls:
         args.impls.insert(0, "ceiling")
     device = torch.device(args.device)
-    max_total = args.max_total_bytes or (1 << 30 if device.type == "cuda" else 64 * MiB)
+    max_total = args.max_total_bytes or (256 * MiB if device.type == "cuda" else 64 * MiB)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)

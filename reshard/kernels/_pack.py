@@ -343,14 +343,16 @@ class PreparedCopy:
     so `run()` is one `torch._foreach_copy_` plus the whole-run copies. A refit that moves the same boxes every step
     prepares once per plan.
 
-    It holds addresses and views: the tensors and the buffer must keep their storage (not be freed, resized or
-    replaced) while it is used. This is not checked. Their values may change freely between runs.
+    It holds addresses and views, and references to the tensors and the buffer, so they stay allocated; they must
+    also keep their storage (no `resize_`, `set_` or `untyped_storage().resize_()`) while it is used, which is not
+    checked. Their values may change freely between runs.
     """
 
     def __init__(self, op: str, args: CopyArgs, backend: str | None) -> None:
         self.op = op
         self.backend, casts = _choose_backend(op, args, backend)
         self.device = args.device
+        self._args = args  # keeps every tensor and the buffer alive: the tables hold their addresses
         self._launches = _launches(op, args, casts) if self.backend == "triton" else []
         self._torch = _torch_program(op, args) if self.backend == "torch" else None
 
