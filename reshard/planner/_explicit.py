@@ -14,7 +14,7 @@ import torch
 
 from reshard.planner._box import Box
 from reshard.planner._index import _pairwise_disjoint
-from reshard.planner._layout import Layout, Piece
+from reshard.planner._layout import Layout, Piece, _shared_cache
 from reshard.planner._mesh import _rank_ranges
 
 
@@ -79,6 +79,7 @@ class ExplicitLayout:
             tuple((r, self._local_shapes[r], tuple((p.global_box, p.local_box) for p in self._pieces.get(r, ())))
                   for r in self.ranks),
         )
+        self.geometry_id = _shared_cache(self.key)[0]
 
     @property
     def itemsize(self) -> int:

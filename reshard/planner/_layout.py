@@ -105,6 +105,22 @@ def _merge(intervals: list[Interval]) -> list[Interval]:
     return out
 
 
+_GEOMETRY: dict[tuple, tuple[int, dict, dict]] = {}
+
+
+def _shared_cache(key: tuple) -> tuple[int, dict, dict]:
+    """One id and one pair of per-rank caches (pieces, local shapes) per distinct layout geometry.
+
+    A model has hundreds of tensors with the same shape, mesh and placements; their pieces are computed once.
+    The id is a small int that the planner hashes instead of the long key.
+    """
+    entry = _GEOMETRY.get(key)
+    if entry is None:
+        entry = (len(_GEOMETRY), {}, {})
+        _GEOMETRY[key] = entry
+    return entry
+
+
 class Layout:
     """Global shape + dtype + mesh + placements: which part of the global tensor each rank holds.
 
@@ -182,11 +198,10 @@ class Layout:
         self.placements: tuple[Placement, ...] = tuple(normalized)
         self.dtype = dtype
         self.name = name
+        # layouts of equal geometry (every layer of a model) share their pieces: see `_shared_cache`
         # DTensor layouts cut every dim into the same intervals on every rank, so any two ranks' pieces are
         # identical or disjoint; the planner relies on this to skip overlap checks
         self.regular = True
-        self._pieces: dict[int, tuple[Piece, ...]] = {}
-        self._local_shapes: dict[int, tuple[int, ...]] = {}
         self.key = (
             "layout",
             shape,
@@ -195,6 +210,7 @@ class Layout:
             mesh.ranks,
             tuple(placement_str(p) for p in normalized),
         )
+        self.geometry_id, self._pieces, self._local_shapes = _shared_cache(self.key)
 
     @classmethod
     def from_dtensor(cls, dt: Any, *, name: str | None = None) -> Layout:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
+from reshard.planner._layout import _shared_cache
 from reshard.planner._topology import Topology
 from reshard.planner._types import LINKS, Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
 
@@ -28,6 +29,10 @@ rank are at most half of this."""
 
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
 """A box is split across several senders (or relay receivers) only into parts of at least this many bytes."""
+
+SPREAD_FACTOR = 8
+"""A box is split over several relay receivers only when it exceeds 1/SPREAD_FACTOR of a receiver's fair share of
+its domain's network bytes."""
 
 RELAY_CHUNK_LAG = 2
 """A relay forwards a box at least this many chunks after the box arrives, so the executor can pack chunk i+1
@@ -87,6 +92,7 @@ class _Builder:
         self.nvl_send: dict[int, int] = defaultdict(int)
         # raw transfer: [src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep]
         self.raw: list[tuple] = []
+        self.fair_recv: dict[Any, float] = {}  # per destination domain: network bytes per destination rank
         self._domain_cache: dict[int, Any] = {}
 
     def domain(self, rank: int) -> Any:
@@ -125,9 +131,17 @@ class _Builder:
             self.nvl_send[src] += nbytes
         return len(self.raw) - 1
 
-    def parts(self, box: Box, num_candidates: int, itemsize: int) -> list[Box]:
-        """Split `box` for spreading over `num_candidates` ranks, then to fit a chunk; row-major order."""
-        want = min(num_candidates, max(1, box.numel * itemsize // self.min_split_bytes))
+    def parts(self, box: Box, num_candidates: int, itemsize: int, fair_share: float = 0.0) -> list[Box]:
+        """Split `box` for spreading over `num_candidates` ranks, then to fit a chunk; row-major order.
+
+        A box is spread only when it is large next to `fair_share` (the bytes each candidate would carry if the
+        whole plan were spread evenly): many boxes much smaller than that balance by assignment alone, without
+        multiplying transfers.
+        """
+        nbytes = box.numel * itemsize
+        want = min(num_candidates, max(1, nbytes // self.min_split_bytes))
+        if fair_share > 0:
+            want = min(want, max(1, math.ceil(SPREAD_FACTOR * nbytes / fair_share)))
         cap_numel = max(1, self.chunk_cap // itemsize)
         out: list[Box] = []
         for part in split_box(box, want):
@@ -233,7 +247,8 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                     b.emit(a_rank, r, a_delta, d_delta, covered, itemsize, link, 1,
                            item_index, item.dst_tensor, item.dst_tensor, a_idx)
             for rem in remaining:
-                for part in b.parts(rem, max(len(needers), -(-len(holders) // net_demand[gid])), itemsize):
+                for part in b.parts(rem, max(len(needers), -(-len(holders) // net_demand[gid])), itemsize,
+                                    b.fair_recv.get(dom, 0.0)):
                     recv, recv_delta = min(needers, key=lambda n: (b.net_recv[n[0]], n[0]))
                     h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
                     a_idx = b.emit(h, recv, h_delta, recv_delta, part, itemsize, "network", 0,
@@ -248,9 +263,37 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                                item_index, item.dst_tensor, item.dst_tensor, a_idx)
 
 
-def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> int:
-    """Per destination domain: |union of what its ranks need| - |the part of it its ranks already hold|."""
-    total = 0
+def _geometry_id(layout: Any) -> int:
+    gid = getattr(layout, "geometry_id", None)
+    return gid if gid is not None else _shared_cache(layout.key)[0]
+
+
+def _replay(b: _Builder, span: tuple[int, int], item: PlanItem, item_index: int) -> None:
+    """Emit the transfers of an earlier item of the same geometry (same shapes, meshes, placements) for `item`.
+
+    A model repeats a few geometries hundreds of times (every layer); planning each once and replaying it keeps
+    whole-model planning linear in transfers. Sources are chosen as for the first item, whose choice was balanced;
+    so the whole plan is as balanced as each geometry's plan.
+    """
+    start, stop = span
+    offset = len(b.raw) - start
+    raw = b.raw
+    for k in range(start, stop):
+        t = raw[k]
+        src_t = item.src_tensor if t[7] == 0 else item.dst_tensor
+        dep = t[11] + offset if t[11] >= 0 else -1
+        raw.append((t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], item_index, src_t, item.dst_tensor, dep))
+        if t[6] == "network":
+            b.net_send[t[0]] += t[5]
+            b.net_recv[t[1]] += t[5]
+        elif t[6] == "nvlink":
+            b.nvl_send[t[0]] += t[5]
+
+
+def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[Any, int]:
+    """Per destination domain: |union of what its ranks need| - |the part of it its ranks already hold|, in bytes
+    summed over items."""
+    out: dict[Any, int] = defaultdict(int)
     for item in items:
         need: dict[Any, list[Box]] = defaultdict(list)
         held: dict[Any, list[Box]] = defaultdict(list)
@@ -261,42 +304,86 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> int:
             if d in need:
                 held[d].extend(p.global_box for p in item.src.pieces(r))
         for d, boxes in need.items():
-            total += (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
-    return total
+            out[d] += (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
+    return out
+
+
+class _OpenChunks:
+    """Per rank: bytes used per chunk, and a union-find "next chunk not yet closed" over chunk indices."""
+
+    __slots__ = ("used", "parent")
+
+    def __init__(self) -> None:
+        self.used: list[int] = []
+        self.parent: list[int] = []
+
+    def find(self, c: int) -> int:
+        """The first chunk >= `c` not closed for this rank (path compression on the way)."""
+        parent = self.parent
+        if c >= len(parent):
+            self._grow(c)
+        root = c
+        while parent[root] != root:
+            root = parent[root]
+            if root >= len(parent):
+                self._grow(root)
+        while parent[c] != root:
+            parent[c], c = root, parent[c]
+        return root
+
+    def _grow(self, c: int) -> None:
+        start = len(self.parent)
+        self.parent.extend(range(start, c + 64))
+        self.used.extend([0] * (c + 64 - start))
+
+    def close(self, c: int) -> None:
+        self.parent[c] = c + 1
 
 
 def _assign_chunks(raw: list[tuple], chunk_cap: int) -> list[int]:
-    """Greedy: each transfer goes to the first chunk where both ends still have room (send + receive bytes of a
-    rank in a chunk stay within `chunk_cap`), and a relay forward at least `RELAY_CHUNK_LAG` chunks after its
-    arrival. Local copies take no staging; a forwarded local copy still waits for its arrival."""
-    used: dict[int, list[int]] = defaultdict(list)
-    first_open: dict[int, int] = defaultdict(int)
-    nearly_full = chunk_cap - chunk_cap // 16
+    """First fit, largest transfers first: each transfer goes to the first chunk where both ends still have room
+    (send + receive bytes of a rank in a chunk stay within `chunk_cap`); a relay forward goes at least
+    `RELAY_CHUNK_LAG` chunks after its arrival, so all arrivals are placed before any forward.
+
+    A chunk where the current transfer does not fit is closed for that rank (a later, smaller transfer could have
+    fit, but transfers come in decreasing size, so little is lost); closed chunks are skipped through a
+    union-find, so planning stays close to linear in the number of transfers. Local copies take no staging; a
+    forwarded local copy still waits for its arrival.
+    """
+    ranks: dict[int, _OpenChunks] = defaultdict(_OpenChunks)
+    pair_last: dict[tuple[int, int], int] = {}
     chunks = [0] * len(raw)
-    for i, t in enumerate(raw):
+    order = sorted(range(len(raw)), key=lambda i: (raw[i][7], -raw[i][5], i))
+    for i in order:
+        t = raw[i]
         src, dst, nbytes, link, dep = t[0], t[1], t[5], t[6], t[11]
         min_c = chunks[dep] + RELAY_CHUNK_LAG if dep >= 0 else 0
         if link == "local":
             chunks[i] = min_c
             continue
-        us, ud = used[src], used[dst]
-        c = max(min_c, first_open[src], first_open[dst])
+        rs, rd = ranks[src], ranks[dst]
+        # start where this pair's last (larger) transfer went: it keeps a pair's boxes together in few messages
+        # and skips re-walking chunks the two ends do not share
+        c = max(min_c, pair_last.get((src, dst), 0))
         while True:
-            while len(us) <= c:
-                us.append(0)
-            while len(ud) <= c:
-                ud.append(0)
-            if (us[c] + nbytes <= chunk_cap and ud[c] + nbytes <= chunk_cap) or (us[c] == 0 and ud[c] == 0):
+            c = rs.find(c)
+            cd = rd.find(c)
+            if cd != c:
+                c = cd
+                continue
+            a, d = rs.used[c], rd.used[c]  # noqa: E741
+            fit_s = a == 0 or a + nbytes <= chunk_cap
+            fit_d = d == 0 or d + nbytes <= chunk_cap
+            if fit_s and fit_d:
                 break
-            c += 1
-        us[c] += nbytes
-        ud[c] += nbytes
+            if not fit_s:
+                rs.close(c)
+            if not fit_d:
+                rd.close(c)
+        rs.used[c] += nbytes
+        rd.used[c] += nbytes
         chunks[i] = c
-        for r, u in ((src, us), (dst, ud)):
-            k = first_open[r]
-            while k < len(u) and u[k] >= nearly_full:
-                k += 1
-            first_open[r] = k
+        pair_last[(src, dst)] = c
     return chunks
 
 
@@ -599,8 +686,23 @@ def plan_many(
     gc.disable()
     try:
         b = _Builder(topology, relay, chunk_cap, min_split_bytes)
+        lower_by_domain = _network_lower_bound(items, topology)
+        dst_per_domain: dict[Any, set[int]] = defaultdict(set)
+        for it in items:
+            for r in it.dst.ranks:
+                dst_per_domain[b.domain(r)].add(r)
+        b.fair_recv = {d: lower_by_domain[d] / len(rs) for d, rs in dst_per_domain.items() if lower_by_domain.get(d)}
+        templates: dict[tuple[int, int], tuple[int, int]] = {}
+        template_items: dict[tuple[int, int], tuple[int, tuple[int, int]]] = {}
         for i, it in enumerate(items):
-            _plan_item(b, it, i)
+            tkey = (_geometry_id(it.src), _geometry_id(it.dst))
+            if tkey in templates:
+                _replay(b, templates[tkey], it, i)
+            else:
+                start = len(b.raw)
+                _plan_item(b, it, i)
+                templates[tkey] = (start, len(b.raw))
+                template_items[tkey] = (i, tkey)
         chunks = _assign_chunks(b.raw, chunk_cap)
         transfers = tuple(
             Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10])
@@ -608,9 +710,9 @@ def plan_many(
         )
         needed = sum(p.global_box.numel * it.dst.dtype.itemsize for it in items for r in it.dst.ranks
                      for p in it.dst.pieces(r))
-        lower = _network_lower_bound(items, topology)
-        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, transfers, lower, needed)
-        _validate(result)
+        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, transfers,
+                      sum(lower_by_domain.values()), needed)
+        _validate(result, planned={start_item for start_item, _ in template_items.values()})
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -639,12 +741,18 @@ def plan(
     )
 
 
-def _validate(p: Plan) -> None:
+def _validate(p: Plan, planned: set[int] | None = None) -> None:
     """Cheap self-check from box arithmetic: every destination element is written exactly once, boxes are in
-    bounds, and with relays the network bytes meet the lower bound."""
+    bounds, and with relays the network bytes meet the lower bound.
+
+    `planned`: the items planned from scratch; the others replay one of them (same geometry, same boxes), so
+    checking the planned ones checks all. None checks every item.
+    """
     written: dict[tuple[int, int], int] = defaultdict(int)
     local_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
     for t in p.transfers:
+        if planned is not None and t.item not in planned:
+            continue
         if t.global_box.shape != t.src_box.shape or t.global_box.shape != t.dst_box.shape:
             raise AssertionError(f"transfer shapes disagree: {t}")
         dst_local = local_shapes.get((t.item, t.dst_rank))
@@ -654,6 +762,8 @@ def _validate(p: Plan) -> None:
             raise AssertionError(f"destination box out of bounds of local shape {dst_local}: {t}")
         written[(t.item, t.dst_rank)] += t.global_box.numel
     for i, it in enumerate(p.items):
+        if planned is not None and i not in planned:
+            continue
         for r in it.dst.ranks:
             expected = sum(piece.global_box.numel for piece in it.dst.pieces(r))
             got = written.get((i, r), 0)

@@ -1,0 +1,105 @@
+"""Whole-model refit on this machine's CPU ranks (gloo): reshard against gather-and-broadcast, per model preset.
+
+Usage:
+    python perf/bench_refit.py [--model qwen3-0.6b] [--layers N] [--system "train=tp2,dp2 gen=tp2,dp2 domain=4"]
+                               [--repeat 3] [--out perf/out]
+
+Each method runs the same `Refit` (policy `reshard` or `gather_broadcast`), verified against the full model. The
+first run includes the metadata exchange and planning; the timed steady-state runs follow, each after a barrier.
+Writes `bench_refit.csv` (machine, versions, configuration, bytes, median and spread) and `bench_refit.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from reshard._demo import refit_job  # noqa: E402
+from reshard._launch import RankPool  # noqa: E402
+from reshard.planner import format_bytes  # noqa: E402
+from reshard.sim import System  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    ap.add_argument("--system", default="train=tp2,dp2 gen=tp2,dp2 domain=4")
+    ap.add_argument("--repeat", type=int, default=3, help="pool jobs per method; each job times one steady run")
+    ap.add_argument("--out", default="perf/out")
+    args = ap.parse_args()
+    sysm = System.parse(args.system)
+    world = max(max(sysm.train_ranks), max(sysm.gen_ranks)) + 1
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with RankPool(world, timeout_s=1200) as pool:
+        for policy in ("reshard", "gather_broadcast"):
+            steady, first, moved = [], [], 0
+            for _ in range(args.repeat):
+                res = pool.run_ok(refit_job, args.model, args.system, policy, args.layers)
+                if any(r["bad"] for r in res):
+                    raise SystemExit(f"{policy}: result differs from the full model")
+                steady.append(max(r["steady"]["transfer"] for r in res))
+                first.append(max(sum(r["first"].values()) for r in res))
+                moved = res[0]["network"] + res[0]["nvlink"] if policy == "reshard" else res[0]["gb_bytes"]
+            row = {
+                "method": policy,
+                "model": args.model,
+                "layers": args.layers or "all",
+                "system": args.system,
+                "world_size": world,
+                "bytes_moved": moved,
+                "steady_s_median": statistics.median(steady),
+                "steady_s_min": min(steady),
+                "steady_s_max": max(steady),
+                "first_run_s_median": statistics.median(first),
+                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+                "torch": torch.__version__,
+                "backend": "gloo (CPU)",
+            }
+            rows.append(row)
+            print(f"{policy:<18} moved {format_bytes(moved):>12}  steady {row['steady_s_median']:.2f} s "
+                  f"[{row['steady_s_min']:.2f}, {row['steady_s_max']:.2f}]  first run {row['first_run_s_median']:.2f} s")
+    ratio = rows[1]["steady_s_median"] / rows[0]["steady_s_median"]
+    print(f"reshard is {ratio:.1f}x faster than gather-and-broadcast and moves "
+          f"{rows[1]['bytes_moved'] / rows[0]['bytes_moved']:.1f}x fewer bytes")
+    with open(out_dir / "bench_refit.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out_dir / "bench_refit.png")
+    print(f"wrote {out_dir / 'bench_refit.csv'} and {out_dir / 'bench_refit.png'}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["method"] for r in rows]
+    a.bar(names, [r["steady_s_median"] for r in rows],
+          yerr=[[r["steady_s_median"] - r["steady_s_min"] for r in rows],
+                [r["steady_s_max"] - r["steady_s_median"] for r in rows]])
+    a.set_ylabel("steady-state refit (s)")
+    b.bar(names, [r["bytes_moved"] / 2**30 for r in rows])
+    b.set_ylabel("bytes moved (GiB)")
+    fig.suptitle(f"{rows[0]['model']} refit, {rows[0]['system']}, {rows[0]['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
