@@ -8,6 +8,7 @@ from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtra
 from reshard.planner._layout import Layout, Piece, placement_str
 from reshard.planner._mesh import Mesh
 from reshard.planner._plan import (
+    RELAY_CHUNK_LAG,
     DEFAULT_MIN_SPLIT_BYTES,
     DEFAULT_STAGING_BYTES,
     Plan,
@@ -22,6 +23,7 @@ from reshard.planner._topology import Topology
 from reshard.planner._types import Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
 
 __all__ = [
+    "RELAY_CHUNK_LAG",
     "Box",
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from reshard.models import ModelConfig, get_preset
-from reshard.planner import DEFAULT_STAGING_BYTES, Plan, PlanItem, Topology, plan_many
+from reshard.planner import DEFAULT_STAGING_BYTES, RELAY_CHUNK_LAG, Plan, PlanItem, Topology, plan_many
 from reshard.sim._cost import (
     GatherBroadcast,
     LinkLoads,
@@ -25,8 +25,6 @@ from reshard.sim._system import System, load_system
 
 logger = logging.getLogger(__name__)
 
-PLANNER_RELAY_CHUNK_LAG = 2
-"""Chunks between a relay's arrival and its forward (the planner's `RELAY_CHUNK_LAG`), for the pipeline fill."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +163,7 @@ def simulate(
     t0 = time.perf_counter()
     relay_plan = plan_many(items, topo, relay=True, staging_bytes=staging_bytes)
     plan_s = time.perf_counter() - t0
-    fill = relay_fill_s(relay_plan, hw, chunk_lag=PLANNER_RELAY_CHUNK_LAG)
+    fill = relay_fill_s(relay_plan, hw, chunk_lag=RELAY_CHUNK_LAG)
     methods.append(_plan_result("reshard", relay_plan, hw, plan_s, fill))
     if direct:
         t0 = time.perf_counter()
