@@ -50,7 +50,8 @@ class PlanItem:
             `local_shape(rank)` and `key`, such as `Layout`).
         src_tensor, dst_tensor: index of the local tensor the pieces live in, on the source and destination side.
         name: the tensor's name for messages.
-        wire_dtype: the element type on the wire and in the destination (defaults to `dst.dtype`).
+        precision: `"same"` (source and destination dtypes must match) or `"cast"` (values are cast to the
+            destination dtype while packing, bit-exact to torch's `.to()`; the wire carries the destination dtype).
     """
 
     src: Any
@@ -58,6 +59,7 @@ class PlanItem:
     src_tensor: int = 0
     dst_tensor: int = 0
     name: str | None = None
+    precision: str = "same"
 
     @property
     def label(self) -> str:
@@ -65,7 +67,12 @@ class PlanItem:
 
     @property
     def key(self) -> tuple:
-        return (self.src.key, self.dst.key, self.src_tensor, self.dst_tensor, self.name)
+        return (self.src.key, self.dst.key, self.src_tensor, self.dst_tensor, self.name, self.precision)
+
+    @property
+    def casts(self) -> bool:
+        """Whether stage-0 boxes are cast from the source dtype to the destination dtype while packing."""
+        return self.src.dtype != self.dst.dtype
 
 
 def _check_item(item: PlanItem, index: int) -> None:
@@ -75,8 +82,13 @@ def _check_item(item: PlanItem, index: int) -> None:
         raise ValueError(
             f"{who}: global shapes differ: source {tuple(src.shape)}, destination {tuple(dst.shape)} (expected equal)"
         )
-    if src.dtype != dst.dtype:
-        raise ValueError(f"{who}: dtypes differ: source {src.dtype}, destination {dst.dtype} (expected equal)")
+    if item.precision not in ("same", "cast"):
+        raise ValueError(f"{who}: precision must be 'same' or 'cast', got {item.precision!r}")
+    if src.dtype != dst.dtype and item.precision != "cast":
+        raise ValueError(f"{who}: dtypes differ: source {src.dtype}, destination {dst.dtype} (expected equal, or "
+                         "precision='cast' to cast while packing)")
+    if item.precision == "cast" and not (src.dtype.is_floating_point and dst.dtype.is_floating_point):
+        raise ValueError(f"{who}: precision='cast' needs floating-point dtypes, got {src.dtype} -> {dst.dtype}")
 
 
 class _Builder:
@@ -731,13 +743,17 @@ def plan(
     relay: bool = True,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+    precision: str = "same",
 ) -> Plan:
     """Plan moving one tensor from layout `src` to layout `dst`. See `plan_many` for the arguments and algorithm.
 
-    The source and destination rank sets may be disjoint (trainer -> inference), overlap, or be equal.
+    The source and destination rank sets may be disjoint (trainer -> inference), overlap, or be equal. With
+    `precision="cast"` the dtypes may differ (e.g. float32 master weights -> bfloat16): values are cast while
+    packing, and the wire carries the destination dtype.
     """
     return plan_many(
-        [PlanItem(src, dst)], topology, relay=relay, staging_bytes=staging_bytes, min_split_bytes=min_split_bytes
+        [PlanItem(src, dst, precision=precision)], topology, relay=relay, staging_bytes=staging_bytes,
+        min_split_bytes=min_split_bytes,
     )
 
 

@@ -1,0 +1,127 @@
+"""Layouts derived for block-quantized weights (DeepSeek-V3 style FP8: one scale per 128 x 128 block).
+
+A quantized weight `W` of shape `[..., M, N]` comes with `weight_scale_inv` of shape `[..., ceil(M/bm), ceil(N/bn)]`:
+element `(i, j)` of the scale belongs to block `(i // bm, j // bn)`; leading dims (stacked experts) map one to
+one. These functions derive, from a weight's layout, the layouts of its scales and of the block-aligned regions
+a rank needs to quantize on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from reshard.planner._box import Box
+from reshard.planner._explicit import ExplicitLayout
+from reshard.planner._layout import Piece
+
+Block = tuple[int, int]
+
+
+def _check(layout: Any, block: Block, what: str) -> None:
+    if len(layout.shape) < 2:
+        raise ValueError(f"{what}: tensor {layout.name!r} of shape {tuple(layout.shape)} has fewer than 2 dims; "
+                         "block quantization needs a matrix or a stack of matrices")
+    if block[0] < 1 or block[1] < 1:
+        raise ValueError(f"{what}: block {block} must be positive")
+
+
+def scale_shape(shape: tuple[int, ...], block: Block) -> tuple[int, ...]:
+    """`[..., M, N]` -> `[..., ceil(M / bm), ceil(N / bn)]`."""
+    return tuple(shape[:-2]) + (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+
+
+def _block_box(box: Box, block: Block) -> Box:
+    """The box of scale elements (blocks) a weight box touches."""
+    lead_o, lead_s = box.offsets[:-2], box.shape[:-2]
+    (r0, c0), (nr, nc) = box.offsets[-2:], box.shape[-2:]
+    br0, bc0 = r0 // block[0], c0 // block[1]
+    br1, bc1 = -(-(r0 + nr) // block[0]), -(-(c0 + nc) // block[1])
+    return Box(tuple(lead_o) + (br0, bc0), tuple(lead_s) + (br1 - br0, bc1 - bc0))
+
+
+def _single_piece(layout: Any, rank: int, what: str) -> Piece | None:
+    pieces = layout.pieces(rank)
+    if len(pieces) > 1:
+        raise NotImplementedError(
+            f"{what}: tensor {layout.name!r} has {len(pieces)} pieces on rank {rank} (a strided or fused layout); "
+            "block quantization supports one piece per rank"
+        )
+    return pieces[0] if pieces else None
+
+
+def is_block_aligned(layout: Any, block: Block) -> bool:
+    """Whether every rank's piece covers whole blocks: it starts on a block boundary and ends on one or at the
+    tensor's edge, in the last two dims. Then each rank can quantize its own shard exactly as the full tensor."""
+    _check(layout, block, "is_block_aligned")
+    m, n = layout.shape[-2:]
+    for r in layout.ranks:
+        for p in layout.pieces(r):
+            (r0, c0), (nr, nc) = p.global_box.offsets[-2:], p.global_box.shape[-2:]
+            if r0 % block[0] or c0 % block[1]:
+                return False
+            if (r0 + nr) % block[0] and r0 + nr != m:
+                return False
+            if (c0 + nc) % block[1] and c0 + nc != n:
+                return False
+    return True
+
+
+def scale_layout(layout: Any, block: Block = (128, 128), *, name: str | None = None) -> ExplicitLayout:
+    """The layout of the weight's `weight_scale_inv`: each rank holds the scales of every block its shard touches.
+
+    When a shard cut falls inside a block, both ranks hold that block's scale (the same value).
+
+    Returns:
+        An `ExplicitLayout` of the scale tensor (float32), one piece per rank; its local tensor is the blocks'
+        scales in order, so a rank's local scale shape is `[..., blocks touched along M, blocks touched along N]`.
+    """
+    _check(layout, block, "scale_layout")
+    pieces: dict[int, list[Piece]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for r in layout.ranks:
+        p = _single_piece(layout, r, "scale_layout")
+        if p is None:
+            shapes[r] = tuple(0 for _ in layout.shape)
+            continue
+        gb = _block_box(p.global_box, block)
+        pieces[r] = [Piece(gb, Box((0,) * gb.ndim, gb.shape), tensor=name)]
+        shapes[r] = gb.shape
+    nm = name or (f"{layout.name}.scale_inv" if layout.name else None)
+    return ExplicitLayout(scale_shape(tuple(layout.shape), block), torch.float32, pieces, shapes, name=nm)
+
+
+def block_halo_layout(layout: Any, block: Block = (128, 128), *, dtype: torch.dtype | None = None) -> ExplicitLayout:
+    """Each rank's shard grown to whole blocks (in the last two dims), as a layout of the same global tensor.
+
+    A rank that receives its halo in high precision can quantize it exactly as the full tensor would be, then keep
+    its own shard. Halos of neighbouring ranks overlap where a cut splits a block.
+    """
+    _check(layout, block, "block_halo_layout")
+    m, n = layout.shape[-2:]
+    pieces: dict[int, list[Piece]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for r in layout.ranks:
+        p = _single_piece(layout, r, "block_halo_layout")
+        if p is None:
+            shapes[r] = tuple(0 for _ in layout.shape)
+            continue
+        bb = _block_box(p.global_box, block)
+        r0, c0 = bb.offsets[-2] * block[0], bb.offsets[-1] * block[1]
+        r1 = min((bb.offsets[-2] + bb.shape[-2]) * block[0], m)
+        c1 = min((bb.offsets[-1] + bb.shape[-1]) * block[1], n)
+        g = Box(p.global_box.offsets[:-2] + (r0, c0), p.global_box.shape[:-2] + (r1 - r0, c1 - c0))
+        pieces[r] = [Piece(g, Box((0,) * g.ndim, g.shape), tensor=layout.name)]
+        shapes[r] = g.shape
+    return ExplicitLayout(tuple(layout.shape), dtype or layout.dtype, pieces, shapes, name=layout.name)
+
+
+def with_dtype(layout: Any, dtype: torch.dtype) -> Any:
+    """The same layout with another element type (e.g. the FP8 weight of a bfloat16 layout)."""
+    from reshard.planner._layout import Layout
+
+    if isinstance(layout, Layout):
+        return Layout(layout.shape, layout.mesh, layout.placements, dtype, name=layout.name)
+    return ExplicitLayout(layout.shape, dtype, {r: layout.pieces(r) for r in layout.ranks},
+                          {r: layout.local_shape(r) for r in layout.ranks}, name=layout.name)
