@@ -68,5 +68,12 @@ if [ -f "$DIR/bench_kernels_summary.txt" ]; then grep -E "target" "$DIR/bench_ke
 
 # --- append further sections here (comm streams check, fp8 quant check), each with its own limit ----------------
 
+# --- comm (issue 4) begin: the executor's CUDA streams pipeline on one GPU ---------------------------------------
+# Two ranks as threads over a loopback link on one device; the real executor with its pack/comm/unpack streams.
+# Passes when results are bit-exact and two chunks in flight beat one slot by >= 1.25x (see the script's docstring).
+section comm_streams 90 "$PY" perf/gpu_streams_check.py --device "$DEVICE" --out "$DIR" --mib 256 --chunks 8 --repeat 3
+grep -E "^pipelined is" "$DIR/comm_streams.log" | tee -a "$SUMMARY"
+# --- comm (issue 4) end ------------------------------------------------------------------------------------------
+
 echo "total $(($(date +%s) - START))s, $([ "$FAILED" -eq 0 ] && echo 'all sections ok' || echo 'SOME SECTIONS FAILED')" | tee -a "$SUMMARY"
 exit "$FAILED"

@@ -48,11 +48,12 @@ class TransferHandle:
     """
 
     def __init__(self, works: list[tuple[str, int, Any]], group: Group, timeout: datetime.timedelta,
-                 what: str) -> None:
+                 what: str, device_type: str = "cpu") -> None:
         self._works = works
         self._group = group
         self._timeout = timeout
         self._what = what
+        self._device_type = device_type
         self._done = not works
 
     def wait(self, timeout: Timeout | None = None) -> None:
@@ -63,6 +64,12 @@ class TransferHandle:
                 `transfer`).
         """
         if self._done:
+            return
+        if self._device_type == "cuda":
+            # NCCL: a stream wait, no host block (a timeout argument would make NCCL block the host)
+            for _, _, work in self._works:
+                work.wait()
+            self._done = True
             return
         limit = as_timedelta(timeout, default=self._timeout)
         start = time.monotonic()
@@ -83,7 +90,9 @@ class TransferHandle:
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (every operation finished or failed)."""
-        return self._done or all(w.is_completed() for _, _, w in self._works)
+        if self._done and self._device_type != "cuda":
+            return True
+        return all(w.is_completed() for _, _, w in self._works)
 
 
 def post(
@@ -104,6 +113,7 @@ def post(
     them in the background).
     """
     works: list[tuple[str, int, Any]] = []
+    dev = torch.device("cpu")
     if sends or recvs:
         dev = (sends[0][1] if sends else recvs[0][1]).device
         pg = group.control if control else group.data_backend(dev)
@@ -119,7 +129,7 @@ def post(
             if coalesce:
                 work = pg._end_coalescing(dev)
                 works = [("transfer with", -1, work)] if work is not None else works
-    return TransferHandle(works, group, timeout if timeout is not None else group.timeout, what)
+    return TransferHandle(works, group, timeout if timeout is not None else group.timeout, what, dev.type)
 
 
 def transfer(

@@ -1,0 +1,472 @@
+"""Real multi-process reshards on this machine, timed against the baselines a user would pick instead.
+
+For each `Scenario` (a weight's source and destination layouts), every rank runs, in one job:
+
+- `reshard`: this library's executor (`execute`) over `Group.world()`;
+- gather-and-broadcast, implemented honestly: the source ranks all-gather the full tensor
+  (`dist.all_gather`), the lowest source rank broadcasts it to every destination rank (`dist.broadcast`), and each
+  destination keeps its slice. Buffers are reserved once, outside the timing, as reshard's staging is;
+- DTensor `redistribute`, when source and destination share one mesh.
+
+Each method's result is checked bit for bit against DTensor's own `distribute_tensor(full, dst_mesh,
+dst_placements).to_local()`. Used by `run_demo` (for `make demo`) and by `perf/bench_reshard.py`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from reshard.planner import Layout, Mesh, Topology, format_bytes, gather_broadcast_bytes, plan
+
+logger = logging.getLogger(__name__)
+
+QWEN3_32B_MLP = (25600, 5120)
+"""`mlp.gate_proj.weight` of Qwen3-32B: intermediate size x hidden size."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One weight's source and destination layouts over `world_size` ranks (nested rank lists as meshes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src_mesh: Any
+    src_pl: tuple[Placement, ...]
+    dst_mesh: Any
+    dst_pl: tuple[Placement, ...]
+    domain_size: int | None = None
+
+    @property
+    def same_mesh(self) -> bool:
+        return torch.equal(torch.as_tensor(self.src_mesh), torch.as_tensor(self.dst_mesh))
+
+    def layouts(self) -> tuple[Layout, Layout]:
+        return (Layout(self.shape, Mesh(self.src_mesh), list(self.src_pl), self.dtype, name=self.name),
+                Layout(self.shape, Mesh(self.dst_mesh), list(self.dst_pl), self.dtype, name=self.name))
+
+
+def scenarios(world_size: int = 8, shape: tuple[int, int] = QWEN3_32B_MLP,
+              dtype: torch.dtype = torch.bfloat16) -> dict[str, Scenario]:
+    """The standard scenarios over `world_size` ranks (a multiple of 4), keyed by a short name.
+
+    - `tp-to-tp2xdp` (the refit target): trainer TP on the first half of the ranks, `S(0)`, to inference TP2 x
+      (half / 2) replicas on the other half, `[R, S(0)]`. With 8 ranks: TP4 -> TP2 x 2.
+    - `fsdp-to-tp`: the first half, `S(0)` (FSDP-like), to the other half as TP, `S(1)` (all-to-all of halves).
+    - `colocated`: TP x DP2 on every rank `[R, S(0)]` -> TP2 replicas on every rank `[R, S(1)]`.
+    - `same-mesh-s0-s1`, `same-mesh-2d`: source and destination on one mesh, where DTensor `redistribute` applies.
+    """
+    if world_size < 4 or world_size % 4:
+        raise ValueError(f"scenarios: world_size must be a multiple of 4 (>= 4), got {world_size}")
+    half = world_size // 2
+    first = torch.arange(half)
+    second = torch.arange(half, world_size)
+    every = torch.arange(world_size)
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+    out = [
+        Scenario(f"TP{half} -> TP2 x {half // 2} (disjoint)", shape, dtype, first.tolist(), (S0,),
+                 second.reshape(half // 2, 2).tolist(), (R, S0)),
+        Scenario(f"FSDP{half} S(0) -> TP{half} S(1) (disjoint)", shape, dtype, first.tolist(), (S0,), second.tolist(),
+                 (S1,)),
+        Scenario(f"TP{half} x DP2 -> TP2 x {half} (colocated)", shape, dtype, every.reshape(2, half).tolist(), (R, S0),
+                 every.reshape(half, 2).tolist(), (R, S1)),
+        Scenario(f"S(0) -> S(1) on {world_size} ranks (same mesh)", shape, dtype, every.tolist(), (S0,),
+                 every.tolist(), (S1,)),
+        Scenario(f"[S(0), S(1)] -> [S(1), S(0)] on 2x{half} (same mesh)", shape, dtype,
+                 every.reshape(2, half).tolist(), (S0, S1), every.reshape(2, half).tolist(), (S1, S0)),
+    ]
+    return dict(zip(["tp-to-tp2xdp", "fsdp-to-tp", "colocated", "same-mesh-s0-s1", "same-mesh-2d"], out))
+
+
+# -------------------------------------------------------------------------------------------------------------
+# per rank
+# -------------------------------------------------------------------------------------------------------------
+
+
+def _full(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The same random bits on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.randint(0, 256, (numel * dtype.itemsize,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _local(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    out = torch.empty(layout.local_shape(rank), dtype=full.dtype, device=full.device)
+    for p in layout.pieces(rank):
+        out[p.local_box.slices()] = full[p.global_box.slices()]
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+class _GatherBroadcast:
+    """Gather-and-broadcast for one layout pair: groups and buffers reserved once, `run()` timed."""
+
+    def __init__(self, src: Layout, dst: Layout, rank: int, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.src, self.dst, self.rank = src, dst, rank
+        self.src_ranks = sorted(src.ranks)
+        self.root = self.src_ranks[0]
+        self.bcast_ranks = sorted({self.root, *dst.ranks})
+        # new_group is collective over the world: every rank creates both groups
+        self.src_group = dist.new_group(self.src_ranks)
+        self.bcast_group = dist.new_group(self.bcast_ranks)
+        self.full = None
+        if rank in src.ranks or rank in dst.ranks:
+            self.full = torch.empty(src.shape, dtype=src.dtype, device=device)
+        self.slabs = self._slabs() if rank in src.ranks else None
+        if rank in src.ranks and self.slabs is None:
+            size = max(torch.Size(src.local_shape(r)).numel() for r in self.src_ranks)
+            self.gathered = [torch.empty(size, dtype=src.dtype, device=device) for _ in self.src_ranks]
+
+    def _slabs(self) -> list[torch.Tensor] | None:
+        """Views of `full` that the source ranks' locals are, when each is one equal dim-0 slab (a plain TP
+        `S(0)`): then all-gather writes straight into the full tensor."""
+        views = []
+        for r in self.src_ranks:
+            pieces = self.src.pieces(r)
+            if len(pieces) != 1:
+                return None
+            g = pieces[0].global_box
+            if any(o != 0 or s != n for o, s, n in zip(g.offsets[1:], g.shape[1:], self.src.shape[1:])):
+                return None
+            views.append(self.full.narrow(0, g.offsets[0], g.shape[0]) if self.src.ndim else self.full)
+        return views if len({v.shape for v in views}) == 1 else None
+
+    def run(self, src_local: torch.Tensor | None, dst_local: torch.Tensor | None) -> None:
+        import torch.distributed as dist
+
+        rank = self.rank
+        if rank in self.src.ranks:
+            assert src_local is not None
+            if self.slabs is not None:
+                dist.all_gather(self.slabs, src_local.contiguous(), group=self.src_group)
+            else:
+                flat = torch.zeros_like(self.gathered[0])
+                flat[: src_local.numel()] = src_local.reshape(-1)
+                dist.all_gather(self.gathered, flat, group=self.src_group)
+                for r, g in zip(self.src_ranks, self.gathered):
+                    local = g[: torch.Size(self.src.local_shape(r)).numel()].view(self.src.local_shape(r))
+                    for p in self.src.pieces(r):
+                        self.full[p.global_box.slices()] = local[p.local_box.slices()]
+        if rank in self.bcast_ranks:
+            dist.broadcast(self.full, src=self.root, group=self.bcast_group)
+        if rank in self.dst.ranks:
+            assert dst_local is not None
+            for p in self.dst.pieces(rank):
+                dst_local[p.local_box.slices()] = self.full[p.global_box.slices()]
+
+
+def _collective_bytes() -> Any:
+    """A dispatch mode that counts the payload bytes this rank receives in DTensor's functional collectives, the way
+    plans count theirs (each element that arrives from another rank, once)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveBytes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.received = 0
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if func.namespace == "_c10d_functional":
+                name = func.overloadpacket.__name__
+                if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"):
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                inp = args[0]
+                if name == "all_gather_into_tensor":
+                    self.received += inp.nbytes * (args[1] - 1)
+                elif name == "reduce_scatter_tensor":
+                    self.received += inp.nbytes * (args[2] - 1) // args[2]
+                elif name == "all_to_all_single":
+                    me = dist.distributed_c10d._resolve_process_group(args[3]).rank()
+                    row = inp.nbytes // max(inp.shape[0], 1) if inp.ndim else inp.nbytes
+                    self.received += (sum(args[1]) - args[1][me]) * row
+                elif name == "all_reduce":
+                    n = dist.distributed_c10d._resolve_process_group(args[2]).size()
+                    self.received += 2 * inp.nbytes * (n - 1) // n
+            return func(*args, **(kwargs or {}))
+
+    return CollectiveBytes()
+
+
+def _timed(fn: Any, warmup: int, repeat: int) -> list[float]:
+    """Seconds per run, barrier to barrier on the world, after `warmup` untimed runs."""
+    import torch.distributed as dist
+
+    out = []
+    for i in range(warmup + repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        dist.barrier()
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def compare_job(rank: int, world_size: int, scenario_list: list[Scenario], *, warmup: int = 1, repeat: int = 3,
+                staging_bytes: int = 64 << 20, methods: tuple[str, ...] = ("reshard", "gather-broadcast",
+                                                                          "redistribute")) -> list[dict]:
+    """One rank's part of timing every scenario with every method; returns per-scenario rows (see `merge`)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    return [_compare_scenario(rank, world_size, sc, device, warmup, repeat, staging_bytes, methods)
+            for sc in scenario_list]
+
+
+def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.device, warmup: int, repeat: int,
+                      staging_bytes: int, methods: tuple[str, ...]) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from reshard.comm._executor import execute
+    from reshard.comm._group import Group
+
+    group = Group.world()
+    src, dst = sc.layouts()
+    full = _full(sc.shape, sc.dtype)
+    src_local = _local(full, src, rank).to(device) if rank in src.ranks else None
+    dmesh = DeviceMesh("cpu", torch.as_tensor(sc.dst_mesh), _init_backend=False)
+    expected = distribute_tensor(full, dmesh, list(sc.dst_pl), src_data_rank=None).to_local()
+    dst_local = torch.zeros(dst.local_shape(rank), dtype=sc.dtype, device=device) if rank in dst.ranks else None
+    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": str(sc.dtype).removeprefix("torch."),
+                           "world_size": world_size, "times": {}, "verified": {}, "bytes": {}, "notes": {},
+                           "rank_bytes": {}}
+
+    def check(out: torch.Tensor | None) -> bool:
+        return out is None or torch.equal(_bits(out.cpu()), _bits(expected))
+
+    if "reshard" in methods:
+        p = plan(src, dst, Topology(domain_size=sc.domain_size), staging_bytes=staging_bytes)
+        srcs = None if src_local is None else [src_local]
+        dsts = None if dst_local is None else [dst_local]
+        row["times"]["reshard"] = _timed(lambda: execute(p, rank, srcs, dsts, group), warmup, repeat)
+        row["verified"]["reshard"] = check(dst_local)
+        s = p.stats
+        row["bytes"]["reshard"] = s.network_bytes + s.nvlink_bytes
+        row["notes"]["reshard"] = f"{s.messages} messages, {s.num_chunks} chunks, local copies {s.local_bytes} B"
+    if "gather-broadcast" in methods:
+        gb = _GatherBroadcast(src, dst, rank, device)
+        if dst_local is not None:
+            dst_local.zero_()
+        row["times"]["gather-broadcast"] = _timed(lambda: gb.run(src_local, dst_local), warmup, repeat)
+        row["verified"]["gather-broadcast"] = check(dst_local)
+        row["bytes"]["gather-broadcast"] = gather_broadcast_bytes(src, dst)["total"]
+        row["notes"]["gather-broadcast"] = "all_gather on the source ranks + broadcast to the destinations"
+    if "redistribute" in methods and sc.same_mesh:
+        mesh = DeviceMesh(device.type, torch.as_tensor(sc.src_mesh))
+        src_dt = distribute_tensor(full.to(device), mesh, list(sc.src_pl), src_data_rank=None)
+        result: dict[str, Any] = {}
+
+        def redistribute() -> None:
+            result["out"] = src_dt.redistribute(mesh, list(sc.dst_pl)).to_local()
+
+        row["times"]["redistribute"] = _timed(redistribute, warmup, repeat)
+        row["verified"]["redistribute"] = check(result["out"])
+        with _collective_bytes() as counter:
+            redistribute()
+        row["rank_bytes"]["redistribute"] = counter.received
+        row["notes"]["redistribute"] = f"collectives {counter.calls}"
+    return row
+
+
+# -------------------------------------------------------------------------------------------------------------
+# launching ranks
+# -------------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Any, args: tuple, kwargs: dict,
+               results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=600))
+        results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
+    except BaseException as e:  # noqa: BLE001 - carried back to the launching process
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def launch(world_size: int, fn: Any, *args: Any, backend: str = "gloo", timeout: float = 1800.0,
+           **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` once on `world_size` new processes of one default world.
+
+    Start-up (imports, rendezvous) is paid once, so `fn` should do all the work of a run. Returns the per-rank
+    results; raises `RuntimeError` with the traceback if a rank failed.
+    """
+    import queue
+
+    import torch.multiprocessing as mp
+
+    # a forkserver that imported torch once forks the ranks: start-up costs one import, not one per rank
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+                                "reshard.comm"])
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, kwargs, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"launch: ranks {sorted(set(range(world_size)) - set(out))} did not finish "
+                                       f"(exit codes {[p.exitcode for p in procs]})") from None
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}: {value}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("launch: ranks failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# results
+# -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MethodResult:
+    """One method on one scenario: bytes moved between ranks, seconds per run (slowest rank), verified."""
+
+    method: str
+    bytes: int | None
+    seconds: list[float]
+    verified: bool
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    shape: tuple[int, ...]
+    dtype: str
+    world_size: int
+    methods: dict[str, MethodResult] = field(default_factory=dict)
+
+    def speedup(self, baseline: str = "gather-broadcast") -> float | None:
+        """Median time of `baseline` over reshard's."""
+        if baseline not in self.methods or "reshard" not in self.methods:
+            return None
+        return self.methods[baseline].median / self.methods["reshard"].median
+
+
+def merge(per_rank: list[list[dict]]) -> list[ScenarioResult]:
+    """Per-rank rows -> one result per scenario: the slowest rank's time per run, verified on every rank."""
+    out = []
+    for i, row in enumerate(per_rank[0]):
+        res = ScenarioResult(row["scenario"], tuple(row["shape"]), row["dtype"], row["world_size"])
+        for m in row["times"]:
+            seconds = [max(rows[i]["times"][m][k] for rows in per_rank) for k in range(len(row["times"][m]))]
+            nbytes = sum(rows[i]["rank_bytes"][m] for rows in per_rank) if m in row["rank_bytes"] \
+                else row["bytes"].get(m)
+            res.methods[m] = MethodResult(m, nbytes, seconds,
+                                          all(rows[i]["verified"][m] for rows in per_rank), row["notes"].get(m, ""))
+        out.append(res)
+    return out
+
+
+def format_results(results: list[ScenarioResult]) -> str:
+    """A readable table: per scenario and method, bytes, median time [min, max], verified, speedup."""
+    lines = []
+    for r in results:
+        lines.append(f"{r.scenario}: {list(r.shape)} {r.dtype}, {r.world_size} gloo/nccl ranks")
+        for m in r.methods.values():
+            b = format_bytes(m.bytes) if m.bytes is not None else "n/a"
+            lines.append(f"  {m.method:<17} {b:>11}  median {m.median * 1e3:8.1f} ms  [{min(m.seconds) * 1e3:.1f}, "
+                         f"{max(m.seconds) * 1e3:.1f}]  {'verified' if m.verified else 'WRONG'}  {m.note}")
+        sp = r.speedup()
+        if sp is not None:
+            lines.append(f"  reshard is {sp:.2f}x faster than gather-and-broadcast")
+        sp = r.speedup("redistribute")
+        if sp is not None:
+            lines.append(f"  reshard is {sp:.2f}x as fast as DTensor redistribute")
+    return "\n".join(lines)
+
+
+def run_demo(world_size: int = 8, *, shape: tuple[int, int] = (6400, 5120), dtype: torch.dtype = torch.bfloat16,
+             scenario: str = "tp-to-tp2xdp", repeat: int = 3, warmup: int = 1, staging_bytes: int = 64 << 20,
+             backend: str = "gloo") -> dict[str, Any]:
+    """Spawn `world_size` gloo ranks on this machine, reshard one weight, verify it against DTensor, and time it
+    against gather-and-broadcast (and DTensor `redistribute` on same-mesh scenarios).
+
+    Args:
+        world_size: ranks to spawn (a multiple of 4).
+        shape: the weight's shape; the default is a Qwen3-32B MLP weight `(25600, 5120)` scaled down 4x in rows,
+            so a run takes seconds on a laptop CPU.
+        dtype: the weight's dtype.
+        scenario: a key of `scenarios()`; the default is trainer TP on half the ranks -> inference TP2 replicas
+            on the other half (TP4 -> TP2 x 2 with 8 ranks).
+        repeat, warmup: timed and untimed runs per method.
+        staging_bytes: reshard's staging budget per rank.
+        backend: `"gloo"` (CPU tensors) or `"nccl"` (one GPU per rank).
+
+    Returns:
+        `{"results": [ScenarioResult], "text": table, "verified": bool, "speedup": gather-and-broadcast median /
+        reshard median, "bytes": {method: bytes}, "seconds": {method: median seconds}}`.
+    """
+    all_scenarios = scenarios(world_size, shape, dtype)
+    if scenario not in all_scenarios:
+        raise ValueError(f"run_demo: unknown scenario {scenario!r}; expected one of {sorted(all_scenarios)}")
+    per_rank = launch(world_size, compare_job, [all_scenarios[scenario]], warmup=warmup, repeat=repeat,
+                      staging_bytes=staging_bytes, backend=backend)
+    results = merge(per_rank)
+    r = results[0]
+    return {
+        "results": results,
+        "text": format_results(results),
+        "verified": all(m.verified for m in r.methods.values()),
+        "speedup": r.speedup(),
+        "bytes": {k: m.bytes for k, m in r.methods.items()},
+        "seconds": {k: m.median for k, m in r.methods.items()},
+    }
