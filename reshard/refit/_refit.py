@@ -34,6 +34,8 @@ from reshard.planner import (
     plan,
     plan_many,
 )
+from reshard.planner._blocks import scale_layout
+from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._meta import LayoutLike, check_local, decode_layout, encode_layout
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 NameMap = Mapping[str, str] | Callable[[str], "str | None"] | None
 
 POLICIES = ("auto", "reshard", "gather_broadcast")
+PRECISIONS = ("same", "cast", "fp8_block")
 
 
 @dataclass
@@ -92,6 +95,10 @@ class Refit:
         hardware: the cost model's link figures (`reshard.sim.Hardware`), default the H100 preset.
         verify: check every received box against its sender's checksum.
         timeout: seconds (or a timedelta) any wait for a peer may last.
+        precision: per trainer name (a dict or a callable) or for all: `"same"` (dtypes must match), `"cast"`
+            (cast to the engine's dtype while packing, bit-exact to torch) or `"fp8_block"` (the engine holds
+            float8_e4m3fn weights with float32 scales per 128 x 128 block, registered with `scale=`; see
+            `reshard.refit._fp8` for where quantization happens).
 
     Example (the trainer and inference sides are different processes of one group):
         trainer rank:   refit.add_source("model.layers.0.mlp.up_proj.weight", dtensor)
@@ -115,6 +122,7 @@ class Refit:
         hardware: Any = None,
         verify: bool = False,
         timeout: Any = None,
+        precision: str | Mapping[str, str] | Callable[[str], str] = "same",
     ) -> None:
         from reshard.comm import Group
 
@@ -135,8 +143,10 @@ class Refit:
         self.hardware = hardware
         self.verify = verify
         self.timeout = timeout
+        self.precision = precision
         self._sources: dict[str, tuple[torch.Tensor, LayoutLike]] = {}
         self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
+        self._scales: dict[str, torch.Tensor] = {}
         self._built: _Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -165,6 +175,7 @@ class Refit:
         layout: LayoutLike | Sequence[tuple[str, LayoutLike]],
         *,
         dim: int = 0,
+        scale: torch.Tensor | None = None,
     ) -> None:
         """Register an inference-engine tensor that this rank holds, to be overwritten in place by `run()`.
 
@@ -174,6 +185,8 @@ class Refit:
             layout: its layout, when it holds one global tensor (named `name`, unless the layout has a name); or,
                 for a fused tensor, the `(global_name, layout)` components in concatenation order along `dim`
                 (vLLM's `qkv_proj`: q, k, v). Component layouts describe each global tensor's own sharding.
+            scale: for an FP8 block-quantized weight (layout dtype `float8_e4m3fn`), this rank's local
+                `weight_scale_inv` (float32), whose layout is derived from the weight's (see `scale_layout`).
         """
         self._check_open(name)
         if name in self._dests:
@@ -189,6 +202,8 @@ class Refit:
             fused = fuse(renamed, dim=dim) if len(renamed) > 1 else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
         self._dests[name] = (tensor, _Dest(name, components))
+        if scale is not None:
+            self._scales[name] = scale
 
     def _check_open(self, name: str) -> None:
         if self._built is not None:
@@ -218,10 +233,17 @@ class Refit:
         b = self._built
         assert b is not None
         t0 = time.perf_counter()
-        src = [self._sources[n][0] if n in self._sources else None for n in b.source_names]
-        dst = [self._dests[n][0] if n in self._dests else None for n in b.dest_names]
+        src: list = [self._sources[n][0] if n in self._sources else None for n in b.source_names]
+        dst: list = [self._dests[n][0] if n in self._dests else None for n in b.dest_names]
+        dst += [self._scales.get(n) for n in b.scale_names]
+        src += [None] * (b.num_src - len(src))
+        dst += [None] * (b.num_dst - len(dst))
+        for w in b.fp8:
+            w.before(self.rank, src, dst)
         if b.plan.items:
             execute(b.plan, self.rank, src, dst, self.group, verify=self.verify, timeout=self.timeout)
+        for w in b.fp8:
+            w.after(self.rank, dst)
         for gb in b.gather_broadcast:
             gb.run(self, src, dst)
         seconds["transfer"] = time.perf_counter() - t0
@@ -272,11 +294,13 @@ class Refit:
             e = check_local(name, tensor, lay, self.rank)
             if e:
                 errors.append("destination " + e)
+            errors.extend(_check_scale(name, d, self._scales.get(name), self.rank))
         mine = {
             "rank": self.rank,
             "sources": {n: encode_layout(lay) for n, (_, lay) in sorted(self._sources.items())},
             "dests": {n: tuple((g, encode_layout(lay)) for g, lay in d.components)
                       for n, (_, d) in sorted(self._dests.items())},
+            "scaled": sorted(self._scales),
             "errors": errors,
         }
         td = as_timedelta(self.timeout, default=self.group.timeout)
@@ -299,6 +323,40 @@ class _Built:
     plan: Plan
     choices: dict[str, str]
     gather_broadcast: list[Any]
+    scale_names: list[str]
+    fp8: list[Fp8Weight]
+    num_src: int
+    num_dst: int
+
+
+def _precision(precision: Any, name: str) -> str:
+    if isinstance(precision, str):
+        return precision
+    if callable(precision):
+        return precision(name)
+    return precision.get(name, "same")
+
+
+def _check_scale(name: str, d: _Dest, scale: torch.Tensor | None, rank: int) -> list[str]:
+    """Errors of this rank's scale tensor for destination `name` (FP8 block weights need one, others none)."""
+    lay = d.components[0][1]
+    if lay.dtype != FP8:
+        if scale is not None:
+            return [f"destination {name!r} on rank {rank}: a scale tensor was given, but the weight's dtype is "
+                    f"{lay.dtype}, not float8_e4m3fn"]
+        return []
+    if len(d.components) > 1:
+        return [f"destination {name!r}: fused FP8 block-quantized tensors are not supported; register each global "
+                "tensor on its own"]
+    if scale is None:
+        return [f"destination {name!r} on rank {rank}: FP8 weight registered without its scale tensor "
+                "(weight_scale_inv); pass scale=..."]
+    expected = tuple(scale_layout(lay, BLOCK).local_shape(rank))
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
+        return [f"destination {name!r} on rank {rank}: scale tensor of shape {tuple(scale.shape)} and dtype "
+                f"{scale.dtype}, expected {expected} and torch.float32 (one scale per 128x128 block the shard "
+                "touches)"]
+    return []
 
 
 def _map_name(name_map: NameMap, name: str) -> str | None:
@@ -372,28 +430,60 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
         errors.append(f"{len(dup)} trainer weights map to an inference name already taken (duplicate): {dup}")
     if missing:
         errors.append(f"{len(missing)} inference weights have no trainer weight mapped to them (missing): {missing}")
+    scaled: dict[str, set[int]] = {}
+    for m in meta:
+        for n in m["scaled"]:
+            scaled.setdefault(n, set()).add(m["rank"])
+    modes: dict[str, str] = {}
     for sname, gname in sorted(mapped.items()):
-        s, (_, _, d) = src_layouts[sname], dst_components[gname]
+        s, (dn, _, d) = src_layouts[sname], dst_components[gname]
+        mode = modes[sname] = _precision(refit.precision, sname)
         if tuple(s.shape) != tuple(d.shape):
             errors.append(f"weight {sname!r} -> {gname!r}: global shape {tuple(s.shape)} on the trainer, "
                           f"{tuple(d.shape)} on the inference side")
-        elif s.dtype != d.dtype:
+        elif mode not in PRECISIONS:
+            errors.append(f"weight {sname!r}: precision must be one of {PRECISIONS}, got {mode!r}")
+        elif d.dtype == FP8 or mode == "fp8_block":
+            if mode != "fp8_block" or d.dtype != FP8 or not s.dtype.is_floating_point:
+                errors.append(f"weight {sname!r} -> {gname!r}: dtype {s.dtype} on the trainer, {d.dtype} on the "
+                              f"inference side with precision {mode!r}; FP8 block weights need "
+                              "precision='fp8_block' and a float8_e4m3fn destination")
+            else:
+                missing_scale = sorted(dest_holders[dn] - scaled.get(dn, set()))
+                if missing_scale:
+                    errors.append(f"destination {dn!r}: ranks {missing_scale} registered no scale tensor "
+                                  "(weight_scale_inv) for this FP8 block weight; pass scale=...")
+        elif s.dtype != d.dtype and mode != "cast":
             errors.append(f"weight {sname!r} -> {gname!r}: dtype {s.dtype} on the trainer, {d.dtype} on the "
-                          "inference side")
+                          "inference side (use precision='cast' to cast while packing)")
     if errors:
         raise ValueError(f"Refit on rank {refit.rank}: {len(errors)} problem(s), nothing was moved:\n  "
                          + "\n  ".join(errors))
 
     source_names = sorted(src_layouts)
     dest_names = sorted(dests)
+    scale_names = sorted(n for n in scaled if n in dests)
     s_index = {n: i for i, n in enumerate(source_names)}
     d_index = {n: i for i, n in enumerate(dest_names)}
+    scale_index = {n: len(dest_names) + k for k, n in enumerate(scale_names)}
+    extra_src, extra_dst = len(source_names), len(dest_names) + len(scale_names)
     items: list[PlanItem] = []
     choices: dict[str, str] = {}
     gather_broadcast: list[Any] = []
+    fp8: list[Fp8Weight] = []
     for sname, gname in sorted(mapped.items(), key=lambda kv: (dst_components[kv[1]][0], kv[1])):
         dn, _, dlay = dst_components[gname]
-        item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname)
+        if modes[sname] == "fp8_block":
+            w = Fp8Weight(gname, src_layouts[sname], dlay, s_index[sname], d_index[dn], scale_index[dn],
+                          extra_src, extra_dst)
+            extra_src += w.num_extra_src
+            extra_dst += w.num_extra_dst
+            fp8.append(w)
+            items.extend(w.items)
+            choices[sname] = "reshard, fp8_block quantized on the " + ("source" if w.on_source else "destination")
+            continue
+        item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname,
+                        precision="cast" if modes[sname] == "cast" else "same")
         choice = _choose(refit, sname, item)
         choices[sname] = choice
         if choice == "reshard":
@@ -403,7 +493,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
 
             gather_broadcast.append(GatherBroadcastWeight(item))
     p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    return _Built(source_names, dest_names, p, choices, gather_broadcast)
+    return _Built(source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
 
 
 def _choose(refit: Refit, sname: str, item: PlanItem) -> str:
