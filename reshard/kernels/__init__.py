@@ -11,6 +11,12 @@ Exports:
     packed_nbytes, packed_offsets: buffer sizes and offsets for a list of boxes.
     BACKEND_ENV: the environment variable (`RESHARD_KERNEL_BACKEND`) that overrides `backend=None`.
     launch_config: the kernels' block size and warp count.
+    quantize_fp8_block, quantize_fp8_block_reference: DeepSeek-V3 style blockwise FP8: `[..., M, N]` float32 /
+        bfloat16 / float16 -> float8_e4m3fn `q` and one float32 `scale_inv` (amax / 448) per 128 x 128 block; one
+        Triton launch per call, or the pure-torch reference (the CPU path), bit for bit the same.
+    dequantize_fp8_block: `q.float() * scale_inv` over the blocks.
+    block_aligned, scale_box: whether a box of a weight covers whole blocks (then it quantizes to its own slice of
+        the full quantization), and the box of `scale_inv` that a box of the weight touches.
 """
 
 from reshard.kernels._pack import (
@@ -24,11 +30,20 @@ from reshard.kernels._pack import (
     unpack,
     unpack_reference,
 )
+from reshard.kernels._quant import (
+    block_aligned,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+    quantize_fp8_block_reference,
+    scale_box,
+)
 from reshard.kernels._spec import packed_nbytes, packed_offsets
 
 __all__ = [
     "BACKEND_ENV",
     "PreparedCopy",
+    "block_aligned",
+    "dequantize_fp8_block",
     "launch_config",
     "pack",
     "pack_reference",
@@ -36,6 +51,9 @@ __all__ = [
     "packed_offsets",
     "prepare_pack",
     "prepare_unpack",
+    "quantize_fp8_block",
+    "quantize_fp8_block_reference",
+    "scale_box",
     "unpack",
     "unpack_reference",
 ]
