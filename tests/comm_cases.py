@@ -48,6 +48,18 @@ class Case:
     expect: dict = field(default_factory=dict)  # plan statistics the case must have, e.g. {"messages": 0}
 
 
+class Hooked:
+    """A prepared copy (`reshard.kernels.PreparedCopy`) that calls `before()` each time before it runs: how the
+    fault tests corrupt, stall or kill a rank in the middle of a transfer."""
+
+    def __init__(self, inner: Any, before: Any) -> None:
+        self.inner, self.before = inner, before
+
+    def run(self) -> None:
+        self.before()
+        self.inner.run()
+
+
 def full_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: str) -> torch.Tensor:
     """Random bytes of `shape` and `dtype`, the same on every rank (any bit pattern: NaNs included)."""
     numel = 1

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from comm_cases import B2, S0, SENTINEL, A, B, R, as_bytes, dtensor_local, full_tensor
+from comm_cases import B2, S0, SENTINEL, A, B, Hooked, R, as_bytes, dtensor_local, full_tensor
 from mp_pool import shared_pool
 from torch.distributed.tensor import Replicate, Shard
 
@@ -111,15 +111,27 @@ def on_rank_multi_tensor(w) -> list[dict]:
     log = logging.getLogger("reshard.comm._executor")
     log.addHandler(handler)
     log.setLevel(logging.DEBUG)
+    reports = []
     try:
-        reports = [execute(p, w.rank, srcs, dsts, w.group, timeout=30) for _ in range(2)]
+        for step in range(2):
+            # the second call reuses the staging and the prepared copies; new values must still arrive
+            if step:
+                for i, it in enumerate(items):
+                    fulls[i] = full_tensor(it.src.shape, it.src.dtype, f"{it.name}-step1")
+                    if srcs[i] is not None:
+                        srcs[i].copy_(dtensor_local(fulls[i], it.src))
+                for d in dsts:
+                    if d is not None:
+                        d.zero_()
+            reports.append(execute(p, w.rank, srcs, dsts, w.group, timeout=30))
+            for i, it in enumerate(items):
+                if w.rank in it.dst.ranks:
+                    expected = dtensor_local(fulls[i], it.dst)
+                    assert torch.equal(as_bytes(dsts[2 - i]), as_bytes(expected)), (step, it.name)
     finally:
         log.removeHandler(handler)
         log.setLevel(logging.NOTSET)
-    for i, it in enumerate(items):
-        if w.rank in it.dst.ranks:
-            expected = dtensor_local(fulls[i], it.dst)
-            assert torch.equal(as_bytes(dsts[2 - i]), as_bytes(expected)), it.name
+    assert len(w.group.cache["prepared"]) >= 1
     r = reports[1]
     return [{"sent": r.bytes_sent, "received": r.bytes_received, "local": r.bytes_copied_locally,
              "messages_sent": r.messages_sent, "chunks": r.chunks, "staging": r.staging_bytes,
@@ -324,21 +336,24 @@ def on_rank_corrupt(w, verify: bool) -> bool:
     src, dst = _layouts(shape=(64, 48))
     p = plan(src, dst, staging_bytes=8192, min_split_bytes=256)
     full, s, d = _locals(w.rank, src, dst)
-    original = ex.unpack
+    original = ex.prepare_unpack
     calls = []
 
-    def corrupting_unpack(buffer, offsets, tensors, boxes, **kw):
+    def corrupting_prepare_unpack(buffer, offsets, tensors, boxes, **kw):
         calls.append(1)
-        if len(calls) == 2:
+
+        def flip() -> None:
             buffer[int(offsets[0]) + 5] ^= 0x10
-        return original(buffer, offsets, tensors, boxes, **kw)
+
+        inner = original(buffer, offsets, tensors, boxes, **kw)
+        return Hooked(inner, flip) if len(calls) == 2 else inner
 
     if w.rank == 6:
-        ex.unpack = corrupting_unpack
+        ex.prepare_unpack = corrupting_prepare_unpack
     try:
         reshard(s, d, p, w.group, verify=verify, timeout=30)
     finally:
-        ex.unpack = original
+        ex.prepare_unpack = original
     return d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
 
 
@@ -359,23 +374,25 @@ def on_rank_stuck(w, timeout: float) -> float:
     src, dst = _layouts(shape=(64, 48))
     p = plan(src, dst, staging_bytes=4096, min_split_bytes=256)
     _, s, d = _locals(w.rank, src, dst)
-    original = ex.unpack
+    original = ex.prepare_unpack
     calls = []
 
-    def stalling_unpack(*args, **kw):
+    def stall() -> None:
+        time.sleep(timeout + 3)
+        raise RuntimeError("rank 7 was stuck on purpose")
+
+    def stalling_prepare_unpack(*args, **kw):
         calls.append(1)
-        if len(calls) == 3:
-            time.sleep(timeout + 3)
-            raise RuntimeError("rank 7 was stuck on purpose")
-        return original(*args, **kw)
+        inner = original(*args, **kw)
+        return Hooked(inner, stall) if len(calls) == 3 else inner
 
     if w.rank == 7:
-        ex.unpack = stalling_unpack
+        ex.prepare_unpack = stalling_prepare_unpack
     start = time.monotonic()
     try:
         reshard(s, d, p, group, timeout=timeout)
     finally:
-        ex.unpack = original
+        ex.prepare_unpack = original
         w.scratch["elapsed"] = time.monotonic() - start
         group.close()
     return w.scratch["elapsed"]

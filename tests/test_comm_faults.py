@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from comm_cases import as_bytes, dtensor_local, full_tensor
+from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
 from mp_pool import RankPool
 from torch.distributed.tensor import Shard
 
@@ -37,21 +37,20 @@ def on_rank_killed(w, victim: int) -> bool:
     full = full_tensor(src.shape, src.dtype, "killed")
     s = dtensor_local(full, src)
     d = torch.zeros(dst.local_shape(w.rank))
-    original = ex.pack
+    original = ex.prepare_pack
     calls = []
 
-    def dying_pack(*args, **kw):
+    def dying_prepare_pack(*args, **kw):
         calls.append(1)
-        if len(calls) == 2:
-            os._exit(17)
-        return original(*args, **kw)
+        inner = original(*args, **kw)
+        return Hooked(inner, lambda: os._exit(17)) if len(calls) == 2 else inner
 
     if w.rank == victim:
-        ex.pack = dying_pack
+        ex.prepare_pack = dying_prepare_pack
     try:
         reshard(s, d, p, w.group, timeout=TIMEOUT)
     finally:
-        ex.pack = original
+        ex.prepare_pack = original
     return torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
 
 

@@ -35,7 +35,7 @@ import datetime
 import logging
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +45,7 @@ import torch
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import agree
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
-from reshard.kernels import pack, unpack
+from reshard.kernels import PreparedCopy, prepare_pack, prepare_unpack
 from reshard.planner import Box, Plan, Transfer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 NUM_SLOTS = 2
 """Pipeline slots: chunk i and chunk i+1 are in flight together."""
 
+_PREPARED_PLANS = 2
+"""Plans whose prepared copies a group keeps (each pins the tensors it was prepared for)."""
 _CHECKSUM_STEP = 1 << 22  # bytes per checksum slice: bounds the int64 temporaries of `verify=True`
 _CHECKSUM_MIX = 1_000_003
 
@@ -357,6 +359,42 @@ def _checksum(view: torch.Tensor, out: torch.Tensor) -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
+class _Prepared:
+    """The pack, unpack and local copies of one rank's part of one plan, for one set of tensors and one staging:
+    checked and planned once (`reshard.kernels.prepare_pack` / `prepare_unpack`), run by every later call that
+    passes the same tensors. It references those tensors (the planned copies hold their addresses)."""
+
+    def __init__(self, key: tuple, staging: Staging) -> None:
+        self.key = key
+        self.staging = staging
+        self.copies: dict[tuple, Any] = {}
+
+
+def _tensor_key(tensors: Sequence[torch.Tensor | None]) -> tuple:
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+                 for t in tensors)
+
+
+def _prepared_for(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+                  staging: Staging) -> _Prepared:
+    """The group's prepared copies for this call, reused when the plan, tensors and staging are the same.
+
+    A cached entry pins the tensors it was prepared for, so their addresses cannot be reused by other tensors while
+    it lives: equal addresses mean the same tensors. At most `_PREPARED_PLANS` plans are kept per group;
+    `group.cache.clear()` releases them.
+    """
+    cache: OrderedDict = group.cache.setdefault("prepared", OrderedDict())
+    key = (_tensor_key(src), _tensor_key(dst))
+    plan_key = (plan.fingerprint, rank, NUM_SLOTS)
+    entry = cache.get(plan_key)
+    if entry is None or entry.key != key or entry.staging is not staging:
+        entry = cache[plan_key] = _Prepared(key, staging)
+    cache.move_to_end(plan_key)
+    while len(cache) > _PREPARED_PLANS:
+        cache.popitem(last=False)
+    return entry
+
+
 @dataclass
 class _InFlight:
     step: _Step
@@ -369,8 +407,9 @@ class _Run:
 
     def __init__(self, prog: _Program, plan: Plan, group: Group, src: Sequence[torch.Tensor],
                  dst: Sequence[torch.Tensor], staging: Staging, verify: bool, timeout: datetime.timedelta,
-                 report: ExecutionReport) -> None:
+                 report: ExecutionReport, prepared: _Prepared) -> None:
         self.prog = prog
+        self.prepared = prepared.copies
         self.plan = plan
         self.group = group
         self.src = src
@@ -402,9 +441,13 @@ class _Run:
                     s.pack.wait_event(s.unpacked[slot])
                 if relay_ready is not None:
                     s.pack.wait_event(relay_ready)  # unpack -> pack: the boxes this chunk forwards have landed
-            tensors = self._tensors(step.pack)
-            pack(tensors, step.pack.boxes, self.staging.send(slot, step), step.pack.offsets)
+            copy = self.prepared.get(("pack", step.index, slot))
+            if copy is None:
+                copy = self.prepared[("pack", step.index, slot)] = prepare_pack(
+                    self._tensors(step.pack), step.pack.boxes, self.staging.send(slot, step), step.pack.offsets)
+            copy.run()
             if self.verify:
+                tensors = self._tensors(step.pack)
                 sums = self.staging.send_sums[slot]
                 for k, (t, box) in enumerate(zip(tensors, step.pack.boxes)):
                     _checksum(t[box.slices()], sums[k])
@@ -446,10 +489,16 @@ class _Run:
         if not step.local:
             return
         with _on(self.streams and self.streams.unpack):
-            for t in step.local:
-                source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
-                self.dst[t.dst_tensor][t.dst_box.slices()].copy_(source[t.src_box.slices()])
-                self.report.bytes_copied_locally += t.nbytes
+            views = self.prepared.get(("local", step.index))
+            if views is None:
+                outs, ins = [], []
+                for t in step.local:
+                    source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
+                    outs.append(self.dst[t.dst_tensor][t.dst_box.slices()])
+                    ins.append(source[t.src_box.slices()])
+                views = self.prepared[("local", step.index)] = (outs, ins)
+            torch._foreach_copy_(*views)  # one call for all of the chunk's local copies
+            self.report.bytes_copied_locally += sum(t.nbytes for t in step.local)
 
     def finish(self, flight: _InFlight) -> None:
         step, slot = flight.step, flight.slot
@@ -463,10 +512,14 @@ class _Run:
             with _on(s and s.unpack):
                 if s is not None:
                     s.unpack.wait_event(s.transferred[slot])  # comm -> unpack
-                tensors = self._tensors(step.unpack)
-                unpack(self.staging.recv(slot, step), step.unpack.offsets, tensors, step.unpack.boxes)
+                copy: PreparedCopy | None = self.prepared.get(("unpack", step.index, slot))
+                if copy is None:
+                    copy = self.prepared[("unpack", step.index, slot)] = prepare_unpack(
+                        self.staging.recv(slot, step), step.unpack.offsets, self._tensors(step.unpack),
+                        step.unpack.boxes)
+                copy.run()
                 if self.verify:
-                    self._check_sums(step, slot, tensors)
+                    self._check_sums(step, slot, self._tensors(step.unpack))
                 if s is not None:
                     s.unpacked[slot].record(s.unpack)
         elif s is not None:
@@ -654,7 +707,9 @@ def execute(
         verify_errors: list[str] = []
         if staging is not None:
             report.staging_bytes = staging.nbytes
-            run = _Run(prog, plan, group, src_tensors or (), dst_tensors or (), staging, verify, td, report)
+            srcs, dsts = src_tensors or (), dst_tensors or ()
+            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared)
             run.run()
             verify_errors = run.errors
         if (verify or confirm) and len(ranks) > 1:
