@@ -68,6 +68,12 @@ if [ -f "$DIR/bench_kernels_summary.txt" ]; then grep -E "target" "$DIR/bench_ke
 
 # --- append further sections here (comm streams check, fp8 quant check), each with its own limit ----------------
 
+# --- fp8 block quantization (issue 7): tests/test_kernels_quant.py on the device, compiled: kernel vs reference vs --
+# numpy oracle, bit for bit, incl. offsets past 2**31 (6 GiB). About 25 kernel variants to compile. Writes only its log.
+section quant_tests 120 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+    tests/test_kernels_quant.py
+# --- end fp8 block quantization ----------------------------------------------------------------------------------
+
 # --- comm (issue 4) begin: the executor's CUDA streams pipeline on one GPU ---------------------------------------
 # Two ranks as threads over a loopback link on one device; the real executor with its pack/comm/unpack streams.
 # Passes when results are bit-exact and two chunks in flight beat one slot by >= 1.25x (see the script's docstring).
