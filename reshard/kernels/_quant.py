@@ -230,6 +230,9 @@ def _launch(x3: torch.Tensor, q3: torch.Tensor, s3: torch.Tensor, block: tuple[i
     constexprs = {"IN_BITS": 8 * x3.element_size(), "IN_BF16": x3.dtype == torch.bfloat16, "BLOCK_M": block[0],
                   "BLOCK_N": block[1], "TILE_M": tile_m, "TILE_N": tile_n, "NUM_TILES": -(-block[0] // tile_m),
                   "num_warps": num_warps, "enable_fp_fusion": False}
+    if x3.device.type == "cuda" and tile_n > 4096:
+        raise NotImplementedError(f"quantize_fp8_block: the Triton kernel takes blocks of at most 4096 columns, got "
+                                  f"{block}; use backend='torch'")
     num_programs = num_b * s3.shape[1] * s3.shape[2]
     if num_programs >= 2**31:
         raise NotImplementedError(f"quantize_fp8_block: {num_programs} blocks do not fit one launch (< 2**31); "
