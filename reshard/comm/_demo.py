@@ -420,7 +420,7 @@ def format_results(results: list[ScenarioResult]) -> str:
     """A readable table: per scenario and method, bytes, median time [min, max], verified, speedup."""
     lines = []
     for r in results:
-        lines.append(f"{r.scenario}: {list(r.shape)} {r.dtype}, {r.world_size} gloo/nccl ranks")
+        lines.append(f"{r.scenario}: {list(r.shape)} {r.dtype}, {r.world_size} ranks")
         for m in r.methods.values():
             b = format_bytes(m.bytes) if m.bytes is not None else "n/a"
             lines.append(f"  {m.method:<17} {b:>11}  median {m.median * 1e3:8.1f} ms  [{min(m.seconds) * 1e3:.1f}, "
