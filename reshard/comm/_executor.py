@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
-from reshard.comm._handshake import agree
+from reshard.comm._handshake import EXACT_SUFFIX, agree
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
 from reshard.kernels import PreparedCopy, prepare_pack, prepare_unpack
 from reshard.planner import Box, Plan, Transfer
@@ -327,9 +327,9 @@ def _describe_plan(plan: Plan) -> list[tuple[str, str]]:
         for side, lay in (("source", it.src), ("destination", it.dst)):
             text = repr(lay)
             out.append((f"{who} {side} layout", text))
-            out.append((f"{who} {side} layout key", repr(getattr(lay, "key", text))))
+            # the exact key catches what the repr does not show; shown only when the reprs agree
+            out.append((f"{who} {side} layout{EXACT_SUFFIX}", repr(getattr(lay, "key", text))))
         out.append((f"{who} local tensor indices", repr((it.src_tensor, it.dst_tensor))))
-    # when reprs agree but keys differ, show the keys; otherwise keys only repeat the repr
     return out
 
 

@@ -27,6 +27,8 @@ _HEADER = struct.Struct(f"<{_FP_BYTES}sq")  # fingerprint, payload length
 _REPLY = struct.Struct("<qq")  # status, payload length
 
 _OK, _FAIL, _DESCRIBE, _WAIT = 0, 1, 2, 3
+EXACT_SUFFIX = " (exact)"
+"""A described field `NAME (exact)` repeats field `NAME` exactly; it is reported only when `NAME` itself agrees."""
 _MAX_RANKS_SHOWN = 4
 _MAX_FIELDS_SHOWN = 4
 
@@ -153,8 +155,10 @@ def _describe_difference(root: int, mine: list[tuple[str, str]], theirs: dict[in
     ref = dict(mine)
     for r in sorted(theirs)[:_MAX_RANKS_SHOWN]:
         other = dict(theirs[r])
-        diffs = [(k, ref.get(k, "<absent>"), other.get(k, "<absent>"))
-                 for k in list(ref) + [k for k in other if k not in ref] if ref.get(k) != other.get(k)]
+        keys = list(ref) + [k for k in other if k not in ref]
+        differ = {k for k in keys if ref.get(k) != other.get(k)}
+        diffs = [(k, ref.get(k, "<absent>"), other.get(k, "<absent>")) for k in keys
+                 if k in differ and not (k.endswith(EXACT_SUFFIX) and k[: -len(EXACT_SUFFIX)] in differ)]
         if not diffs:
             lines.append(f"  rank {r}: same inputs as rank {root} but a different plan; do all ranks run the same "
                          "reshard and torch versions?")
