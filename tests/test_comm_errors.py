@@ -150,6 +150,39 @@ def test_multi_tensor_plan_counts_bytes_and_messages(pool) -> None:
     assert all(r["chunk_logs"] >= r["chunks"] for r in reports)  # one debug line per chunk at least
 
 
+def on_rank_cast(w, verify: bool) -> bool:
+    """`precision="cast"` items: values are cast while packing (bit-exact with `.to()`), relays forward the cast
+    bytes, local copies cast too. Mixed with a raw item, so one chunk packs with several wire dtypes."""
+    from reshard.comm import execute
+
+    specs = [  # name, shape, src dtype, dst dtype, src mesh/placements, dst mesh/placements
+        ("fp32->bf16 relayed", (40, 24), torch.float32, torch.bfloat16, Mesh(A), [S0], Mesh(B), [R]),
+        ("bf16->fp32 overlapping", (30, 10), torch.bfloat16, torch.float32, Mesh([0, 1, 2, 3, 4, 5]), [S0],
+         Mesh([2, 3, 4, 5, 6, 7]), [Shard(1)]),
+        ("fp32->fp16", (17, 9), torch.float32, torch.float16, Mesh([[0, 1], [2, 3]]), [S0, Shard(1)], Mesh([5, 6]),
+         [Shard(1)]),
+        ("raw int8", (12, 12), torch.int8, torch.int8, Mesh(A), [Shard(1)], Mesh(B), [S0]),
+    ]
+    items, srcs, dsts, expected = [], [], [], []
+    for i, (name, shape, sdt, ddt, sm, sp, dm, dp) in enumerate(specs):
+        s, d = Layout(shape, sm, sp, sdt, name=name), Layout(shape, dm, dp, ddt, name=name)
+        items.append(PlanItem(s, d, src_tensor=i, dst_tensor=i, name=name, precision="cast" if sdt != ddt else "same"))
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(sdt) if sdt.is_floating_point \
+            else full_tensor(shape, sdt, name)
+        srcs.append(dtensor_local(full, s) if w.rank in s.ranks else None)
+        dsts.append(torch.zeros(d.local_shape(w.rank), dtype=ddt) if w.rank in d.ranks else None)
+        expected.append(dtensor_local(full.to(ddt), d) if w.rank in d.ranks else None)
+    p = plan_many(items, Topology(domain_size=4), staging_bytes=1024, min_split_bytes=64)
+    assert any(t.stage > 0 for t in p.transfers) and any(t.link == "local" for t in p.transfers)
+    execute(p, w.rank, srcs, dsts, w.group, verify=verify, timeout=30)
+    return all(d is None or torch.equal(as_bytes(d), as_bytes(e)) for d, e in zip(dsts, expected))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_cast_items_pack_with_their_wire_dtype(pool, verify) -> None:
+    assert all(pool.run_ok(on_rank_cast, verify))
+
+
 def on_rank_identical(w) -> dict:
     lay = Layout((16, 16), Mesh([[0, 1], [2, 3]]), [Shard(0), Shard(1)], torch.float32)
     _, s, d = _locals(w.rank, lay, lay)

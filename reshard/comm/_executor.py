@@ -73,7 +73,9 @@ class _Copies:
     """The boxes of one `pack` or `unpack` call, in buffer order.
 
     `from_dst[i]` says box `i` is read from the destination tensor `tensors[i]` (a relay forward) instead of the
-    source tensor. `offsets[i]` is the box's byte offset in the chunk's staging buffer.
+    source tensor. `offsets[i]` is the box's byte offset in the chunk's staging buffer. `wire[i]` is the dtype box
+    `i` is cast to while packing (a `precision="cast"` item at stage 0), or None for a raw copy; `groups` lists the
+    boxes of each distinct `wire` value, one prepared copy each.
     """
 
     transfers: tuple[Transfer, ...]
@@ -81,6 +83,8 @@ class _Copies:
     tensors: tuple[int, ...]
     boxes: tuple[Box, ...]
     offsets: tuple[int, ...]
+    wire: tuple[torch.dtype | None, ...]
+    groups: tuple[tuple[torch.dtype | None, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +120,8 @@ class _Program:
     local_bytes: int
 
 
-def _copies(messages: Sequence[Any], *, sending: bool) -> tuple[_Copies, tuple[tuple[int, int, int, int, int], ...]]:
+def _copies(plan: Plan, messages: Sequence[Any], *,
+            sending: bool) -> tuple[_Copies, tuple[tuple[int, int, int, int, int], ...]]:
     transfers: list[Transfer] = []
     offsets: list[int] = []
     msgs = []
@@ -130,11 +135,23 @@ def _copies(messages: Sequence[Any], *, sending: bool) -> tuple[_Copies, tuple[t
         from_dst = tuple(t.stage > 0 for t in transfers)
         tensors = tuple(t.src_tensor for t in transfers)
         boxes = tuple(t.src_box for t in transfers)
+        wire = tuple(_wire_dtype(plan, t) for t in transfers)
     else:
         from_dst = (True,) * len(transfers)
         tensors = tuple(t.dst_tensor for t in transfers)
         boxes = tuple(t.dst_box for t in transfers)
-    return _Copies(tuple(transfers), from_dst, tensors, boxes, tuple(offsets)), tuple(msgs)
+        wire = (None,) * len(transfers)  # the wire already carries the destination dtype
+    groups: dict[torch.dtype | None, list[int]] = {}
+    for i, w in enumerate(wire):
+        groups.setdefault(w, []).append(i)
+    return (_Copies(tuple(transfers), from_dst, tensors, boxes, tuple(offsets), wire,
+                    tuple((w, tuple(ix)) for w, ix in groups.items())), tuple(msgs))
+
+
+def _wire_dtype(plan: Plan, t: Transfer) -> torch.dtype | None:
+    """The dtype a stage-0 box of a casting item is packed as (its destination dtype); None for a raw copy."""
+    item = plan.items[t.item]
+    return item.dst.dtype if t.stage == 0 and item.src.dtype != item.dst.dtype else None
 
 
 _PROGRAMS: weakref.WeakKeyDictionary[Plan, dict[int, _Program]] = weakref.WeakKeyDictionary()
@@ -148,8 +165,8 @@ def _program(plan: Plan, rank: int) -> _Program:
     rp = plan.for_rank(rank)
     steps = []
     for c in rp.chunks:
-        pk, sends = _copies(c.sends, sending=True)
-        up, recvs = _copies(c.recvs, sending=False)
+        pk, sends = _copies(plan, c.sends, sending=True)
+        up, recvs = _copies(plan, c.recvs, sending=False)
         steps.append(_Step(c.index, c.unpack_before_pack, sends, recvs, pk, up, c.local, c.send_bytes, c.recv_bytes))
     prog = _Program(
         rank,
@@ -441,16 +458,21 @@ class _Run:
                     s.pack.wait_event(s.unpacked[slot])
                 if relay_ready is not None:
                     s.pack.wait_event(relay_ready)  # unpack -> pack: the boxes this chunk forwards have landed
-            copy = self.prepared.get(("pack", step.index, slot))
-            if copy is None:
-                copy = self.prepared[("pack", step.index, slot)] = prepare_pack(
-                    self._tensors(step.pack), step.pack.boxes, self.staging.send(slot, step), step.pack.offsets)
-            copy.run()
+            copies = self.prepared.get(("pack", step.index, slot))
+            if copies is None:
+                tensors, area, pk = self._tensors(step.pack), self.staging.send(slot, step), step.pack
+                copies = self.prepared[("pack", step.index, slot)] = [
+                    prepare_pack([tensors[i] for i in ix], [pk.boxes[i] for i in ix], area, [pk.offsets[i] for i in ix],
+                                 dtype=wire)
+                    for wire, ix in pk.groups]  # one prepared copy per wire dtype (casting items cast here)
+            for copy in copies:
+                copy.run()
             if self.verify:
                 tensors = self._tensors(step.pack)
                 sums = self.staging.send_sums[slot]
-                for k, (t, box) in enumerate(zip(tensors, step.pack.boxes)):
-                    _checksum(t[box.slices()], sums[k])
+                for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
+                    view = t[box.slices()]
+                    _checksum(view if wire is None else view.contiguous().to(wire), sums[k])
             if s is not None:
                 s.packed[slot].record(s.pack)
         self.report.seconds_pack += time.perf_counter() - t0
