@@ -12,7 +12,7 @@ import zlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from reshard.comm import Group
 from reshard.models import PRESETS, param_specs
@@ -191,3 +191,100 @@ def job_refit_error(rank: int, world: int, model: str, system: str, case: str) -
         refit.add_destination(name, torch.zeros(bad.local_shape(rank), dtype=bad.dtype), bad)
     refit.run()
     return "no error"
+
+
+# ---- precision modes ----------------------------------------------------------------------------------------
+
+FP8_WEIGHTS = {
+    # name: (shape, trainer layout on ranks 0-3, inference layout on ranks 4-6 (TP3 cuts inside 128-blocks))
+    # stacked experts, trainer EP2 x DP2 (whole matrices per rank: quantized on the source), inference TP3 rows
+    "experts.w1": ((4, 200, 320), ((2, 2), "R,S(0)"), ((3,), "S(1)")),
+    # dense, trainer TP2 cut at row 256 (block-aligned: quantized on the source), inference TP3 rows
+    "dense.aligned": ((512, 200), ((2, 2), "R,S(0)"), ((3,), "S(0)")),
+    # dense, uneven trainer cut at row 169 (inside a block: quantized on the destination), inference TP3 columns
+    "dense.uneven": ((337, 320), ((2, 2), "R,S(0)"), ((3,), "S(1)")),
+}
+CAST_WEIGHT = ("norm.cast", (5, 300))
+
+
+def _fp8_layouts(name: str):
+    from reshard.planner import Layout, Mesh
+    from reshard.planner._notation import parse_placements
+
+    shape, (tmesh, tpl), (imesh, ipl) = FP8_WEIGHTS[name]
+    train = Layout(shape, Mesh(torch.arange(4).reshape(tmesh)), parse_placements(tpl), torch.float32, name=name)
+    infer = Layout(shape, Mesh(torch.arange(4, 7).reshape(imesh)), parse_placements(ipl), torch.float8_e4m3fn,
+                   name=name)
+    return train, infer
+
+
+def special_floats(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """float32 values with NaN, +-Inf, subnormals, huge values and rounding ties sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    flat = x.view(-1)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 3.0e38, 0.0, -0.0,
+                             1.00390625, 65520.0, 448.0, 464.0])
+    flat[: min(len(specials), flat.numel())] = specials[: flat.numel()]
+    return x
+
+
+def job_precision(rank: int, world: int, case: str = "ok", seed: int = 11) -> dict:
+    """Refit FP8 block weights (source- and destination-side quantization) and one cast weight; check them
+    bit for bit against quantizing (casting) the full tensor in one process and slicing it by hand."""
+    from reshard.kernels import quantize_fp8_block_reference
+    from reshard import Layout, Mesh, Replicate
+    from reshard.planner._blocks import scale_layout
+
+    refit = Refit(Group.world(), precision=lambda n: "cast" if n == CAST_WEIGHT[0] else "fp8_block",
+                  staging_bytes=1 << 16)
+    fulls = {n: special_floats(FP8_WEIGHTS[n][0], seed + i) for i, n in enumerate(FP8_WEIGHTS)}
+    dests = {}
+    for n in FP8_WEIGHTS:
+        train, infer = _fp8_layouts(n)
+        if rank in train.ranks:
+            local = torch.empty(train.local_shape(rank))
+            for p in train.pieces(rank):
+                local[p.local_box.slices()] = fulls[n][p.global_box.slices()]
+            refit.add_source(n, local, train)
+        if rank in infer.ranks:
+            q = torch.zeros(infer.local_shape(rank), dtype=torch.float8_e4m3fn)
+            s_shape = scale_layout(infer).local_shape(rank)
+            if case == "missing_scale" and n == "dense.uneven":
+                scale = None
+            elif case == "bad_scale" and n == "dense.uneven":
+                scale = torch.zeros(tuple(x + 1 for x in s_shape))
+            else:
+                scale = torch.zeros(s_shape)
+            refit.add_destination(n, q, infer, scale=scale)
+            dests[n] = (q, scale, infer)
+    cname, cshape = CAST_WEIGHT
+    cfull = special_floats(cshape, seed + 99)
+    ctrain = Layout(cshape, Mesh([0, 1, 2, 3]), [Replicate()], torch.float32, name=cname)
+    cinfer = Layout(cshape, Mesh([4, 5, 6, 7]), [Shard(1)], torch.bfloat16, name=cname)
+    if rank < 4:
+        refit.add_source(cname, cfull.clone(), ctrain)
+    else:
+        refit.add_destination(cname, torch.zeros(cinfer.local_shape(rank), dtype=torch.bfloat16), cinfer)
+    report = refit.run()
+    bad = []
+    if rank in range(4, 7):
+        i = rank - 4
+        for n, (q, scale, infer) in dests.items():
+            ref_q, ref_s = quantize_fp8_block_reference(fulls[n])
+            dim = infer.placements[0].dim
+            size = fulls[n].shape[dim]
+            lo, hi = i * -(-size // 3), min((i + 1) * -(-size // 3), size)  # torch.chunk rows of TP rank i
+            want_q = ref_q.narrow(dim, lo, hi - lo)
+            blocks = ref_s.narrow(dim, lo // 128, -(-hi // 128) - lo // 128)  # every block the shard touches
+            if not torch.equal(bits(q), bits(want_q)):
+                bad.append(f"rank {rank}: {n} fp8 weight differs")
+            if not torch.equal(bits(scale), bits(blocks)):
+                bad.append(f"rank {rank}: {n} scale differs")
+    if rank >= 4:
+        cl = refit._dests[cname][0]
+        want = cfull.to(torch.bfloat16).chunk(4, 1)[rank - 4]
+        if not torch.equal(bits(cl), bits(want)):
+            bad.append(f"rank {rank}: cast weight differs")
+    return {"bad": bad, "choices": dict(report.choices), "network": report.network_bytes}
+

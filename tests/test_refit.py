@@ -4,7 +4,7 @@ from the full model by hand."""
 from __future__ import annotations
 
 import pytest
-from refit_cases import job_refit, job_refit_error
+from refit_cases import job_precision, job_refit, job_refit_error
 
 from reshard._launch import RankError, RankPool
 
@@ -59,3 +59,29 @@ def test_refit_errors_raise_on_every_rank(pool, case: str, pattern: str) -> None
     for r, o in enumerate(out):
         assert isinstance(o, RankError) and o.type_name == "ValueError", (r, o)
         assert re.search(pattern, o.message, re.S), (r, o.message[:2000])
+
+
+def test_precision_fp8_block_and_cast_are_bit_exact(pool) -> None:
+    """FP8 block weights equal quantizing the full tensor and slicing it, whether quantized on the source
+    (block-aligned trainer shards) or on the destination (a trainer cut inside a block), with an inference TP3 that
+    cuts blocks (boundary blocks' scales on both ranks); a float32 -> bfloat16 cast weight equals torch's `.to()`
+    with NaN, Inf, subnormals and ties."""
+    out = pool.run_ok(job_precision)
+    for o in out:
+        assert o["bad"] == [], o["bad"]
+    choices = out[0]["choices"]
+    assert choices["experts.w1"].endswith("source") and choices["dense.aligned"].endswith("source")
+    assert choices["dense.uneven"].endswith("destination")
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("missing_scale", r"'dense.uneven' on rank \d: FP8 weight registered without its scale tensor"),
+    ("bad_scale", r"'dense.uneven' on rank \d: scale tensor of shape .* expected"),
+])
+def test_precision_scale_errors_raise_on_every_rank(pool, case: str, pattern: str) -> None:
+    import re
+
+    out = pool.run(job_precision, case)
+    for r, o in enumerate(out):
+        assert isinstance(o, RankError) and o.type_name == "ValueError", (r, o)
+        assert re.search(pattern, o.message), (r, o.message[:2000])

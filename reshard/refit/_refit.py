@@ -499,6 +499,11 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
 def _choose(refit: Refit, sname: str, item: PlanItem) -> str:
     """Per-weight method: the override, the policy, or (auto) the cost model's faster one."""
     policy = refit.policies.get(sname, refit.policy)
+    if item.precision != "same":
+        if policy == "gather_broadcast":
+            raise ValueError(f"weight {sname!r}: gather_broadcast moves values as they are; use policy 'reshard' "
+                             f"or 'auto' with precision {item.precision!r}")
+        return "reshard"
     if policy != "auto":
         return policy
     from reshard.sim import gather_broadcast, get_hardware, link_time, plan_loads
