@@ -52,7 +52,7 @@ def format_table(result: SimResult) -> str:
         f"{result.system.describe()}, {result.hardware.name}"
     )
     header = (
-        f"{'method':<13} {'time ms':>10} {'vs g+b':>7} {'network GB':>11} {'nvlink GB':>10} {'messages':>9} "
+        f"{'method':<17} {'time ms':>10} {'vs g+b':>7} {'network GB':>11} {'nvlink GB':>10} {'messages':>9} "
         f"{'plan s':>7}  bottleneck"
     )
     lines = [title, header]
@@ -61,7 +61,7 @@ def format_table(result: SimResult) -> str:
         msgs = f"{m.messages}" if m.messages is not None else "-"
         plan_s = f"{m.plan_seconds:.2f}" if m.plan_seconds is not None else "-"
         lines.append(
-            f"{m.method:<13} {m.seconds * 1e3:>10.1f} {speedup:>7} {m.network_bytes / 1e9:>11.1f} "
+            f"{m.method:<17} {m.seconds * 1e3:>10.1f} {speedup:>7} {m.network_bytes / 1e9:>11.1f} "
             f"{m.nvlink_bytes / 1e9:>10.1f} {msgs:>9} {plan_s:>7}  {m.bottleneck}"
         )
     return "\n".join(lines)
@@ -157,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--domain-size", type=int, default=None, help="GPUs per NVLink domain (default: the hardware's)")
     p.add_argument("--unstacked", action="store_true", help="plan one tensor per expert instead of [E, ...] stacks")
     p.add_argument("--no-direct", action="store_true", help="skip the direct point-to-point plan")
+    p.add_argument("--fp8", action="store_true", help="also model an fp8_block refit (FP8 linear weights + scales)")
     p.add_argument("--out", type=Path, default=Path("perf/out/simulate"), help="folder for CSV and PNG")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -175,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 domain_size=args.domain_size,
                 stack_experts=not args.unstacked,
                 direct=not args.no_direct,
+                fp8=args.fp8,
             )
             results.append(r)
             print(format_table(r), end="\n\n")

@@ -121,6 +121,37 @@ def plan_items(layouts: list[WeightLayouts]) -> list[PlanItem]:
     return [PlanItem(w.train, w.gen, src_tensor=i, dst_tensor=i, name=w.spec.name) for i, w in enumerate(layouts)]
 
 
+FP8_KINDS = frozenset({"column", "column_kv", "row", "q_a", "kv_a", "expert_w1", "expert_w2", "expert_w3",
+                       "mtp_proj"})
+"""The weights a DeepSeek-V3-style FP8 checkpoint quantizes (linear layers); embeddings, lm_head, norms and routers
+stay in high precision."""
+
+
+def fp8_plan_items(layouts: list[WeightLayouts]) -> list[PlanItem]:
+    """Plan items of an `fp8_block` refit: linear weights become float8_e4m3fn on the inference side with
+    per-128x128-block scales (quantized on the source when trainer shards are block-aligned, else on the
+    destination from block halos, exactly as `Refit` does); the other weights move as they are."""
+    import torch
+
+    from reshard.planner._blocks import with_dtype
+    from reshard.refit._fp8 import Fp8Weight
+
+    n = len(layouts)
+    items: list[PlanItem] = []
+    extra_src, extra_dst, scale_dst = n, 2 * n, n
+    for i, w in enumerate(layouts):
+        if w.spec.kind in FP8_KINDS and len(w.spec.shape) >= 2:
+            f = Fp8Weight(w.spec.name, w.train, with_dtype(w.gen, torch.float8_e4m3fn), i, i, scale_dst,
+                          extra_src, extra_dst)
+            scale_dst += 1
+            extra_src += f.num_extra_src
+            extra_dst += f.num_extra_dst
+            items.extend(f.items)
+        else:
+            items.append(PlanItem(w.train, w.gen, src_tensor=i, dst_tensor=i, name=w.spec.name))
+    return items
+
+
 def simulate(
     model: str | ModelConfig,
     system: str | System,
@@ -130,6 +161,7 @@ def simulate(
     stack_experts: bool = True,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     direct: bool = True,
+    fp8: bool = False,
 ) -> SimResult:
     """Plan a whole-model refit and model its time three ways, next to the lower bound.
 
@@ -141,9 +173,12 @@ def simulate(
         stack_experts: plan routed experts as `[E, ...]` tensors (same bytes, far fewer tensors).
         staging_bytes: the planner's staging budget per rank.
         direct: also plan and time direct point-to-point (no relays).
+        fp8: also plan and time an `fp8_block` refit (`reshard fp8_block`): linear weights served as FP8 with
+            block scales (see `fp8_plan_items`).
 
     Returns:
-        A `SimResult` with methods `reshard`, `direct p2p` (if `direct`), `gather+bcast` and `lower bound`.
+        A `SimResult` with methods `reshard`, `reshard fp8_block` (if `fp8`), `direct p2p` (if `direct`),
+        `gather+bcast` and `lower bound`.
     """
     config = get_preset(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -165,6 +200,11 @@ def simulate(
     plan_s = time.perf_counter() - t0
     fill = relay_fill_s(relay_plan, hw, chunk_lag=RELAY_CHUNK_LAG)
     methods.append(_plan_result("reshard", relay_plan, hw, plan_s, fill))
+    if fp8:
+        t0 = time.perf_counter()
+        fp8_plan = plan_many(fp8_plan_items(layouts), topo, relay=True, staging_bytes=staging_bytes)
+        methods.append(_plan_result("reshard fp8_block", fp8_plan, hw, time.perf_counter() - t0,
+                                    relay_fill_s(fp8_plan, hw, chunk_lag=RELAY_CHUNK_LAG)))
     if direct:
         t0 = time.perf_counter()
         direct_plan = plan_many(items, topo, relay=False, staging_bytes=staging_bytes)
