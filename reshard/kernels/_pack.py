@@ -11,7 +11,6 @@ import functools
 import importlib.util
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
+from reshard.kernels._loader import load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
 
@@ -51,24 +51,10 @@ def launch_config(word_bytes: int, device_type: str) -> tuple[int, int]:
 # Launcher
 # ---------------------------------------------------------------------------------------------------------------
 
-_KERNEL_MODULES: dict[bool, ModuleType] = {}
-
-
 def _kernels(interpret: bool) -> ModuleType:
     """`_triton.py` loaded with Triton's interpreter on (CPU tensors) or off (CUDA tensors), once per process."""
-    if interpret not in _KERNEL_MODULES:
-        from triton import knobs
-
-        name = f"reshard.kernels._triton_{'interpreted' if interpret else 'compiled'}"
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "_triton.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        with knobs.runtime.scope():
-            knobs.runtime.interpret = interpret
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        _KERNEL_MODULES[interpret] = module
-    return _KERNEL_MODULES[interpret]
+    name = f"reshard.kernels._triton_{'interpreted' if interpret else 'compiled'}"
+    return load_device_module(os.path.join(os.path.dirname(__file__), "_triton.py"), name, interpret)
 
 
 def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,10 +29,8 @@ once compiled (CUDA tensors), as `_pack._kernels` does for `_triton.py`, so impo
 triton; the launcher; the public functions; then the pure-torch reference, which is also the CPU production path.
 """
 
-import importlib.util
 import math
 import os
-import sys
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -174,25 +172,12 @@ if __name__ in _DEVICE_COPIES:
 # Launcher
 # ---------------------------------------------------------------------------------------------------------------
 
-_LOADED: dict[bool, ModuleType] = {}
-
-
 def _device_code(interpret: bool) -> ModuleType:
     """This file loaded again with Triton's interpreter on (CPU tensors) or off (CUDA tensors), once per process, so
-    its kernel exists in both modes whatever `TRITON_INTERPRET` said (the mechanism of `_pack._kernels`)."""
-    if interpret not in _LOADED:
-        from triton import knobs
+    its kernel exists in both modes whatever `TRITON_INTERPRET` said."""
+    from reshard.kernels._loader import load_device_module
 
-        name = _DEVICE_COPIES[0 if interpret else 1]
-        spec = importlib.util.spec_from_file_location(name, os.path.abspath(__file__))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        with knobs.runtime.scope():
-            knobs.runtime.interpret = interpret
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        _LOADED[interpret] = module
-    return _LOADED[interpret]
+    return load_device_module(os.path.abspath(__file__), _DEVICE_COPIES[0 if interpret else 1], interpret)
 
 
 def _launch_config(block: tuple[int, int], device_type: str) -> tuple[int, int, int]:
