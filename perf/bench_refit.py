@@ -12,17 +12,16 @@ Writes `bench_refit.csv` (machine, versions, configuration, bytes, median and sp
 from __future__ import annotations
 
 import argparse
-import csv
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from _common import machine_info, write_csv  # noqa: E402
 from reshard._demo import refit_job  # noqa: E402
 from reshard._launch import RankPool  # noqa: E402
 from reshard.planner import format_bytes  # noqa: E402
@@ -63,8 +62,7 @@ def main() -> None:
                 "steady_s_min": min(steady),
                 "steady_s_max": max(steady),
                 "first_run_s_median": statistics.median(first),
-                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                "torch": torch.__version__,
+                **machine_info(torch.device("cpu")),
                 "backend": "gloo (CPU)",
             }
             rows.append(row)
@@ -73,10 +71,7 @@ def main() -> None:
     ratio = rows[1]["steady_s_median"] / rows[0]["steady_s_median"]
     print(f"reshard is {ratio:.1f}x faster than gather-and-broadcast and moves "
           f"{rows[1]['bytes_moved'] / rows[0]['bytes_moved']:.1f}x fewer bytes")
-    with open(out_dir / "bench_refit.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "bench_refit.csv", rows)
     plot(rows, out_dir / "bench_refit.png")
     print(f"wrote {out_dir / 'bench_refit.csv'} and {out_dir / 'bench_refit.png'}")
 
@@ -95,7 +90,7 @@ def plot(rows: list[dict], path: Path) -> None:
     a.set_ylabel("steady-state refit (s)")
     b.bar(names, [r["bytes_moved"] / 2**30 for r in rows])
     b.set_ylabel("bytes moved (GiB)")
-    fig.suptitle(f"{rows[0]['model']} refit, {rows[0]['system']}, {rows[0]['machine']}")
+    fig.suptitle(f"{rows[0]['model']} refit, {rows[0]['system']}, {rows[0]['cpu']}, {rows[0]['cpu_count']} cpus")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,6 +11,8 @@ import hashlib
 import logging
 import math
 import operator
+
+import numpy as np
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -306,7 +308,14 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
     """Per destination domain: |union of what its ranks need| - |the part of it its ranks already hold|, in bytes
     summed over items."""
     out: dict[Any, int] = defaultdict(int)
+    seen: dict[tuple[int, int], dict[Any, int]] = {}
     for item in items:
+        gkey = (_geometry_id(item.src), _geometry_id(item.dst))
+        if gkey in seen:  # the same geometry (another layer): the same bytes per domain
+            for d, v in seen[gkey].items():
+                out[d] += v
+            continue
+        this = seen[gkey] = {}
         need: dict[Any, list[Box]] = defaultdict(list)
         held: dict[Any, list[Box]] = defaultdict(list)
         for r in item.dst.ranks:
@@ -316,8 +325,15 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
             if d in need:
                 held[d].extend(p.global_box for p in item.src.pieces(r))
         for d, boxes in need.items():
-            out[d] += (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
+            this[d] = (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
+            out[d] += this[d]
     return out
+
+
+_LINK_CODE = {link: code for code, link in enumerate(LINKS)}
+
+_RANK_KEY_WIDTH = 1 << 24
+"""Ranks are below this, so `(chunk * W + src) * W + dst` is a unique int key of a message."""
 
 
 class _OpenChunks:
@@ -363,27 +379,36 @@ def _assign_chunks(raw: list[tuple], chunk_cap: int) -> list[int]:
     forwarded local copy still waits for its arrival.
     """
     ranks: dict[int, _OpenChunks] = defaultdict(_OpenChunks)
-    pair_last: dict[tuple[int, int], int] = {}
+    pair_last: dict[int, int] = {}
     chunks = [0] * len(raw)
-    order = sorted(range(len(raw)), key=lambda i: (raw[i][7], -raw[i][5], i))
+    width = _RANK_KEY_WIDTH
+    keys = [(t[7], -t[5], i) for i, t in enumerate(raw)]
+    order = sorted(range(len(raw)), key=keys.__getitem__)
+    lag = RELAY_CHUNK_LAG
     for i in order:
         t = raw[i]
         src, dst, nbytes, link, dep = t[0], t[1], t[5], t[6], t[11]
-        min_c = chunks[dep] + RELAY_CHUNK_LAG if dep >= 0 else 0
+        min_c = chunks[dep] + lag if dep >= 0 else 0
         if link == "local":
             chunks[i] = min_c
             continue
         rs, rd = ranks[src], ranks[dst]
+        ps, pd, us, ud = rs.parent, rd.parent, rs.used, rd.used
+        pair = src * width + dst
         # start where this pair's last (larger) transfer went: it keeps a pair's boxes together in few messages
         # and skips re-walking chunks the two ends do not share
-        c = max(min_c, pair_last.get((src, dst), 0))
+        c = pair_last.get(pair, 0)
+        if c < min_c:
+            c = min_c
         while True:
-            c = rs.find(c)
-            cd = rd.find(c)
-            if cd != c:
-                c = cd
-                continue
-            a, d = rs.used[c], rd.used[c]  # noqa: E741
+            if c >= len(ps) or ps[c] != c:  # find() only when a chunk is closed: the common case is open
+                c = rs.find(c)
+            if c >= len(pd) or pd[c] != c:
+                cd = rd.find(c)
+                if cd != c:
+                    c = cd
+                    continue
+            a, d = us[c], ud[c]
             fit_s = a == 0 or a + nbytes <= chunk_cap
             fit_d = d == 0 or d + nbytes <= chunk_cap
             if fit_s and fit_d:
@@ -392,10 +417,10 @@ def _assign_chunks(raw: list[tuple], chunk_cap: int) -> list[int]:
                 rs.close(c)
             if not fit_d:
                 rd.close(c)
-        rs.used[c] += nbytes
-        rd.used[c] += nbytes
+        us[c] += nbytes
+        ud[c] += nbytes
         chunks[i] = c
-        pair_last[(src, dst)] = c
+        pair_last[pair] = c
     return chunks
 
 
@@ -430,7 +455,8 @@ class Plan:
         relay: bool,
         staging_bytes: int,
         min_split_bytes: int,
-        transfers: tuple[Transfer, ...],
+        raw: list[tuple],
+        chunks: list[int],
         network_lower_bound: int,
         needed_bytes: int,
     ) -> None:
@@ -439,31 +465,61 @@ class Plan:
         self.relay = relay
         self.staging_bytes = staging_bytes
         self.min_split_bytes = min_split_bytes
-        self.transfers = transfers
+        self._raw = raw
+        self._chunks = chunks
+        self._transfers: tuple[Transfer, ...] | None = None
         self._by_rank: dict[int, list[int]] | None = None
         self._rank_plans: dict[int, RankPlan] = {}
         self.stats = self._compute_stats(network_lower_bound, needed_bytes)
         self.fingerprint = self._compute_fingerprint()
 
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every transfer, in plan order (built on first use: a whole-model plan holds hundreds of thousands)."""
+        if self._transfers is None:
+            self._transfers = tuple(
+                Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10])
+                for t, c in zip(self._raw, self._chunks)
+            )
+        return self._transfers
+
     # ---- derived values -------------------------------------------------------------------------------------
     def _compute_stats(self, network_lower_bound: int, needed_bytes: int) -> PlanStats:
-        by_link = dict.fromkeys(LINKS, 0)
-        per: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        pairs: set[tuple[int, int, int]] = set()
-        num_chunks = 0
-        for t in self.transfers:
-            by_link[t.link] += t.nbytes
-            num_chunks = max(num_chunks, t.chunk + 1)
-            if t.link == "local":
-                per[t.dst_rank]["local"] += t.nbytes
+        # vectorized: a whole-model plan has up to millions of transfers
+        raw = self._raw
+        n = len(raw)
+        cols = list(zip(*raw)) if n else [()] * 12
+        src = np.array(cols[0], dtype=np.int64)
+        dst = np.array(cols[1], dtype=np.int64)
+        nbytes = np.array(cols[5], dtype=np.int64)
+        kind = np.array([_LINK_CODE[k] for k in cols[6]], dtype=np.int8)
+        chunk = np.asarray(self._chunks, dtype=np.int64)
+        per: dict[int, dict[str, int]] = defaultdict(dict)
+
+        def accumulate(name: str, ranks: np.ndarray, values: np.ndarray | None) -> None:
+            """`per[rank][name]` = sum of `values` (or the count) over entries of each rank."""
+            if not ranks.size:
+                return
+            uniq, inv = np.unique(ranks, return_inverse=True)
+            totals = np.zeros(len(uniq), dtype=np.int64)
+            np.add.at(totals, inv, 1 if values is None else values)
+            for r, v in zip(uniq.tolist(), totals.tolist()):
+                per[r][name] = v
+
+        by_link = {}
+        for code, link in enumerate(LINKS):
+            sel = kind == code
+            by_link[link] = int(nbytes[sel].sum())
+            if link == "local":
+                accumulate("local", dst[sel], nbytes[sel])
                 continue
-            per[t.src_rank][f"{t.link}_send"] += t.nbytes
-            per[t.dst_rank][f"{t.link}_recv"] += t.nbytes
-            key = (t.chunk, t.src_rank, t.dst_rank)
-            if key not in pairs:
-                pairs.add(key)
-                per[t.src_rank]["messages_sent"] += 1
-                per[t.dst_rank]["messages_received"] += 1
+            accumulate(f"{link}_send", src[sel], nbytes[sel])
+            accumulate(f"{link}_recv", dst[sel], nbytes[sel])
+            keys = np.unique((chunk[sel] * _RANK_KEY_WIDTH + src[sel]) * _RANK_KEY_WIDTH + dst[sel])
+            accumulate(f"{link}_messages_sent", (keys // _RANK_KEY_WIDTH) % _RANK_KEY_WIDTH, None)
+            accumulate(f"{link}_messages_received", keys % _RANK_KEY_WIDTH, None)
+        num_messages = sum(v for d in per.values() for k, v in d.items() if k.endswith("_messages_sent"))
+        num_chunks = int(chunk.max()) + 1 if n else 0
         per_rank = {r: RankBytes(**v) for r, v in sorted(per.items())}
         sends = [rb.send for rb in per_rank.values() if rb.send]
         recvs = [rb.recv for rb in per_rank.values() if rb.recv]
@@ -476,8 +532,8 @@ class Plan:
             local_bytes=by_link["local"],
             needed_bytes=needed_bytes,
             network_lower_bound=network_lower_bound,
-            messages=len(pairs),
-            num_transfers=len(self.transfers),
+            messages=num_messages,
+            num_transfers=len(self._raw),
             num_chunks=num_chunks,
             max_rank_send_bytes=max(sends, default=0),
             max_rank_recv_bytes=max(recvs, default=0),
@@ -705,7 +761,6 @@ def plan_many(
                 dst_per_domain[b.domain(r)].add(r)
         b.fair_recv = {d: lower_by_domain[d] / len(rs) for d, rs in dst_per_domain.items() if lower_by_domain.get(d)}
         templates: dict[tuple[int, int], tuple[int, int]] = {}
-        template_items: dict[tuple[int, int], tuple[int, tuple[int, int]]] = {}
         for i, it in enumerate(items):
             tkey = (_geometry_id(it.src), _geometry_id(it.dst))
             if tkey in templates:
@@ -714,17 +769,17 @@ def plan_many(
                 start = len(b.raw)
                 _plan_item(b, it, i)
                 templates[tkey] = (start, len(b.raw))
-                template_items[tkey] = (i, tkey)
         chunks = _assign_chunks(b.raw, chunk_cap)
-        transfers = tuple(
-            Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10])
-            for t, c in zip(b.raw, chunks)
-        )
-        needed = sum(p.global_box.numel * it.dst.dtype.itemsize for it in items for r in it.dst.ranks
-                     for p in it.dst.pieces(r))
-        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, transfers,
+        needed_by_geometry: dict[int, int] = {}
+        for it in items:
+            g = _geometry_id(it.dst)
+            if g not in needed_by_geometry:
+                needed_by_geometry[g] = sum(p.global_box.numel for r in it.dst.ranks for p in it.dst.pieces(r)) \
+                    * it.dst.dtype.itemsize
+        needed = sum(needed_by_geometry[_geometry_id(it.dst)] for it in items)
+        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.raw, chunks,
                       sum(lower_by_domain.values()), needed)
-        _validate(result, planned={start_item for start_item, _ in template_items.values()})
+        _validate(result, spans=list(templates.values()))
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -757,26 +812,27 @@ def plan(
     )
 
 
-def _validate(p: Plan, planned: set[int] | None = None) -> None:
+def _validate(p: Plan, spans: Sequence[tuple[int, int]] | None = None) -> None:
     """Cheap self-check from box arithmetic: every destination element is written exactly once, boxes are in
     bounds, and with relays the network bytes meet the lower bound.
 
-    `planned`: the items planned from scratch; the others replay one of them (same geometry, same boxes), so
-    checking the planned ones checks all. None checks every item.
+    `spans`: the ranges of transfers planned from scratch; the others replay one of them (same geometry, same
+    boxes), so checking the planned ones checks all. None checks every transfer.
     """
+    raws = [p._raw[a:b] for a, b in spans] if spans is not None else [p._raw]
+    planned = {t[8] for r in raws for t in r} if spans is not None else None
     written: dict[tuple[int, int], int] = defaultdict(int)
     local_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for t in p.transfers:
-        if planned is not None and t.item not in planned:
-            continue
-        if t.global_box.shape != t.src_box.shape or t.global_box.shape != t.dst_box.shape:
+    for t in (t for r in raws for t in r):
+        item, dst_rank, src_box, dst_box, gbox = t[8], t[1], t[2], t[3], t[4]
+        if gbox.shape != src_box.shape or gbox.shape != dst_box.shape:
             raise AssertionError(f"transfer shapes disagree: {t}")
-        dst_local = local_shapes.get((t.item, t.dst_rank))
+        dst_local = local_shapes.get((item, dst_rank))
         if dst_local is None:
-            dst_local = local_shapes[(t.item, t.dst_rank)] = p.items[t.item].dst.local_shape(t.dst_rank)
-        if any(o + s > n for o, s, n in zip(t.dst_box.offsets, t.dst_box.shape, dst_local)):
+            dst_local = local_shapes[(item, dst_rank)] = p.items[item].dst.local_shape(dst_rank)
+        if any(o + s > n for o, s, n in zip(dst_box.offsets, dst_box.shape, dst_local)):
             raise AssertionError(f"destination box out of bounds of local shape {dst_local}: {t}")
-        written[(t.item, t.dst_rank)] += t.global_box.numel
+        written[(item, dst_rank)] += gbox.numel
     for i, it in enumerate(p.items):
         if planned is not None and i not in planned:
             continue

@@ -129,8 +129,18 @@ class RankBytes:
     nvlink_send: int = 0
     nvlink_recv: int = 0
     local: int = 0
-    messages_sent: int = 0
-    messages_received: int = 0
+    network_messages_sent: int = 0
+    network_messages_received: int = 0
+    nvlink_messages_sent: int = 0
+    nvlink_messages_received: int = 0
+
+    @property
+    def messages_sent(self) -> int:
+        return self.network_messages_sent + self.nvlink_messages_sent
+
+    @property
+    def messages_received(self) -> int:
+        return self.network_messages_received + self.nvlink_messages_received
 
     @property
     def send(self) -> int:

@@ -123,15 +123,16 @@ def _order(key: LinkKey) -> tuple:
 def plan_loads(plan: Plan) -> LinkLoads:
     """Per-rank link loads of a plan. A message is one (chunk, sender, receiver) triple, as the executor sends."""
     loads = LinkLoads()
-    seen: set[tuple[int, int, int]] = set()
-    for t in plan.transfers:
-        if t.link == "local":
-            loads.add_transfer(t.src_rank, t.dst_rank, "local", t.nbytes, 0)
-            continue
-        key = (t.chunk, t.src_rank, t.dst_rank)
-        first = key not in seen
-        seen.add(key)
-        loads.add_transfer(t.src_rank, t.dst_rank, t.link, t.nbytes, 1 if first else 0)
+    for r, b in plan.stats.per_rank.items():
+        for link, direction, nbytes, messages in (
+            ("network", "send", b.network_send, b.network_messages_sent),
+            ("network", "recv", b.network_recv, b.network_messages_received),
+            ("nvlink", "send", b.nvlink_send, b.nvlink_messages_sent),
+            ("nvlink", "recv", b.nvlink_recv, b.nvlink_messages_received),
+            ("local", "recv", b.local, 0),
+        ):
+            if nbytes or messages:
+                loads.add(r, link, direction, nbytes, messages)
     return loads
 
 
