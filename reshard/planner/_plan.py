@@ -167,8 +167,46 @@ def _delta(global_box: Box, local_box: Box) -> tuple[int, ...]:
     return tuple(lo - go for lo, go in zip(local_box.offsets, global_box.offsets))
 
 
-def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
-    """Emit the transfers of one item. See `plan_many` for the algorithm."""
+@dataclass(slots=True)
+class _Part:
+    """One box to move, with its place in every candidate's local tensor (computed once per geometry)."""
+
+    box: Box
+    nbytes: int
+    dst_boxes: tuple[Box, ...]  # per needer
+    src_boxes: tuple[Box, ...]  # per holder
+
+
+@dataclass(slots=True)
+class _Recipe:
+    """The geometry of an item's plan, independent of load: what each destination needs and who can send it.
+
+    Every layer of a model repeats a few geometries; the recipe is computed once per geometry and each item then
+    only makes its choices (which replica sends, which relay receives) against the plan's running loads.
+    """
+
+    itemsize: int
+    local: list[tuple[int, Box, Box, Box]]  # (rank, src_box, dst_box, global_box)
+    nvl: list[tuple[int, list[int], _Part]]  # (destination rank, holder ranks, part)
+    # (domain, group, box, needer ranks, needer deltas, holder ranks, holder deltas, parts, split count)
+    net: list[tuple[Any, int, Box, list[int], list[tuple[int, ...]], list[int], list[tuple[int, ...]],
+                    list[_Part], int]]
+    check_arrivals: bool
+
+
+def _translate(box: Box, delta: tuple[int, ...]) -> Box:
+    return Box._make(tuple(map(operator.add, box.offsets, delta)), box.shape)
+
+
+def _part(box: Box, itemsize: int, dst_deltas: Sequence[tuple[int, ...]],
+          src_deltas: Sequence[tuple[int, ...]]) -> _Part:
+    return _Part(box, box.numel * itemsize, tuple(_translate(box, d) for d in dst_deltas),
+                 tuple(_translate(box, d) for d in src_deltas))
+
+
+def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
+    """Phase one of planning an item (see `plan_many`): local copies, and for every other needed box its needers,
+    its holders and how it is split. Pure geometry."""
     src, dst = item.src, item.dst
     itemsize = dst.dtype.itemsize
     domain = b.domain
@@ -190,6 +228,7 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
     src_ranks = set(src.ranks)
 
     # per destination piece: local copies, and what must come from elsewhere
+    local: list[tuple[int, Box, Box, Box]] = []
     nvl_needs: list[tuple[Box, int, tuple[int, ...], list[tuple[int, tuple[int, ...]]]]] = []
     net_needs: dict[Any, dict[tuple[int, Box], list[tuple[int, tuple[int, ...]]]]] = {}
     for r in sorted(dst.ranks):
@@ -202,8 +241,7 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                 x = intersect(sp.global_box, piece.global_box)
                 if x is None:
                     continue
-                b.emit(r, r, _delta(sp.global_box, sp.local_box), d_delta, x, itemsize, "local", 0,
-                       item_index, item.src_tensor, item.dst_tensor)
+                local.append((r, _translate(x, _delta(sp.global_box, sp.local_box)), _translate(x, d_delta), x))
                 remaining = [y for rem in remaining for y in subtract(rem, x)]
             for rem in remaining:
                 for gid in index.query(rem):
@@ -216,92 +254,117 @@ def _plan_item(b: _Builder, item: PlanItem, item_index: int) -> None:
                     else:
                         net_needs.setdefault(dom, {}).setdefault((gid, x), []).append((r, d_delta))
 
-    # NVLink sources: spread over the in-domain replicas, largest boxes first. A box is split over several
-    # replicas only as far as other needs do not already keep them busy.
+    # NVLink: largest boxes first; a box is split over several in-domain replicas only as far as other needs do
+    # not already keep them busy
     nvl_needs.sort(key=lambda n: (-n[0].numel, n[1], n[0].offsets))
     nvl_demand: dict[int, int] = defaultdict(int)
     for x, r, d_delta, near in nvl_needs:
         nvl_demand[id(near)] += 1
+    nvl = []
     for x, r, d_delta, near in nvl_needs:
-        for part in b.parts(x, -(-len(near) // nvl_demand[id(near)]), itemsize):
-            h, h_delta = min(near, key=lambda h: (b.nvl_send[h[0]], h[0]))
-            b.emit(h, r, h_delta, d_delta, part, itemsize, "nvlink", 0, item_index, item.src_tensor, item.dst_tensor)
+        ranks = [h[0] for h in near]
+        deltas = [h[1] for h in near]
+        for box in b.parts(x, -(-len(near) // nvl_demand[id(near)]), itemsize):
+            nvl.append((r, ranks, _part(box, itemsize, [d_delta], deltas)))
 
     # network: per destination domain, each needed box crosses once (relay) or once per needer (no relay)
     net_demand: dict[int, int] = defaultdict(int)
     for needs in net_needs.values():
         for gid, _ in needs:
             net_demand[gid] += 1
-    check_arrivals = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
+    net = []
     for dom in sorted(net_needs, key=repr):
         needs = net_needs[dom]
-        arrivals: dict[int, list[tuple[Box, int, tuple[int, ...], int]]] = defaultdict(list)
         for (gid, x) in sorted(needs, key=lambda k: (-k[1].numel, k[0], k[1].offsets)):
             needers = needs[(gid, x)]
             holders = group_holders[gid]
-            if not b.relay:
-                for r, d_delta in needers:
-                    for part in b.parts(x, -(-len(holders) // (net_demand[gid] * len(needers))), itemsize):
-                        h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
-                        b.emit(h, r, h_delta, d_delta, part, itemsize, "network", 0,
-                               item_index, item.src_tensor, item.dst_tensor)
-                continue
+            if b.relay:
+                k = max(len(needers), -(-len(holders) // net_demand[gid]))
+                boxes = b.parts(x, k, itemsize, b.fair_recv.get(dom, 0.0))
+            else:
+                k = -(-len(holders) // (net_demand[gid] * len(needers)))
+                boxes = b.parts(x, k, itemsize)
+            n_deltas = [n[1] for n in needers]
+            h_deltas = [h[1] for h in holders]
+            net.append((dom, gid, x, [n[0] for n in needers], n_deltas, [h[0] for h in holders], h_deltas,
+                        [_part(box, itemsize, n_deltas, h_deltas) for box in boxes], k))
+    check = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
+    return _Recipe(itemsize, local, nvl, net, check)
+
+
+def _least(ranks: list[int], load: dict[int, int]) -> int:
+    """Index of the least-loaded rank (the lowest rank among equals)."""
+    best, best_key = 0, None
+    for i, r in enumerate(ranks):
+        key = (load[r], r)
+        if best_key is None or key < best_key:
+            best, best_key = i, key
+    return best
+
+
+def _emit_recipe(b: _Builder, rc: _Recipe, item: PlanItem, item_index: int) -> None:
+    """Phase two: choose senders and relay receivers against the running loads, and emit the transfers."""
+    raw = b.raw
+    st, dt = item.src_tensor, item.dst_tensor
+    for r, sbox, dbox, x in rc.local:
+        raw.append((r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, item_index, st, dt, -1))
+    nvl_send = b.nvl_send
+    for r, ranks, part in rc.nvl:
+        h = _least(ranks, nvl_send)
+        raw.append((ranks[h], r, part.src_boxes[h], part.dst_boxes[0], part.box, part.nbytes, "nvlink", 0,
+                    item_index, st, dt, -1))
+        nvl_send[ranks[h]] += part.nbytes
+    net_send, net_recv = b.net_send, b.net_recv
+    arrivals: dict[tuple[Any, int], list[tuple[Box, int, tuple[int, ...], int]]] = defaultdict(list)
+    for dom, gid, x, needers, n_deltas, holders, h_deltas, parts, k in rc.net:
+        if not b.relay:
+            for n, r in enumerate(needers):
+                for part in parts:
+                    h = _least(holders, net_send)
+                    raw.append((holders[h], r, part.src_boxes[h], part.dst_boxes[n], part.box, part.nbytes,
+                                "network", 0, item_index, st, dt, -1))
+                    net_send[holders[h]] += part.nbytes
+                    net_recv[r] += part.nbytes
+            continue
+        if rc.check_arrivals:  # needs overlap partially only in custom layouts: forward what already arrived
             remaining = [x]
-            # boxes that already reached this domain: needs overlap partially only in custom layouts; DTensor
-            # layouts give pieces that are identical or disjoint, so merged needs never overlap
-            for a_box, a_rank, a_delta, a_idx in (arrivals[gid] if check_arrivals else ()):
+            for a_box, a_rank, a_delta, a_idx in arrivals[(dom, gid)]:
                 covered = intersect(a_box, x)
                 if covered is None:
                     continue
                 remaining = [y for rem in remaining for y in subtract(rem, covered)]
-                for r, d_delta in needers:
+                for r, d_delta in zip(needers, n_deltas):
                     if r == a_rank and d_delta == a_delta:
                         continue
-                    link = "local" if r == a_rank else "nvlink"
-                    b.emit(a_rank, r, a_delta, d_delta, covered, itemsize, link, 1,
-                           item_index, item.dst_tensor, item.dst_tensor, a_idx)
-            for rem in remaining:
-                for part in b.parts(rem, max(len(needers), -(-len(holders) // net_demand[gid])), itemsize,
-                                    b.fair_recv.get(dom, 0.0)):
-                    recv, recv_delta = min(needers, key=lambda n: (b.net_recv[n[0]], n[0]))
-                    h, h_delta = min(holders, key=lambda h: (b.net_send[h[0]], h[0]))
-                    a_idx = b.emit(h, recv, h_delta, recv_delta, part, itemsize, "network", 0,
-                                   item_index, item.src_tensor, item.dst_tensor)
-                    if check_arrivals:
-                        arrivals[gid].append((part, recv, recv_delta, a_idx))
-                    for r, d_delta in needers:
-                        if r == recv and d_delta == recv_delta:
-                            continue
-                        link = "local" if r == recv else "nvlink"
-                        b.emit(recv, r, recv_delta, d_delta, part, itemsize, link, 1,
-                               item_index, item.dst_tensor, item.dst_tensor, a_idx)
+                    b.emit(a_rank, r, a_delta, d_delta, covered, rc.itemsize, "local" if r == a_rank else "nvlink",
+                           1, item_index, dt, dt, a_idx)
+            if remaining != [x]:
+                parts = [_part(box, rc.itemsize, n_deltas, h_deltas) for rem in remaining
+                         for box in b.parts(rem, k, rc.itemsize, b.fair_recv.get(dom, 0.0))]
+        for part in parts:
+            n = _least(needers, net_recv)
+            h = _least(holders, net_send)
+            recv, recv_box = needers[n], part.dst_boxes[n]
+            a_idx = len(raw)
+            raw.append((holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes, "network", 0,
+                        item_index, st, dt, -1))
+            net_send[holders[h]] += part.nbytes
+            net_recv[recv] += part.nbytes
+            if rc.check_arrivals:
+                arrivals[(dom, gid)].append((part.box, recv, n_deltas[n], a_idx))
+            for m, r in enumerate(needers):
+                if m == n:
+                    continue
+                link = "local" if r == recv else "nvlink"
+                raw.append((recv, r, recv_box, part.dst_boxes[m], part.box, part.nbytes, link, 1,
+                            item_index, dt, dt, a_idx))
+                if link == "nvlink":
+                    nvl_send[recv] += part.nbytes
 
 
 def _geometry_id(layout: Any) -> int:
     gid = getattr(layout, "geometry_id", None)
     return gid if gid is not None else _shared_cache(layout.key)[0]
-
-
-def _replay(b: _Builder, span: tuple[int, int], item: PlanItem, item_index: int) -> None:
-    """Emit the transfers of an earlier item of the same geometry (same shapes, meshes, placements) for `item`.
-
-    A model repeats a few geometries hundreds of times (every layer); planning each once and replaying it keeps
-    whole-model planning linear in transfers. Sources are chosen as for the first item, whose choice was balanced;
-    so the whole plan is as balanced as each geometry's plan.
-    """
-    start, stop = span
-    offset = len(b.raw) - start
-    raw = b.raw
-    for k in range(start, stop):
-        t = raw[k]
-        src_t = item.src_tensor if t[7] == 0 else item.dst_tensor
-        dep = t[11] + offset if t[11] >= 0 else -1
-        raw.append((t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], item_index, src_t, item.dst_tensor, dep))
-        if t[6] == "network":
-            b.net_send[t[0]] += t[5]
-            b.net_recv[t[1]] += t[5]
-        elif t[6] == "nvlink":
-            b.nvl_send[t[0]] += t[5]
 
 
 def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[Any, int]:
@@ -760,15 +823,16 @@ def plan_many(
             for r in it.dst.ranks:
                 dst_per_domain[b.domain(r)].add(r)
         b.fair_recv = {d: lower_by_domain[d] / len(rs) for d, rs in dst_per_domain.items() if lower_by_domain.get(d)}
-        templates: dict[tuple[int, int], tuple[int, int]] = {}
+        recipes: dict[tuple[int, int], _Recipe] = {}
+        templates: dict[tuple[int, int], tuple[int, int]] = {}  # the transfers of each geometry's first item
         for i, it in enumerate(items):
             tkey = (_geometry_id(it.src), _geometry_id(it.dst))
-            if tkey in templates:
-                _replay(b, templates[tkey], it, i)
-            else:
-                start = len(b.raw)
-                _plan_item(b, it, i)
-                templates[tkey] = (start, len(b.raw))
+            rc = recipes.get(tkey)
+            if rc is None:
+                rc = recipes[tkey] = _recipe(b, it)
+            start = len(b.raw)
+            _emit_recipe(b, rc, it, i)
+            templates.setdefault(tkey, (start, len(b.raw)))
         chunks = _assign_chunks(b.raw, chunk_cap)
         needed_by_geometry: dict[int, int] = {}
         for it in items:
