@@ -40,7 +40,8 @@ def cases(n: int) -> list[tuple[str, Layout, Layout, Topology]]:
         ("TP8xDP -> TP4 replicas", lay(tr, (n // 8, 8), [Replicate(), Shard(0)]),
          lay(inf, (n // 4, 4), [Replicate(), Shard(0)]), t8),
         ("FSDP -> TP8 replicas", lay(tr, (n,), [Shard(0)]), lay(inf, (n // 8, 8), [Replicate(), Shard(0)]), t8),
-        ("FSDP2+TP8 (_StridedShard) -> TP8 replicas", lay(tr, (n // 8, 8), [_StridedShard(0, split_factor=8), Shard(0)]),
+        ("FSDP2+TP8 (_StridedShard) -> TP8 replicas",
+         lay(tr, (n // 8, 8), [_StridedShard(0, split_factor=8), Shard(0)]),
          lay(inf, (n // 8, 8), [Replicate(), Shard(0)]), t8),
         ("colocated TP8xDP -> TP2 replicas", lay(tr, (n // 8, 8), [Replicate(), Shard(0)]),
          lay(tr, (n // 2, 2), [Replicate(), Shard(1)]), t8),
@@ -138,7 +139,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.barh(names, [r["cached_ms_median"] for r in rows], label="cached (median)")
     ax.set_xscale("log")
     ax.set_xlabel("planning time (ms), log scale")
-    ax.set_title(f"plan() for {rows[0]['ranks']} -> {rows[0]['ranks']} ranks, {rows[0]['cpu']}, {rows[0]['cpu_count']} cpus")
+    r0 = rows[0]
+    ax.set_title(f"plan() for {r0['ranks']} -> {r0['ranks']} ranks, {r0['cpu']}, {r0['cpu_count']} cpus")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -67,7 +67,8 @@ def main() -> None:
             }
             rows.append(row)
             print(f"{policy:<18} moved {format_bytes(moved):>12}  steady {row['steady_s_median']:.2f} s "
-                  f"[{row['steady_s_min']:.2f}, {row['steady_s_max']:.2f}]  first run {row['first_run_s_median']:.2f} s")
+                  f"[{row['steady_s_min']:.2f}, {row['steady_s_max']:.2f}]  "
+                  f"first run {row['first_run_s_median']:.2f} s")
     ratio = rows[1]["steady_s_median"] / rows[0]["steady_s_median"]
     print(f"reshard is {ratio:.1f}x faster than gather-and-broadcast and moves "
           f"{rows[1]['bytes_moved'] / rows[0]['bytes_moved']:.1f}x fewer bytes")

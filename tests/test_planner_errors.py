@@ -33,7 +33,8 @@ def test_shape_and_dtype_mismatch_between_sides() -> None:
     with pytest.raises(ValueError, match=r"tensor 'w'.*global shapes differ: source \(4, 4\), destination \(4, 5\)"):
         plan(a, b)
     c = Layout((4, 4), Mesh([2, 3]), [Shard(0)], torch.bfloat16, name="w")
-    with pytest.raises(ValueError, match=r"tensor 'w'.*dtypes differ: source torch.float32, destination torch.bfloat16"):
+    with pytest.raises(ValueError,
+                       match=r"tensor 'w'.*dtypes differ: source torch.float32, destination torch.bfloat16"):
         plan(a, c)
 
 

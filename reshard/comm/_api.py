@@ -102,7 +102,8 @@ def _layout_from_metas(which: str, metas: list[dict[str, Any] | None], name: str
         keys.setdefault((m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"],
                          tuple(placement_str(p) for p in m["placements"])), []).append(r)
     if len(keys) > 1:
-        head = f"reshard_dtensor: the {which} DTensors differ between ranks (every rank must pass the same global layout):"
+        head = (f"reshard_dtensor: the {which} DTensors differ between ranks (every rank must pass the same global "
+                "layout):")
         lines = [head]
         for ranks in keys.values():
             m = next(m for r, m in holders if r == ranks[0])

@@ -77,7 +77,9 @@ def _select(intervals: list[Interval], start: int, stop: int) -> list[Interval]:
     return out
 
 
-def _apply_shard(intervals: list[Interval], placement: Shard | _StridedShard, num_chunks: int, coord: int) -> list[Interval]:
+def _apply_shard(
+    intervals: list[Interval], placement: Shard | _StridedShard, num_chunks: int, coord: int
+) -> list[Interval]:
     """Shard the local extent of one dim (a concatenation of global intervals) as DTensor does for one mesh axis."""
     length = sum(b - a for a, b in intervals)
     if isinstance(placement, _StridedShard):
@@ -283,7 +285,8 @@ class Layout:
         out = []
         for combo in itertools.product(*runs):
             shape = tuple(r[2] for r in combo)
-            out.append(Piece(Box._make(tuple(r[0] for r in combo), shape), Box._make(tuple(r[1] for r in combo), shape)))
+            global_box = Box._make(tuple(r[0] for r in combo), shape)
+            out.append(Piece(global_box, Box._make(tuple(r[1] for r in combo), shape)))
         pieces = tuple(out)
         self._pieces[rank] = pieces
         return pieces

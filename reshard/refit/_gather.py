@@ -8,7 +8,6 @@ refit's cost model picks it only when it is the faster way.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

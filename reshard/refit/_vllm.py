@@ -23,7 +23,8 @@ from reshard.planner import ExplicitLayout, Layout, fuse, vocab_parallel_layout
 
 _FUSIONS = (
     (re.compile(r"^(.*\.self_attn\.)(q|k|v)_proj\.(weight|bias)$"), "{0}qkv_proj.{2}", ("q", "k", "v"), 0),
-    (re.compile(r"^(.*\.(?:mlp|shared_experts)\.)(gate|up)_proj\.(weight|bias)$"), "{0}gate_up_proj.{2}", ("gate", "up"), 0),
+    (re.compile(r"^(.*\.(?:mlp|shared_experts)\.)(gate|up)_proj\.(weight|bias)$"), "{0}gate_up_proj.{2}",
+     ("gate", "up"), 0),
     (re.compile(r"^(.*\.mlp\.experts\.)(gate|up)_proj\.(weight)$"), "{0}w13_{2}", ("gate", "up"), 1),
 )
 _RENAMES = ((re.compile(r"^(.*\.mlp\.experts\.)down_proj\.weight$"), "{0}w2_weight"),)
