@@ -471,6 +471,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
     choices: dict[str, str] = {}
     gather_broadcast: list[Any] = []
     fp8: list[Fp8Weight] = []
+    memo: dict[tuple, str] = {}  # the cost model's choice per (source, destination) geometry
     for sname, gname in sorted(mapped.items(), key=lambda kv: (dst_components[kv[1]][0], kv[1])):
         dn, _, dlay = dst_components[gname]
         if modes[sname] == "fp8_block":
@@ -484,7 +485,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
             continue
         item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname,
                         precision="cast" if modes[sname] == "cast" else "same")
-        choice = _choose(refit, sname, item)
+        choice = _choose(refit, sname, item, memo)
         choices[sname] = choice
         if choice == "reshard":
             items.append(item)
@@ -496,8 +497,9 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
     return _Built(source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
 
 
-def _choose(refit: Refit, sname: str, item: PlanItem) -> str:
-    """Per-weight method: the override, the policy, or (auto) the cost model's faster one."""
+def _choose(refit: Refit, sname: str, item: PlanItem, memo: dict[tuple, str]) -> str:
+    """Per-weight method: the override, the policy, or (auto) the cost model's faster one, computed once per
+    geometry (every layer of a model repeats a few)."""
     policy = refit.policies.get(sname, refit.policy)
     if item.precision != "same":
         if policy == "gather_broadcast":
@@ -506,13 +508,17 @@ def _choose(refit: Refit, sname: str, item: PlanItem) -> str:
         return "reshard"
     if policy != "auto":
         return policy
+    key = (item.src.key, item.dst.key)
+    if key in memo:
+        return memo[key]
     from reshard.sim import gather_broadcast, get_hardware, link_time, plan_loads
 
     hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
     alone = plan(item.src, item.dst, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
     reshard_s = link_time(plan_loads(alone), hw).seconds
     gb_s = gather_broadcast([(item.src, item.dst, 0)], hw, refit.topology.domain).seconds
-    return "reshard" if reshard_s <= gb_s else "gather_broadcast"
+    memo[key] = "reshard" if reshard_s <= gb_s else "gather_broadcast"
+    return memo[key]
 
 
 def bytes_summary(report: RefitReport) -> str:
