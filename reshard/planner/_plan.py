@@ -293,13 +293,9 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
 
 
 def _least(ranks: list[int], load: dict[int, int]) -> int:
-    """Index of the least-loaded rank (the lowest rank among equals)."""
-    best, best_key = 0, None
-    for i, r in enumerate(ranks):
-        key = (load[r], r)
-        if best_key is None or key < best_key:
-            best, best_key = i, key
-    return best
+    """Index of the least-loaded rank; among equals the first, which is the lowest rank (`ranks` is ascending)."""
+    loads = [load[r] for r in ranks]
+    return loads.index(min(loads))
 
 
 def _emit_recipe(b: _Builder, rc: _Recipe, item: PlanItem, item_index: int) -> None:
@@ -563,11 +559,12 @@ class Plan:
             """`per[rank][name]` = sum of `values` (or the count) over entries of each rank."""
             if not ranks.size:
                 return
-            uniq, inv = np.unique(ranks, return_inverse=True)
-            totals = np.zeros(len(uniq), dtype=np.int64)
-            np.add.at(totals, inv, 1 if values is None else values)
-            for r, v in zip(uniq.tolist(), totals.tolist()):
-                per[r][name] = v
+            if values is None:
+                totals = np.bincount(ranks)
+            else:  # float64 sums are exact below 2**53 bytes per rank
+                totals = np.rint(np.bincount(ranks, weights=values.astype(np.float64))).astype(np.int64)
+            for r in np.flatnonzero(totals).tolist():
+                per[r][name] = int(totals[r])
 
         by_link = {}
         for code, link in enumerate(LINKS):
