@@ -86,9 +86,10 @@ def refit_job(rank: int, world: int, model: str, system: str, policy: str, layer
     dist.barrier()
     steady = refit.run()
     bad = []
+    specs = {w.spec.name: w.spec for w in weights}
     for local, et in dests:
         for gname, lay in et.fused():
-            spec = next(w.spec for w in weights if w.spec.name == gname)
+            spec = specs[gname]
             full = weight_values(gname, spec.shape, spec.dtype, 1)
             for p in lay.pieces(rank):
                 if not torch.equal(_bits(local[p.local_box.slices()]), _bits(full[p.global_box.slices()])):

@@ -51,6 +51,6 @@ __all__ = [
     "subtract",
 ]
 
-from reshard.planner._explicit import ExplicitLayout, fuse, vocab_parallel_layout  # noqa: E402
+from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout  # noqa: E402
 
-__all__ += ["ExplicitLayout", "fuse", "vocab_parallel_layout"]
+__all__ += ["ExplicitLayout", "fuse", "relabel", "vocab_parallel_layout"]

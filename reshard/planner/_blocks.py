@@ -115,13 +115,3 @@ def block_halo_layout(layout: Any, block: Block = (128, 128), *, dtype: torch.dt
         pieces[r] = [Piece(g, Box((0,) * g.ndim, g.shape), tensor=layout.name)]
         shapes[r] = g.shape
     return ExplicitLayout(tuple(layout.shape), dtype or layout.dtype, pieces, shapes, name=layout.name)
-
-
-def with_dtype(layout: Any, dtype: torch.dtype) -> Any:
-    """The same layout with another element type (e.g. the FP8 weight of a bfloat16 layout)."""
-    from reshard.planner._layout import Layout
-
-    if isinstance(layout, Layout):
-        return Layout(layout.shape, layout.mesh, layout.placements, dtype, name=layout.name)
-    return ExplicitLayout(layout.shape, dtype, {r: layout.pieces(r) for r in layout.ranks},
-                          {r: layout.local_shape(r) for r in layout.ranks}, name=layout.name)

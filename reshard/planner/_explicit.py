@@ -103,6 +103,22 @@ class ExplicitLayout:
         return f"ExplicitLayout({nm}{list(self.shape)} {dt} ranks={_rank_ranges(self.ranks)})"
 
 
+def relabel(layout: Layout | ExplicitLayout, *, name: str | None = None,
+            dtype: torch.dtype | None = None) -> Layout | ExplicitLayout:
+    """The same layout (same pieces on the same ranks) under another name and/or element type.
+
+    Example: the FP8 weight of a bfloat16 layout is `relabel(layout, dtype=torch.float8_e4m3fn)`.
+    """
+    name = layout.name if name is None else name
+    dtype = layout.dtype if dtype is None else dtype
+    if name == layout.name and dtype == layout.dtype:
+        return layout
+    if isinstance(layout, Layout):
+        return Layout(layout.shape, layout.mesh, layout.placements, dtype, name=name)
+    return ExplicitLayout(layout.shape, dtype, {r: layout.pieces(r) for r in layout.ranks},
+                          {r: layout.local_shape(r) for r in layout.ranks}, name=name)
+
+
 def fuse(parts: Sequence[Layout | ExplicitLayout], *, dim: int = 0) -> list[ExplicitLayout]:
     """Layouts of several global tensors whose local shards are concatenated along `dim` on every rank.
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from reshard.planner import PlanItem
-from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout, with_dtype
+from reshard.planner import relabel
+from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
 
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
@@ -55,10 +56,10 @@ class Fp8Weight:
         dst_scales = scale_layout(dst, BLOCK, name=f"{name}.weight_scale_inv")
         if self.on_source:
             self.q_src, self.s_src = extra_src, extra_src + 1
+            self.src_scales = scale_layout(src, BLOCK, name=dst_scales.name)
             self.items = [
-                PlanItem(with_dtype(src, FP8), dst, self.q_src, q_index, name=name),
-                PlanItem(scale_layout(src, BLOCK, name=dst_scales.name), dst_scales, self.s_src, s_index,
-                         name=dst_scales.name),
+                PlanItem(relabel(src, dtype=FP8), dst, self.q_src, q_index, name=name),
+                PlanItem(self.src_scales, dst_scales, self.s_src, s_index, name=dst_scales.name),
             ]
             self.num_extra_src, self.num_extra_dst = 2, 0
         else:
@@ -80,8 +81,7 @@ class Fp8Weight:
         if self.on_source and rank in self.src.ranks:
             x = src[self.src_index]
             q = self._buffer("q", tuple(x.shape), FP8, x.device)
-            s_shape = scale_layout(self.src, BLOCK).local_shape(rank)
-            s = self._buffer("s", tuple(s_shape), torch.float32, x.device)
+            s = self._buffer("s", tuple(self.src_scales.local_shape(rank)), torch.float32, x.device)
             quantize(x, q, s)
             src[self.q_src], src[self.s_src] = q, s
         if not self.on_source and rank in self.dst.ranks:

@@ -14,7 +14,6 @@ Runtime contract:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +28,10 @@ from reshard.planner import (
     Plan,
     PlanItem,
     Topology,
-    format_bytes,
     fuse,
     plan,
     plan_many,
+    relabel,
 )
 from reshard.planner._blocks import scale_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
@@ -198,7 +197,7 @@ class Refit:
             if not parts or not all(isinstance(p, tuple) and len(p) == 2 for p in parts):
                 raise ValueError(f"Refit.add_destination: {name!r}: layout must be a Layout or a list of "
                                  "(global_name, layout) components")
-            renamed = [_with_name(lay, gname) for gname, lay in parts]
+            renamed = [relabel(lay, name=gname) for gname, lay in parts]
             fused = fuse(renamed, dim=dim) if len(renamed) > 1 else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
         self._dests[name] = (tensor, _Dest(name, components))
@@ -305,15 +304,6 @@ class Refit:
         }
         td = as_timedelta(self.timeout, default=self.group.timeout)
         return all_gather_object(self.group, mine, timeout=td, what="refit metadata exchange")
-
-
-def _with_name(layout: LayoutLike, name: str) -> LayoutLike:
-    if layout.name == name:
-        return layout
-    if isinstance(layout, Layout):
-        return Layout(layout.shape, layout.mesh, layout.placements, layout.dtype, name=name)
-    return ExplicitLayout(layout.shape, layout.dtype, {r: layout.pieces(r) for r in layout.ranks},
-                          {r: layout.local_shape(r) for r in layout.ranks}, name=name)
 
 
 @dataclass
@@ -519,9 +509,3 @@ def _choose(refit: Refit, sname: str, item: PlanItem, memo: dict[tuple, str]) ->
     gb_s = gather_broadcast([(item.src, item.dst, 0)], hw, refit.topology.domain).seconds
     memo[key] = "reshard" if reshard_s <= gb_s else "gather_broadcast"
     return memo[key]
-
-
-def bytes_summary(report: RefitReport) -> str:
-    return (f"network {format_bytes(report.network_bytes)}, nvlink {format_bytes(report.nvlink_bytes)}, "
-            f"local {format_bytes(report.local_bytes)}, gather-broadcast {format_bytes(report.gather_broadcast_bytes)}"
-            f", {report.messages} messages, {math.fsum(report.seconds.values()):.3f} s")

@@ -133,7 +133,7 @@ def fp8_plan_items(layouts: list[WeightLayouts]) -> list[PlanItem]:
     destination from block halos, exactly as `Refit` does); the other weights move as they are."""
     import torch
 
-    from reshard.planner._blocks import with_dtype
+    from reshard.planner import relabel
     from reshard.refit._fp8 import Fp8Weight
 
     n = len(layouts)
@@ -141,7 +141,7 @@ def fp8_plan_items(layouts: list[WeightLayouts]) -> list[PlanItem]:
     extra_src, extra_dst, scale_dst = n, 2 * n, n
     for i, w in enumerate(layouts):
         if w.spec.kind in FP8_KINDS and len(w.spec.shape) >= 2:
-            f = Fp8Weight(w.spec.name, w.train, with_dtype(w.gen, torch.float8_e4m3fn), i, i, scale_dst,
+            f = Fp8Weight(w.spec.name, w.train, relabel(w.gen, dtype=torch.float8_e4m3fn), i, i, scale_dst,
                           extra_src, extra_dst)
             scale_dst += 1
             extra_src += f.num_extra_src
