@@ -294,7 +294,7 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
 
 def _least(ranks: list[int], load: dict[int, int]) -> int:
     """Index of the least-loaded rank; among equals the first, which is the lowest rank (`ranks` is ascending)."""
-    loads = [load[r] for r in ranks]
+    loads = list(map(load.__getitem__, ranks))
     return loads.index(min(loads))
 
 
@@ -390,96 +390,144 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
 
 
 _LINK_CODE = {link: code for code, link in enumerate(LINKS)}
+_LOCAL = _LINK_CODE["local"]
 
 _RANK_KEY_WIDTH = 1 << 24
 """Ranks are below this, so `(chunk * W + src) * W + dst` is a unique int key of a message."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """The numeric fields of the N raw transfers as arrays (entry i belongs to `raw[i]`): what chunk assignment
+    and statistics need, extracted once."""
+
+    src: np.ndarray  # (N,) int64 rank
+    dst: np.ndarray  # (N,) int64 rank
+    nbytes: np.ndarray  # (N,) int64
+    link: np.ndarray  # (N,) int8 index into LINKS
+    dep: np.ndarray  # (N,) int64 index of the arrival a forward waits for, -1 when none
+
+    @classmethod
+    def of(cls, raw: list[tuple]) -> _Columns:
+        n = len(raw)
+
+        def col(i: int) -> np.ndarray:
+            return np.fromiter(map(operator.itemgetter(i), raw), np.int64, n)
+
+        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(6), raw)), np.int8, n)
+        return cls(col(0), col(1), col(5), link, col(11))
+
+
+_CHUNK_GROW = 1024
+"""Chunks are added to the open-chunk bit sets this many at a time."""
+
+
 class _OpenChunks:
-    """Per rank: bytes used per chunk, and a union-find "next chunk not yet closed" over chunk indices."""
+    """Per rank (dense ids 0..R-1): the chunks still open to new transfers, and the bytes used in each.
 
-    __slots__ = ("used", "parent")
-
-    def __init__(self) -> None:
-        self.used: list[int] = []
-        self.parent: list[int] = []
-
-    def find(self, c: int) -> int:
-        """The first chunk >= `c` not closed for this rank (path compression on the way)."""
-        parent = self.parent
-        if c >= len(parent):
-            self._grow(c)
-        root = c
-        while parent[root] != root:
-            root = parent[root]
-            if root >= len(parent):
-                self._grow(root)
-        while parent[c] != root:
-            parent[c], c = root, parent[c]
-        return root
-
-    def _grow(self, c: int) -> None:
-        start = len(self.parent)
-        self.parent.extend(range(start, c + 64))
-        self.used.extend([0] * (c + 64 - start))
-
-    def close(self, c: int) -> None:
-        self.parent[c] = c + 1
-
-
-def _assign_chunks(raw: list[tuple], chunk_cap: int) -> list[int]:
-    """First fit, largest transfers first: each transfer goes to the first chunk where both ends still have room
-    (send + receive bytes of a rank in a chunk stay within `chunk_cap`); a relay forward goes at least
-    `RELAY_CHUNK_LAG` chunks after its arrival, so all arrivals are placed before any forward.
-
-    A chunk where the current transfer does not fit is closed for that rank (a later, smaller transfer could have
-    fit, but transfers come in decreasing size, so little is lost); closed chunks are skipped through a
-    union-find, so planning stays close to linear in the number of transfers. Local copies take no staging; a
-    forwarded local copy still waits for its arrival.
+    The open set of a rank is one int whose bit `L - 1 - c` stands for chunk `c` (`L` chunks allocated), so the
+    first chunk open on both ends of a transfer is the highest set bit of one AND, found by `int.bit_length`
+    without a loop over chunks.
     """
-    ranks: dict[int, _OpenChunks] = defaultdict(_OpenChunks)
-    pair_last: dict[int, int] = {}
-    chunks = [0] * len(raw)
-    width = _RANK_KEY_WIDTH
-    keys = [(t[7], -t[5], i) for i, t in enumerate(raw)]
-    order = sorted(range(len(raw)), key=keys.__getitem__)
-    lag = RELAY_CHUNK_LAG
-    for i in order:
-        t = raw[i]
-        src, dst, nbytes, link, dep = t[0], t[1], t[5], t[6], t[11]
-        min_c = chunks[dep] + lag if dep >= 0 else 0
-        if link == "local":
-            chunks[i] = min_c
-            continue
-        rs, rd = ranks[src], ranks[dst]
-        ps, pd, us, ud = rs.parent, rd.parent, rs.used, rd.used
-        pair = src * width + dst
-        # start where this pair's last (larger) transfer went: it keeps a pair's boxes together in few messages
-        # and skips re-walking chunks the two ends do not share
-        c = pair_last.get(pair, 0)
-        if c < min_c:
-            c = min_c
-        while True:
-            if c >= len(ps) or ps[c] != c:  # find() only when a chunk is closed: the common case is open
-                c = rs.find(c)
-            if c >= len(pd) or pd[c] != c:
-                cd = rd.find(c)
-                if cd != c:
-                    c = cd
+
+    __slots__ = ("size", "open", "used", "_masks")
+
+    def __init__(self, num_ranks: int) -> None:
+        self.size = 0
+        self.open = [0] * num_ranks
+        self.used: list[list[int]] = [[] for _ in range(num_ranks)]
+        self._masks: dict[int, int] = {}
+
+    def grow(self, need: int) -> None:
+        """Allocate chunks until there are more than `need`, all open."""
+        g = max(need - self.size, 0) + _CHUNK_GROW
+        ones = (1 << g) - 1
+        op = self.open
+        for r in range(len(op)):
+            op[r] = (op[r] << g) | ones
+            self.used[r].extend([0] * g)
+        self.size += g
+        self._masks.clear()
+
+    def from_chunk(self, m: int) -> int:
+        """The bit mask of chunks >= `m` (allocating past `m` first)."""
+        mk = self._masks.get(m)
+        if mk is None:
+            if m >= self.size:
+                self.grow(m)
+            mk = self._masks[m] = (1 << (self.size - m)) - 1
+        return mk
+
+    def place(self, src: list[int], dst: list[int], nbytes: list[int], min_chunk: list[int], cap: int) -> list[int]:
+        """First fit, in the given order: each transfer goes to the first chunk >= its `min_chunk` open on both
+        ends where both still have room for it. A chunk is closed for a rank when a transfer of the size just
+        placed would no longer fit (later transfers of a stage are no larger), or when one does not fit. A rank's
+        first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own)."""
+        op, used, masks = self.open, self.used, self._masks
+        out = [0] * len(src)
+        for i in range(len(src)):
+            s, d, n, m = src[i], dst[i], nbytes[i], min_chunk[i]
+            while True:
+                x = op[s] & op[d]
+                if m:
+                    x &= masks.get(m) or self.from_chunk(m)
+                if not x:
+                    self.grow(self.size)
                     continue
-            a, d = us[c], ud[c]
-            fit_s = a == 0 or a + nbytes <= chunk_cap
-            fit_d = d == 0 or d + nbytes <= chunk_cap
-            if fit_s and fit_d:
-                break
-            if not fit_s:
-                rs.close(c)
-            if not fit_d:
-                rd.close(c)
-        us[c] += nbytes
-        ud[c] += nbytes
-        chunks[i] = c
-        pair_last[pair] = c
+                c = self.size - x.bit_length()
+                us, ud = used[s], used[d]
+                a, b = us[c], ud[c]
+                fit_s = a == 0 or a + n <= cap
+                fit_d = b == 0 or b + n <= cap
+                if fit_s and fit_d:
+                    break
+                bit = 1 << (self.size - 1 - c)
+                if not fit_s:
+                    op[s] ^= bit
+                if not fit_d:
+                    op[d] ^= bit
+            a += n
+            b += n
+            us[c] = a
+            ud[c] = b
+            if a + n > cap:
+                op[s] ^= 1 << (self.size - 1 - c)
+            if b + n > cap:
+                op[d] ^= 1 << (self.size - 1 - c)
+            out[i] = c
+        return out
+
+
+def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
+    """Chunk index per raw transfer, shape (N,): send + receive bytes of a rank in a chunk stay within
+    `chunk_cap`, and a relay forward goes at least `RELAY_CHUNK_LAG` chunks after its arrival.
+
+    Arrivals and direct transfers (stage 0) are placed first, then forwards (stage 1), each largest first, by
+    first fit (`_OpenChunks.place`): a chunk some rank left room in is filled by later, smaller transfers, so
+    ranks dragged ahead by a busy peer do not leave holes. Local copies take no staging: they go in chunk 0, or
+    with the forward they belong to after their arrival.
+    """
+    n = cols.src.size
+    chunks = np.zeros(n, np.int64)
+    if not n:
+        return chunks
+    present = np.zeros(int(max(cols.src.max(), cols.dst.max())) + 1, bool)  # ranks -> dense ids 0..R-1
+    present[cols.src] = True
+    present[cols.dst] = True
+    dense = np.cumsum(present) - 1
+    src_id, dst_id = dense[cols.src], dense[cols.dst]
+    state = _OpenChunks(int(dense[-1]) + 1)
+    forward = cols.dep >= 0
+    for stage in (0, 1):
+        sel = np.flatnonzero(forward) if stage else np.flatnonzero(~forward)
+        min_chunk = chunks[cols.dep[sel]] + RELAY_CHUNK_LAG if stage else np.zeros(sel.size, np.int64)
+        is_local = cols.link[sel] == _LOCAL
+        chunks[sel[is_local]] = min_chunk[is_local]
+        sel, min_chunk = sel[~is_local], min_chunk[~is_local]
+        order = np.lexsort((sel, -cols.nbytes[sel]))  # largest first, then plan order
+        sel, min_chunk = sel[order], min_chunk[order]
+        chunks[sel] = state.place(src_id[sel].tolist(), dst_id[sel].tolist(), cols.nbytes[sel].tolist(),
+                                  min_chunk.tolist(), chunk_cap)
     return chunks
 
 
@@ -515,7 +563,8 @@ class Plan:
         staging_bytes: int,
         min_split_bytes: int,
         raw: list[tuple],
-        chunks: list[int],
+        cols: _Columns,
+        chunks: np.ndarray,
         network_lower_bound: int,
         needed_bytes: int,
     ) -> None:
@@ -525,11 +574,11 @@ class Plan:
         self.staging_bytes = staging_bytes
         self.min_split_bytes = min_split_bytes
         self._raw = raw
-        self._chunks = chunks
+        self._chunks = chunks.tolist()
         self._transfers: tuple[Transfer, ...] | None = None
         self._by_rank: dict[int, list[int]] | None = None
         self._rank_plans: dict[int, RankPlan] = {}
-        self.stats = self._compute_stats(network_lower_bound, needed_bytes)
+        self.stats = self._compute_stats(cols, chunks, network_lower_bound, needed_bytes)
         self.fingerprint = self._compute_fingerprint()
 
     @property
@@ -543,16 +592,11 @@ class Plan:
         return self._transfers
 
     # ---- derived values -------------------------------------------------------------------------------------
-    def _compute_stats(self, network_lower_bound: int, needed_bytes: int) -> PlanStats:
+    def _compute_stats(self, cols: _Columns, chunks: np.ndarray, network_lower_bound: int,
+                       needed_bytes: int) -> PlanStats:
         # vectorized: a whole-model plan has up to millions of transfers
-        raw = self._raw
-        n = len(raw)
-        cols = list(zip(*raw)) if n else [()] * 12
-        src = np.array(cols[0], dtype=np.int64)
-        dst = np.array(cols[1], dtype=np.int64)
-        nbytes = np.array(cols[5], dtype=np.int64)
-        kind = np.array([_LINK_CODE[k] for k in cols[6]], dtype=np.int8)
-        chunk = np.asarray(self._chunks, dtype=np.int64)
+        n = chunks.size
+        src, dst, nbytes, kind, chunk = cols.src, cols.dst, cols.nbytes, cols.link, chunks
         per: dict[int, dict[str, int]] = defaultdict(dict)
 
         def accumulate(name: str, ranks: np.ndarray, values: np.ndarray | None) -> None:
@@ -575,7 +619,8 @@ class Plan:
                 continue
             accumulate(f"{link}_send", src[sel], nbytes[sel])
             accumulate(f"{link}_recv", dst[sel], nbytes[sel])
-            keys = np.unique((chunk[sel] * _RANK_KEY_WIDTH + src[sel]) * _RANK_KEY_WIDTH + dst[sel])
+            keys = np.sort((chunk[sel] * _RANK_KEY_WIDTH + src[sel]) * _RANK_KEY_WIDTH + dst[sel])
+            keys = keys[np.r_[True, keys[1:] != keys[:-1]]] if keys.size else keys  # unique (sort: no hashing)
             accumulate(f"{link}_messages_sent", (keys // _RANK_KEY_WIDTH) % _RANK_KEY_WIDTH, None)
             accumulate(f"{link}_messages_received", keys % _RANK_KEY_WIDTH, None)
         num_messages = sum(v for d in per.values() for k, v in d.items() if k.endswith("_messages_sent"))
@@ -830,7 +875,8 @@ def plan_many(
             start = len(b.raw)
             _emit_recipe(b, rc, it, i)
             templates.setdefault(tkey, (start, len(b.raw)))
-        chunks = _assign_chunks(b.raw, chunk_cap)
+        cols = _Columns.of(b.raw)
+        chunks = _assign_chunks(cols, chunk_cap)
         needed_by_geometry: dict[int, int] = {}
         for it in items:
             g = _geometry_id(it.dst)
@@ -838,7 +884,7 @@ def plan_many(
                 needed_by_geometry[g] = sum(p.global_box.numel for r in it.dst.ranks for p in it.dst.pieces(r)) \
                     * it.dst.dtype.itemsize
         needed = sum(needed_by_geometry[_geometry_id(it.dst)] for it in items)
-        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.raw, chunks,
+        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.raw, cols, chunks,
                       sum(lower_by_domain.values()), needed)
         _validate(result, spans=list(templates.values()))
     finally:
