@@ -348,14 +348,11 @@ def _emit_recipe(b: _Builder, rc: _Recipe, item: PlanItem, item_index: int) -> N
             net_recv[recv] += part.nbytes
             if rc.check_arrivals:
                 arrivals[(dom, gid)].append((part.box, recv, n_deltas[n], a_idx))
-            for m, r in enumerate(needers):
-                if m == n:
-                    continue
-                link = "local" if r == recv else "nvlink"
-                raw.append((recv, r, recv_box, part.dst_boxes[m], part.box, part.nbytes, link, 1,
-                            item_index, dt, dt, a_idx))
-                if link == "nvlink":
-                    nvl_send[recv] += part.nbytes
+            box, nbytes = part.box, part.nbytes
+            forwards = [(recv, r, recv_box, d_box, box, nbytes, "local" if r == recv else "nvlink", 1, item_index,
+                         dt, dt, a_idx) for m, (r, d_box) in enumerate(zip(needers, part.dst_boxes)) if m != n]
+            raw.extend(forwards)
+            nvl_send[recv] += nbytes * sum(f[1] != recv for f in forwards)
 
 
 def _geometry_id(layout: Any) -> int:
@@ -576,7 +573,8 @@ class Plan:
         self._raw = raw
         self._chunks = chunks.tolist()
         self._transfers: tuple[Transfer, ...] | None = None
-        self._by_rank: dict[int, list[int]] | None = None
+        self._rank_cols = (cols.src, cols.dst)  # (N,) each: find a rank's transfers without building them all
+        self._by_rank: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._rank_plans: dict[int, RankPlan] = {}
         self.stats = self._compute_stats(cols, chunks, network_lower_bound, needed_bytes)
         self.fingerprint = self._compute_fingerprint()
@@ -639,6 +637,7 @@ class Plan:
             network_lower_bound=network_lower_bound,
             messages=num_messages,
             num_transfers=len(self._raw),
+            num_forwards=int(np.count_nonzero(cols.dep >= 0)),
             num_chunks=num_chunks,
             max_rank_send_bytes=max(sends, default=0),
             max_rank_recv_bytes=max(recvs, default=0),
@@ -668,6 +667,29 @@ class Plan:
             out.update(it.dst.ranks)
         return tuple(sorted(out))
 
+    def _transfer(self, i: int) -> Transfer:
+        if self._transfers is not None:
+            return self._transfers[i]
+        t = self._raw[i]
+        return Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], self._chunks[i], t[8], t[9], t[10])
+
+    def _indices_of(self, rank: int) -> list[int]:
+        """Plan-order indices of the transfers `rank` sends, receives or copies (one index pass for all ranks)."""
+        if self._by_rank is None:
+            src, dst = self._rank_cols
+            other = np.flatnonzero(dst != src)  # a local copy is listed once
+            ends = np.concatenate([src, dst[other]])
+            idx = np.concatenate([np.arange(src.size), other])
+            order = np.lexsort((idx, ends))
+            ends = ends[order]
+            ranks, starts = np.unique(ends, return_index=True)
+            self._by_rank = (ranks, np.append(starts, ends.size), idx[order])
+        ranks, bounds, idx = self._by_rank
+        k = int(np.searchsorted(ranks, rank))
+        if k == ranks.size or ranks[k] != rank:
+            return []
+        return idx[bounds[k]:bounds[k + 1]].tolist()
+
     def for_rank(self, rank: int) -> RankPlan:
         """What `rank` sends, receives, forwards and copies, grouped into chunks in executable order.
 
@@ -677,18 +699,11 @@ class Plan:
         cached = self._rank_plans.get(rank)
         if cached is not None:
             return cached
-        if self._by_rank is None:
-            by_rank: dict[int, list[int]] = defaultdict(list)
-            for i, t in enumerate(self.transfers):
-                by_rank[t.src_rank].append(i)
-                if t.dst_rank != t.src_rank:
-                    by_rank[t.dst_rank].append(i)
-            self._by_rank = by_rank
-        idxs = self._by_rank.get(rank, [])
+        transfer = self._transfer
         per_chunk: dict[int, tuple[list, dict, dict]] = {}
         deps: dict[int, int] = {}
-        for i in idxs:
-            t = self.transfers[i]
+        for i in self._indices_of(rank):
+            t = transfer(i)
             local, sends, recvs = per_chunk.setdefault(t.chunk, ([], defaultdict(list), defaultdict(list)))
             if t.link == "local":
                 local.append(t)

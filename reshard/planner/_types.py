@@ -163,6 +163,7 @@ class PlanStats:
             hold, summed over domains. With relays, `network_bytes == network_lower_bound`.
         messages: number of (chunk, sender, receiver) messages, local copies excluded.
         num_transfers: number of transfers.
+        num_forwards: how many of them are relay forwards (stage 1).
         num_chunks: number of chunks.
         max_rank_send_bytes, max_rank_recv_bytes: the busiest rank's send and receive bytes (network + NVLink).
         mean_rank_send_bytes, mean_rank_recv_bytes: the mean over ranks that send (receive) anything.
@@ -178,6 +179,7 @@ class PlanStats:
     network_lower_bound: int
     messages: int
     num_transfers: int
+    num_forwards: int
     num_chunks: int
     max_rank_send_bytes: int
     max_rank_recv_bytes: int

@@ -140,7 +140,7 @@ def relay_fill_s(plan: Plan, hw: Hardware, *, chunk_lag: int) -> float:
     """Pipeline fill of a relay plan. A forward goes `chunk_lag` chunks after its bytes arrive, so after the last
     network arrival up to `chunk_lag` chunks of NVLink forwards remain; the rest of the forwarding overlaps the
     network transfers and is already in the NVLink links' load. Zero without forwards."""
-    if not any(t.stage > 0 for t in plan.transfers):
+    if not plan.stats.num_forwards:
         return 0.0
     chunk = plan.staging_bytes // 2
     busiest = max((rb.nvlink_send for rb in plan.stats.per_rank.values()), default=0)
