@@ -40,6 +40,27 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def python_speed_ms(repeat: int = 3) -> float:
+    """Milliseconds (best of `repeat`) this interpreter takes for a fixed pure-Python workload of dict updates and
+    integer arithmetic: the machine's speed when a CPU-bound benchmark ran. Planning times scale with it, and a
+    shared VM's speed can change by 2x within a day."""
+
+    def work() -> int:
+        counts: dict[int, int] = {}
+        acc = 0
+        for i in range(300_000):
+            counts[i & 1023] = counts.get(i & 1023, 0) + i
+            acc += (i * 7) % 13
+        return acc
+
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def machine_info(device: torch.device) -> dict[str, str]:
     """Where and with what a result was measured: one dict, repeated on every CSV row."""
     try:

@@ -1,7 +1,7 @@
 """Planning time for 256 -> 256-rank layout pairs, cold (cache cleared) and from the cache.
 
 Usage:
-    python perf/bench_plan.py [--ranks 256] [--repeat 5] [--out perf/out]
+    python perf/bench_plan.py [--ranks 256] [--repeat 5] [--out perf/out] [--model-only] [--staging-mib N]
 
 Writes `bench_plan.csv` (with machine and versions) and `bench_plan.png` into `--out`.
 """
@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_info, write_csv  # noqa: E402
+from _common import machine_info, python_speed_ms, write_csv  # noqa: E402
 from reshard import Layout, Mesh, Topology, clear_plan_cache, plan  # noqa: E402
 
 
@@ -58,11 +58,12 @@ def main() -> None:
     ap.add_argument("--system", default="train=pp8,ep16,gpus256 gen=tp8,dp32 domain=72",
                     help="whole-model case: trainer and inference parallelism (reshard.sim.System)")
     ap.add_argument("--staging-mib", type=int, default=None, help="whole-model case: staging budget per rank")
+    ap.add_argument("--model-only", action="store_true", help="skip the per-tensor layout pairs")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, src, dst, topo in cases(args.ranks):
+    for name, src, dst, topo in [] if args.model_only else cases(args.ranks):
         cold, warm = [], []
         for _ in range(args.repeat):
             clear_plan_cache()
@@ -105,6 +106,7 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
     topo = Topology(domain_size=sysm.domain_size)
     kwargs = {"staging_bytes": staging_mib << 20} if staging_mib else {}
     cold, warm = [], []
+    speed = [python_speed_ms()]
     for _ in range(repeat):
         clear_plan_cache()
         t0 = time.perf_counter()
@@ -114,6 +116,7 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
             t0 = time.perf_counter()
             plan_many(items, topo, **kwargs)
             warm.append(time.perf_counter() - t0)
+    speed.append(python_speed_ms())
     staging = f"{staging_mib} MiB" if staging_mib else "default"
     name = f"whole {model} ({len(items)} tensors), {system}, staging {staging}"
     row = {
@@ -125,11 +128,13 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
         "cold_ms_max": max(cold) * 1e3,
         "cached_ms_median": statistics.median(warm) * 1e3,
         "first_ms": cold[0] * 1e3,  # nothing cached in the process yet (layout pieces included)
+        "python_speed_ms": max(speed),  # the slower of the reference workload before and after
         **machine_info(torch.device("cpu")),
     }
     print(f"{name}: transfers {row['transfers']}, chunks {p.stats.num_chunks}, first {row['first_ms']:.0f} ms, "
           f"cold {row['cold_ms_median']:.0f} ms [{row['cold_ms_min']:.0f}, {row['cold_ms_max']:.0f}], "
-          f"cached {row['cached_ms_median']:.2f} ms")
+          f"cached {row['cached_ms_median']:.2f} ms; reference Python workload {speed[0]:.0f} ms before, "
+          f"{speed[1]:.0f} ms after (see python_speed_ms)")
     return row
 
 

@@ -115,3 +115,18 @@ def test_thousands_of_chunks_keep_budget_and_relay_lag(seed: int) -> None:
     assert max(load.values()) <= cap
     assert chunks.tolist() == reference_chunks(src.tolist(), dst.tolist(), nbytes.tolist(), link.tolist(),
                                                dep.tolist(), cap)
+
+
+def test_forward_past_the_allocated_chunks() -> None:
+    """Arrivals fill every allocated chunk but one, so a forward's earliest chunk lies past the allocation: the bit
+    sets grow before the search and the forward still takes its earliest chunk."""
+    n0 = _CHUNK_GROW - 1
+    src = [0] * n0 + [1]
+    dst = [1] * n0 + [0]
+    nbytes = [1] * (n0 + 1)
+    link = [NVLINK] * (n0 + 1)
+    dep = [-1] * n0 + [n0 - 1]
+    chunks = _assign_chunks(columns(src, dst, nbytes, link, dep), 1).tolist()
+    assert chunks[:n0] == list(range(n0))
+    assert chunks[n0] == n0 - 1 + RELAY_CHUNK_LAG
+    assert chunks == reference_chunks(src, dst, nbytes, link, dep, 1)

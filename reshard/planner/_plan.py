@@ -461,37 +461,44 @@ class _OpenChunks:
         placed would no longer fit (later transfers of a stage are no larger), or when one does not fit. A rank's
         first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own)."""
         op, used, masks = self.open, self.used, self._masks
-        out = [0] * len(src)
-        for i in range(len(src)):
-            s, d, n, m = src[i], dst[i], nbytes[i], min_chunk[i]
+        size = self.size
+        out: list[int] = []
+        append = out.append
+        for s, d, n, m in zip(src, dst, nbytes, min_chunk):
             while True:
-                x = op[s] & op[d]
                 if m:
-                    x &= masks.get(m) or self.from_chunk(m)
+                    mk = masks.get(m)
+                    if mk is None:  # may grow the sets: read them after
+                        mk = self.from_chunk(m)
+                        size = self.size
+                    x = op[s] & op[d] & mk
+                else:
+                    x = op[s] & op[d]
                 if not x:
-                    self.grow(self.size)
+                    self.grow(size)
+                    size = self.size
                     continue
-                c = self.size - x.bit_length()
+                hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
+                c = size - 1 - hb
                 us, ud = used[s], used[d]
                 a, b = us[c], ud[c]
                 fit_s = a == 0 or a + n <= cap
                 fit_d = b == 0 or b + n <= cap
                 if fit_s and fit_d:
                     break
-                bit = 1 << (self.size - 1 - c)
                 if not fit_s:
-                    op[s] ^= bit
+                    op[s] ^= 1 << hb
                 if not fit_d:
-                    op[d] ^= bit
+                    op[d] ^= 1 << hb
             a += n
             b += n
             us[c] = a
             ud[c] = b
             if a + n > cap:
-                op[s] ^= 1 << (self.size - 1 - c)
+                op[s] ^= 1 << hb
             if b + n > cap:
-                op[d] ^= 1 << (self.size - 1 - c)
-            out[i] = c
+                op[d] ^= 1 << hb
+            append(c)
         return out
 
 
