@@ -77,3 +77,30 @@ def test_explicit_layout_rejects_bad_pieces() -> None:
     k = Layout((2, 3), Mesh([0, 1]), [Shard(0)], name="k")
     with pytest.raises(ValueError, match=r"fuse: on rank 0, 'k' has local shape \(1, 3\)"):
         fuse([q, k])
+
+
+def test_derived_block_layouts_are_shared_per_geometry_but_named_per_weight() -> None:
+    """Scale and halo layouts are built once per weight geometry and relabelled: each weight's keeps its own name
+    and dtype, and equals a layout built from scratch for that weight."""
+    from reshard.planner import relabel
+    from reshard.planner._blocks import block_halo_layout, scale_layout
+    from reshard.planner._box import Box
+
+    mesh = Mesh([0, 1, 2])
+    a, b = (Layout((300, 260), mesh, [Shard(1)], torch.bfloat16, name=n) for n in ("a", "b"))
+    sa, sb = scale_layout(a, (128, 128)), scale_layout(b, (128, 128), name="b.weight_scale_inv")
+    assert (sa.name, sb.name) == ("a.scale_inv", "b.weight_scale_inv")
+    assert sa.key == sb.key and sa.dtype == torch.float32
+    assert [sa.pieces(r) for r in sa.ranks] == [sb.pieces(r) for r in sb.ranks]
+    ha, hb = block_halo_layout(a, (128, 128)), block_halo_layout(b, (128, 128), dtype=torch.float32)
+    assert (ha.name, ha.dtype, hb.name, hb.dtype) == ("a", torch.bfloat16, "b", torch.float32)
+    assert hb.key != ha.key
+    # S(1) over 3 ranks cuts columns at 87 and 174, inside blocks 0 and 1: halos grow to whole blocks (worked by hand)
+    halos = {0: Box((0, 0), (300, 128)), 1: Box((0, 0), (300, 256)), 2: Box((0, 128), (300, 132))}
+    scales = {0: Box((0, 0), (3, 1)), 1: Box((0, 0), (3, 2)), 2: Box((0, 1), (3, 2))}
+    for lay in (ha, hb):
+        assert {r: lay.pieces(r)[0].global_box for r in lay.ranks} == halos
+    for lay in (sa, sb):
+        assert {r: lay.pieces(r)[0].global_box for r in lay.ranks} == scales
+        assert all(lay.local_shape(r) == scales[r].shape for r in lay.ranks)
+    assert relabel(hb, dtype=torch.bfloat16).key == ha.key

@@ -8,15 +8,24 @@ a rank needs to quantize on its own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from reshard.planner._box import Box
-from reshard.planner._explicit import ExplicitLayout
-from reshard.planner._layout import Piece
+from reshard.planner._explicit import ExplicitLayout, relabel
+from reshard.planner._layout import Piece, _shared_cache
 
 Block = tuple[int, int]
+
+_DERIVED: dict[tuple, ExplicitLayout] = {}
+"""Derived layouts per (kind, weight geometry, block, dtype): every layer of a model has the same geometry, so its
+scale and halo layouts are built (and checked) once and relabelled per weight."""
+
+
+def _geometry(layout: Any) -> int:
+    gid = getattr(layout, "geometry_id", None)
+    return gid if gid is not None else _shared_cache(layout.key)[0]
 
 
 def _check(layout: Any, block: Block, what: str) -> None:
@@ -78,18 +87,9 @@ def scale_layout(layout: Any, block: Block = (128, 128), *, name: str | None = N
         scales in order, so a rank's local scale shape is `[..., blocks touched along M, blocks touched along N]`.
     """
     _check(layout, block, "scale_layout")
-    pieces: dict[int, list[Piece]] = {}
-    shapes: dict[int, tuple[int, ...]] = {}
-    for r in layout.ranks:
-        p = _single_piece(layout, r, "scale_layout")
-        if p is None:
-            shapes[r] = tuple(0 for _ in layout.shape)
-            continue
-        gb = _block_box(p.global_box, block)
-        pieces[r] = [Piece(gb, Box((0,) * gb.ndim, gb.shape), tensor=name)]
-        shapes[r] = gb.shape
     nm = name or (f"{layout.name}.scale_inv" if layout.name else None)
-    return ExplicitLayout(scale_shape(tuple(layout.shape), block), torch.float32, pieces, shapes, name=nm)
+    shape = scale_shape(tuple(layout.shape), block)
+    return _derived("scale_layout", layout, block, torch.float32, nm, shape, lambda gb: _block_box(gb, block))
 
 
 def block_halo_layout(layout: Any, block: Block = (128, 128), *, dtype: torch.dtype | None = None) -> ExplicitLayout:
@@ -100,18 +100,33 @@ def block_halo_layout(layout: Any, block: Block = (128, 128), *, dtype: torch.dt
     """
     _check(layout, block, "block_halo_layout")
     m, n = layout.shape[-2:]
-    pieces: dict[int, list[Piece]] = {}
-    shapes: dict[int, tuple[int, ...]] = {}
-    for r in layout.ranks:
-        p = _single_piece(layout, r, "block_halo_layout")
-        if p is None:
-            shapes[r] = tuple(0 for _ in layout.shape)
-            continue
-        bb = _block_box(p.global_box, block)
+
+    def halo(gb: Box) -> Box:
+        bb = _block_box(gb, block)
         r0, c0 = bb.offsets[-2] * block[0], bb.offsets[-1] * block[1]
         r1 = min((bb.offsets[-2] + bb.shape[-2]) * block[0], m)
         c1 = min((bb.offsets[-1] + bb.shape[-1]) * block[1], n)
-        g = Box(p.global_box.offsets[:-2] + (r0, c0), p.global_box.shape[:-2] + (r1 - r0, c1 - c0))
-        pieces[r] = [Piece(g, Box((0,) * g.ndim, g.shape), tensor=layout.name)]
-        shapes[r] = g.shape
-    return ExplicitLayout(tuple(layout.shape), dtype or layout.dtype, pieces, shapes, name=layout.name)
+        return Box(gb.offsets[:-2] + (r0, c0), gb.shape[:-2] + (r1 - r0, c1 - c0))
+
+    return _derived("block_halo_layout", layout, block, dtype or layout.dtype, layout.name, tuple(layout.shape), halo)
+
+
+def _derived(kind: str, layout: Any, block: Block, dtype: torch.dtype, name: str | None, shape: tuple[int, ...],
+             box_of: Callable[[Box], Box]) -> ExplicitLayout:
+    """The layout where each rank holds `box_of(its piece's global box)` of a tensor of `shape`, as one local
+    tensor: built once per (kind, weight geometry, block, dtype), then relabelled `name`."""
+    key = (kind, _geometry(layout), tuple(block), dtype)
+    cached = _DERIVED.get(key)
+    if cached is None:
+        pieces: dict[int, list[Piece]] = {}
+        shapes: dict[int, tuple[int, ...]] = {}
+        for r in layout.ranks:
+            p = _single_piece(layout, r, kind)
+            if p is None:
+                shapes[r] = tuple(0 for _ in layout.shape)
+                continue
+            g = box_of(p.global_box)
+            pieces[r] = [Piece(g, Box((0,) * g.ndim, g.shape))]
+            shapes[r] = g.shape
+        cached = _DERIVED[key] = ExplicitLayout(shape, dtype, pieces, shapes, name=name)
+    return relabel(cached, name=name)

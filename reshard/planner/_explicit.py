@@ -91,6 +91,16 @@ class ExplicitLayout:
     def local_shape(self, rank: int) -> tuple[int, ...]:
         return self._local_shapes.get(rank, (0,))
 
+    def _relabeled(self, name: str | None, dtype: torch.dtype) -> ExplicitLayout:
+        """This layout under another name and dtype, without checking the pieces again (they were)."""
+        out = object.__new__(ExplicitLayout)
+        out.shape, out.dtype, out.name = self.shape, dtype, name
+        out._pieces, out._local_shapes = self._pieces, self._local_shapes
+        out.ranks, out.regular = self.ranks, self.regular
+        out.key = self.key if dtype == self.dtype else self.key[:2] + (str(dtype),) + self.key[3:]
+        out.geometry_id = self.geometry_id if dtype == self.dtype else _shared_cache(out.key)[0]
+        return out
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ExplicitLayout) and self.key == other.key
 
@@ -115,6 +125,8 @@ def relabel(layout: Layout | ExplicitLayout, *, name: str | None = None,
         return layout
     if isinstance(layout, Layout):
         return Layout(layout.shape, layout.mesh, layout.placements, dtype, name=name)
+    if isinstance(layout, ExplicitLayout):
+        return layout._relabeled(name, dtype)
     return ExplicitLayout(layout.shape, dtype, {r: layout.pieces(r) for r in layout.ranks},
                           {r: layout.local_shape(r) for r in layout.ranks}, name=name)
 

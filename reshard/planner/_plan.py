@@ -360,6 +360,19 @@ def _geometry_id(layout: Any) -> int:
     return gid if gid is not None else _shared_cache(layout.key)[0]
 
 
+_KEY_DIGESTS: dict[int, bytes] = {}
+
+
+def _layout_digest(layout: Any) -> bytes:
+    """A digest of `layout.key` (shape, dtype, ranks, pieces), computed once per geometry: the key of an explicit
+    layout lists every piece, and a model repeats each geometry in every layer."""
+    gid = _geometry_id(layout)
+    d = _KEY_DIGESTS.get(gid)
+    if d is None:
+        d = _KEY_DIGESTS[gid] = hashlib.sha256(repr(layout.key).encode()).digest()
+    return d
+
+
 def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[Any, int]:
     """Per destination domain: |union of what its ranks need| - |the part of it its ranks already hold|, in bytes
     summed over items."""
@@ -659,7 +672,9 @@ class Plan:
         h = hashlib.sha256()
         h.update(repr((PLAN_VERSION, self.topology.key, self.relay, self.staging_bytes, self.min_split_bytes)).encode())
         for it in self.items:
-            h.update(repr(it.key).encode())
+            h.update(_layout_digest(it.src))
+            h.update(_layout_digest(it.dst))
+            h.update(repr((it.src_tensor, it.dst_tensor, it.name, it.precision)).encode())
         s = self.stats
         h.update(repr((s.total_bytes, s.network_bytes, s.nvlink_bytes, s.local_bytes, s.messages,
                        s.num_transfers, s.num_chunks)).encode())
