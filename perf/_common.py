@@ -121,9 +121,10 @@ def spread(samples: list[float]) -> tuple[float, float, float]:
 
 
 def write_csv(path: Path, rows: list[dict[str, object]]) -> None:
-    """Rows (dicts with the same keys, in order) to a CSV file with a header."""
+    """Rows (dicts) to a CSV file with a header: every key of any row, in first-seen order; missing cells empty."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)

@@ -15,7 +15,7 @@ import operator
 import numpy as np
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
@@ -104,8 +104,9 @@ class _Builder:
         self.net_send: dict[int, int] = defaultdict(int)
         self.net_recv: dict[int, int] = defaultdict(int)
         self.nvl_send: dict[int, int] = defaultdict(int)
-        # raw transfer: [src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep]
-        self.raw: list[tuple] = []
+        self.transfers = _Transfers()
+        # a row: (src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep)
+        self.raw = self.transfers.rows
         self.fair_recv: dict[Any, float] = {}  # per destination domain: network bytes per destination rank
         self._domain_cache: dict[int, Any] = {}
 
@@ -348,11 +349,9 @@ def _emit_recipe(b: _Builder, rc: _Recipe, item: PlanItem, item_index: int) -> N
             net_recv[recv] += part.nbytes
             if rc.check_arrivals:
                 arrivals[(dom, gid)].append((part.box, recv, n_deltas[n], a_idx))
-            box, nbytes = part.box, part.nbytes
-            forwards = [(recv, r, recv_box, d_box, box, nbytes, "local" if r == recv else "nvlink", 1, item_index,
-                         dt, dt, a_idx) for m, (r, d_box) in enumerate(zip(needers, part.dst_boxes)) if m != n]
-            raw.extend(forwards)
-            nvl_send[recv] += nbytes * sum(f[1] != recv for f in forwards)
+            if len(needers) > 1:
+                nvl_send[recv] += b.transfers.add_forwards(recv, recv_box, needers, part.dst_boxes, n, part.box,
+                                                           part.nbytes, item_index, dt, a_idx)
 
 
 def _geometry_id(layout: Any) -> int:
@@ -417,15 +416,104 @@ class _Columns:
     link: np.ndarray  # (N,) int8 index into LINKS
     dep: np.ndarray  # (N,) int64 index of the arrival a forward waits for, -1 when none
 
-    @classmethod
-    def of(cls, raw: list[tuple]) -> _Columns:
-        n = len(raw)
+
+class _Transfers:
+    """Every transfer of one plan, in plan order: first the ones emitted one at a time (`rows`), then the relay
+    forwards of network arrivals, which are emitted a part at a time and kept as columns.
+
+    A row is `(src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep)`. A whole-model
+    plan forwards each arrival to every other needer of its domain (~90% of its transfers): keeping those as a few
+    flat lists instead of a tuple each saves most of the time and memory of building them, and leaves the cyclic
+    GC almost nothing to scan.
+    """
+
+    __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_item", "p_tensor", "p_dep", "p_count",
+                 "f_dst", "f_dst_box", "_f_part")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        # per forwarded part: the relay (sender), its box, the global box, bytes, item, tensor, arrival, forwards
+        self.p_src: list[int] = []
+        self.p_src_box: list[Box] = []
+        self.p_box: list[Box] = []
+        self.p_nbytes: list[int] = []
+        self.p_item: list[int] = []
+        self.p_tensor: list[int] = []
+        self.p_dep: list[int] = []
+        self.p_count: list[int] = []
+        # per forward: the needer and where the box goes in its tensor
+        self.f_dst: list[int] = []
+        self.f_dst_box: list[Box] = []
+        self._f_part: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.f_dst)
+
+    def add_forwards(self, relay: int, relay_box: Box, needers: list[int], dst_boxes: Sequence[Box], skip: int,
+                     box: Box, nbytes: int, item: int, tensor: int, dep: int) -> int:
+        """Forward `box` (arrival `dep`, held by `relay` at `relay_box`) to every needer but number `skip`; a
+        needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes."""
+        others = needers[:skip] + needers[skip + 1:]
+        self.f_dst.extend(others)
+        self.f_dst_box.extend(dst_boxes[:skip])
+        self.f_dst_box.extend(dst_boxes[skip + 1:])
+        self.p_src.append(relay)
+        self.p_src_box.append(relay_box)
+        self.p_box.append(box)
+        self.p_nbytes.append(nbytes)
+        self.p_item.append(item)
+        self.p_tensor.append(tensor)
+        self.p_dep.append(dep)
+        self.p_count.append(len(others))
+        return nbytes * (len(others) - others.count(relay))
+
+    def row(self, i: int) -> tuple:
+        n = len(self.rows)
+        if i < n:
+            return self.rows[i]
+        j = i - n
+        if self._f_part is None:
+            self._f_part = np.repeat(np.arange(len(self.p_count)), self.p_count).tolist()
+        k = self._f_part[j]
+        src, dst, t = self.p_src[k], self.f_dst[j], self.p_tensor[k]
+        return (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
+                "local" if dst == src else "nvlink", 1, self.p_item[k], t, t, self.p_dep[k])
+
+    def __iter__(self) -> Iterator[tuple]:
+        yield from self.rows
+        j = 0
+        for k, count in enumerate(self.p_count):
+            src, src_box, box, nbytes = self.p_src[k], self.p_src_box[k], self.p_box[k], self.p_nbytes[k]
+            item, t, dep = self.p_item[k], self.p_tensor[k], self.p_dep[k]
+            for dst, dst_box in zip(self.f_dst[j:j + count], self.f_dst_box[j:j + count]):
+                yield (src, dst, src_box, dst_box, box, nbytes, "local" if dst == src else "nvlink", 1, item, t, t,
+                       dep)
+            j += count
+
+    def forward_indices(self, items: set[int]) -> list[int]:
+        """Plan-order indices of the forwards of `items`."""
+        part_item = np.repeat(np.asarray(self.p_item, dtype=np.int64), self.p_count)
+        return (np.flatnonzero(np.isin(part_item, list(items))) + len(self.rows)).tolist()
+
+    def columns(self) -> _Columns:
+        rows = self.rows
+        n = len(rows)
 
         def col(i: int) -> np.ndarray:
-            return np.fromiter(map(operator.itemgetter(i), raw), np.int64, n)
+            return np.fromiter(map(operator.itemgetter(i), rows), np.int64, n)
 
-        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(6), raw)), np.int8, n)
-        return cls(col(0), col(1), col(5), link, col(11))
+        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(6), rows)), np.int8, n)
+        count = np.asarray(self.p_count, dtype=np.int64)
+
+        def per_forward(values: list[int]) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype=np.int64), count)
+
+        f_src = per_forward(self.p_src)
+        f_dst = np.asarray(self.f_dst, dtype=np.int64)
+        f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
+        return _Columns(np.concatenate([col(0), f_src]), np.concatenate([col(1), f_dst]),
+                        np.concatenate([col(5), per_forward(self.p_nbytes)]), np.concatenate([link, f_link]),
+                        np.concatenate([col(11), per_forward(self.p_dep)]))
 
 
 _CHUNK_GROW = 1024
@@ -579,7 +667,7 @@ class Plan:
         relay: bool,
         staging_bytes: int,
         min_split_bytes: int,
-        raw: list[tuple],
+        raw: _Transfers,
         cols: _Columns,
         chunks: np.ndarray,
         network_lower_bound: int,
@@ -692,7 +780,7 @@ class Plan:
     def _transfer(self, i: int) -> Transfer:
         if self._transfers is not None:
             return self._transfers[i]
-        t = self._raw[i]
+        t = self._raw.row(i)
         return Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], self._chunks[i], t[8], t[9], t[10])
 
     def _indices_of(self, rank: int) -> list[int]:
@@ -912,7 +1000,7 @@ def plan_many(
             start = len(b.raw)
             _emit_recipe(b, rc, it, i)
             templates.setdefault(tkey, (start, len(b.raw)))
-        cols = _Columns.of(b.raw)
+        cols = b.transfers.columns()
         chunks = _assign_chunks(cols, chunk_cap)
         needed_by_geometry: dict[int, int] = {}
         for it in items:
@@ -921,7 +1009,7 @@ def plan_many(
                 needed_by_geometry[g] = sum(p.global_box.numel for r in it.dst.ranks for p in it.dst.pieces(r)) \
                     * it.dst.dtype.itemsize
         needed = sum(needed_by_geometry[_geometry_id(it.dst)] for it in items)
-        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.raw, cols, chunks,
+        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, cols, chunks,
                       sum(lower_by_domain.values()), needed)
         _validate(result, spans=list(templates.values()))
     finally:
@@ -963,11 +1051,16 @@ def _validate(p: Plan, spans: Sequence[tuple[int, int]] | None = None) -> None:
     `spans`: the ranges of transfers planned from scratch; the others replay one of them (same geometry, same
     boxes), so checking the planned ones checks all. None checks every transfer.
     """
-    raws = [p._raw[a:b] for a, b in spans] if spans is not None else [p._raw]
-    planned = {t[8] for r in raws for t in r} if spans is not None else None
+    store = p._raw
+    if spans is not None:
+        rows = [t for a, b in spans for t in store.rows[a:b]]
+        planned: set[int] | None = {t[8] for t in rows}
+        rows += [store.row(i) for i in store.forward_indices(planned)]
+    else:
+        rows, planned = list(store), None
     written: dict[tuple[int, int], int] = defaultdict(int)
     local_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for t in (t for r in raws for t in r):
+    for t in rows:
         item, dst_rank, src_box, dst_box, gbox = t[8], t[1], t[2], t[3], t[4]
         if gbox.shape != src_box.shape or gbox.shape != dst_box.shape:
             raise AssertionError(f"transfer shapes disagree: {t}")
