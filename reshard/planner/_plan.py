@@ -201,8 +201,10 @@ def _translate(box: Box, delta: tuple[int, ...]) -> Box:
 
 def _part(box: Box, itemsize: int, dst_deltas: Sequence[tuple[int, ...]],
           src_deltas: Sequence[tuple[int, ...]]) -> _Part:
-    return _Part(box, box.numel * itemsize, tuple(_translate(box, d) for d in dst_deltas),
-                 tuple(_translate(box, d) for d in src_deltas))
+    # replicas usually sit at the same place in their local tensors: translate once per distinct delta
+    moved = {d: _translate(box, d) for d in {*dst_deltas, *src_deltas}}
+    return _Part(box, box.numel * itemsize, tuple(map(moved.__getitem__, dst_deltas)),
+                 tuple(map(moved.__getitem__, src_deltas)))
 
 
 def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
