@@ -1,4 +1,4 @@
-"""Chunk assignment (`reshard.planner._plan._assign_chunks`) against a slow, direct statement of its rule.
+"""Chunk assignment (`reshard.planner._chunks._assign_chunks`) against a slow, direct statement of its rule.
 
 The planner finds each transfer's chunk with per-rank bit sets (so a whole-model plan of ~1M transfers places in
 about a second); here the same first-fit rule is written as plainly as possible, chunk by chunk, and the two must
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.planner._plan import _CHUNK_GROW, RELAY_CHUNK_LAG, _assign_chunks, _Columns
+from reshard.planner._chunks import _CHUNK_GROW, RELAY_CHUNK_LAG, _assign_chunks, _Columns
 from reshard.planner._types import LINKS
 
 LOCAL, NVLINK, NETWORK = (LINKS.index(k) for k in ("local", "nvlink", "network"))

@@ -1,0 +1,259 @@
+"""How a plan stores its transfers, and which chunk each goes in.
+
+`_Transfers` holds every transfer of a plan in plan order (rows, then relay forwards as columns); `_Columns` is
+their numeric fields as arrays; `_assign_chunks` places them in chunks within a staging budget. Pure Python and
+numpy on plain values, like the rest of the planner.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from reshard.planner._box import Box
+from reshard.planner._types import LINKS
+
+RELAY_CHUNK_LAG = 2
+"""A relay forwards a box at least this many chunks after the box arrives, so the executor can pack chunk i+1
+while chunk i is in flight without waiting for the arrival to be unpacked."""
+
+
+_LINK_CODE = {link: code for code, link in enumerate(LINKS)}
+_LOCAL = _LINK_CODE["local"]
+
+_RANK_KEY_WIDTH = 1 << 24
+"""Ranks are below this, so `(chunk * W + src) * W + dst` is a unique int key of a message."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """The numeric fields of the N raw transfers as arrays (entry i belongs to `raw[i]`): what chunk assignment
+    and statistics need, extracted once."""
+
+    src: np.ndarray  # (N,) int64 rank
+    dst: np.ndarray  # (N,) int64 rank
+    nbytes: np.ndarray  # (N,) int64
+    link: np.ndarray  # (N,) int8 index into LINKS
+    dep: np.ndarray  # (N,) int64 index of the arrival a forward waits for, -1 when none
+
+
+class _Transfers:
+    """Every transfer of one plan, in plan order: first the ones emitted one at a time (`rows`), then the relay
+    forwards of network arrivals, which are emitted a part at a time and kept as columns.
+
+    A row is `(src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep)`. A whole-model
+    plan forwards each arrival to every other needer of its domain (~90% of its transfers): keeping those as a few
+    flat lists instead of a tuple each saves most of the time and memory of building them, and leaves the cyclic
+    GC almost nothing to scan.
+    """
+
+    __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_item", "p_tensor", "p_dep", "p_count",
+                 "f_dst", "f_dst_box", "_f_part")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        # per forwarded part: the relay (sender), its box, the global box, bytes, item, tensor, arrival, forwards
+        self.p_src: list[int] = []
+        self.p_src_box: list[Box] = []
+        self.p_box: list[Box] = []
+        self.p_nbytes: list[int] = []
+        self.p_item: list[int] = []
+        self.p_tensor: list[int] = []
+        self.p_dep: list[int] = []
+        self.p_count: list[int] = []
+        # per forward: the needer and where the box goes in its tensor
+        self.f_dst: list[int] = []
+        self.f_dst_box: list[Box] = []
+        self._f_part: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.f_dst)
+
+    def add_forwards(self, relay: int, relay_box: Box, needers: list[int], dst_boxes: Sequence[Box], skip: int,
+                     box: Box, nbytes: int, item: int, tensor: int, dep: int) -> int:
+        """Forward `box` (arrival `dep`, held by `relay` at `relay_box`) to every needer but number `skip`; a
+        needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes."""
+        others = needers[:skip] + needers[skip + 1:]
+        self.f_dst.extend(others)
+        self.f_dst_box.extend(dst_boxes[:skip])
+        self.f_dst_box.extend(dst_boxes[skip + 1:])
+        self.p_src.append(relay)
+        self.p_src_box.append(relay_box)
+        self.p_box.append(box)
+        self.p_nbytes.append(nbytes)
+        self.p_item.append(item)
+        self.p_tensor.append(tensor)
+        self.p_dep.append(dep)
+        self.p_count.append(len(others))
+        return nbytes * (len(others) - others.count(relay))
+
+    def row(self, i: int) -> tuple:
+        n = len(self.rows)
+        if i < n:
+            return self.rows[i]
+        j = i - n
+        if self._f_part is None:
+            self._f_part = np.repeat(np.arange(len(self.p_count)), self.p_count).tolist()
+        k = self._f_part[j]
+        src, dst, t = self.p_src[k], self.f_dst[j], self.p_tensor[k]
+        return (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
+                "local" if dst == src else "nvlink", 1, self.p_item[k], t, t, self.p_dep[k])
+
+    def __iter__(self) -> Iterator[tuple]:
+        yield from self.rows
+        j = 0
+        for k, count in enumerate(self.p_count):
+            src, src_box, box, nbytes = self.p_src[k], self.p_src_box[k], self.p_box[k], self.p_nbytes[k]
+            item, t, dep = self.p_item[k], self.p_tensor[k], self.p_dep[k]
+            for dst, dst_box in zip(self.f_dst[j:j + count], self.f_dst_box[j:j + count]):
+                yield (src, dst, src_box, dst_box, box, nbytes, "local" if dst == src else "nvlink", 1, item, t, t,
+                       dep)
+            j += count
+
+    def forward_indices(self, items: set[int]) -> list[int]:
+        """Plan-order indices of the forwards of `items`."""
+        part_item = np.repeat(np.asarray(self.p_item, dtype=np.int64), self.p_count)
+        return (np.flatnonzero(np.isin(part_item, list(items))) + len(self.rows)).tolist()
+
+    def columns(self) -> _Columns:
+        rows = self.rows
+        n = len(rows)
+
+        def col(i: int) -> np.ndarray:
+            return np.fromiter(map(operator.itemgetter(i), rows), np.int64, n)
+
+        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(6), rows)), np.int8, n)
+        count = np.asarray(self.p_count, dtype=np.int64)
+
+        def per_forward(values: list[int]) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype=np.int64), count)
+
+        f_src = per_forward(self.p_src)
+        f_dst = np.asarray(self.f_dst, dtype=np.int64)
+        f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
+        return _Columns(np.concatenate([col(0), f_src]), np.concatenate([col(1), f_dst]),
+                        np.concatenate([col(5), per_forward(self.p_nbytes)]), np.concatenate([link, f_link]),
+                        np.concatenate([col(11), per_forward(self.p_dep)]))
+
+
+_CHUNK_GROW = 1024
+"""Chunks are added to the open-chunk bit sets this many at a time."""
+
+
+class _OpenChunks:
+    """Per rank (dense ids 0..R-1): the chunks still open to new transfers, and the bytes used in each.
+
+    The open set of a rank is one int whose bit `L - 1 - c` stands for chunk `c` (`L` chunks allocated), so the
+    first chunk open on both ends of a transfer is the highest set bit of one AND, found by `int.bit_length`
+    without a loop over chunks.
+    """
+
+    __slots__ = ("size", "open", "used", "_masks")
+
+    def __init__(self, num_ranks: int) -> None:
+        self.size = 0
+        self.open = [0] * num_ranks
+        self.used: list[list[int]] = [[] for _ in range(num_ranks)]
+        self._masks: dict[int, int] = {}
+
+    def grow(self, need: int) -> None:
+        """Allocate chunks until there are more than `need`, all open."""
+        g = max(need - self.size, 0) + _CHUNK_GROW
+        ones = (1 << g) - 1
+        op = self.open
+        for r in range(len(op)):
+            op[r] = (op[r] << g) | ones
+            self.used[r].extend([0] * g)
+        self.size += g
+        self._masks.clear()
+
+    def from_chunk(self, m: int) -> int:
+        """The bit mask of chunks >= `m` (allocating past `m` first)."""
+        mk = self._masks.get(m)
+        if mk is None:
+            if m >= self.size:
+                self.grow(m)
+            mk = self._masks[m] = (1 << (self.size - m)) - 1
+        return mk
+
+    def place(self, src: list[int], dst: list[int], nbytes: list[int], min_chunk: list[int], cap: int) -> list[int]:
+        """First fit, in the given order: each transfer goes to the first chunk >= its `min_chunk` open on both
+        ends where both still have room for it. A chunk is closed for a rank when a transfer of the size just
+        placed would no longer fit (later transfers of a stage are no larger), or when one does not fit. A rank's
+        first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own)."""
+        op, used, masks = self.open, self.used, self._masks
+        size = self.size
+        out: list[int] = []
+        append = out.append
+        for s, d, n, m in zip(src, dst, nbytes, min_chunk):
+            while True:
+                if m:
+                    mk = masks.get(m)
+                    if mk is None:  # may grow the sets: read them after
+                        mk = self.from_chunk(m)
+                        size = self.size
+                    x = op[s] & op[d] & mk
+                else:
+                    x = op[s] & op[d]
+                if not x:
+                    self.grow(size)
+                    size = self.size
+                    continue
+                hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
+                c = size - 1 - hb
+                us, ud = used[s], used[d]
+                a, b = us[c], ud[c]
+                fit_s = a == 0 or a + n <= cap
+                fit_d = b == 0 or b + n <= cap
+                if fit_s and fit_d:
+                    break
+                if not fit_s:
+                    op[s] ^= 1 << hb
+                if not fit_d:
+                    op[d] ^= 1 << hb
+            a += n
+            b += n
+            us[c] = a
+            ud[c] = b
+            if a + n > cap:
+                op[s] ^= 1 << hb
+            if b + n > cap:
+                op[d] ^= 1 << hb
+            append(c)
+        return out
+
+
+def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
+    """Chunk index per raw transfer, shape (N,): send + receive bytes of a rank in a chunk stay within
+    `chunk_cap`, and a relay forward goes at least `RELAY_CHUNK_LAG` chunks after its arrival.
+
+    Arrivals and direct transfers (stage 0) are placed first, then forwards (stage 1), each largest first, by
+    first fit (`_OpenChunks.place`): a chunk some rank left room in is filled by later, smaller transfers, so
+    ranks dragged ahead by a busy peer do not leave holes. Local copies take no staging: they go in chunk 0, or
+    with the forward they belong to after their arrival.
+    """
+    n = cols.src.size
+    chunks = np.zeros(n, np.int64)
+    if not n:
+        return chunks
+    present = np.zeros(int(max(cols.src.max(), cols.dst.max())) + 1, bool)  # ranks -> dense ids 0..R-1
+    present[cols.src] = True
+    present[cols.dst] = True
+    dense = np.cumsum(present) - 1
+    src_id, dst_id = dense[cols.src], dense[cols.dst]
+    state = _OpenChunks(int(dense[-1]) + 1)
+    forward = cols.dep >= 0
+    for stage in (0, 1):
+        sel = np.flatnonzero(forward) if stage else np.flatnonzero(~forward)
+        min_chunk = chunks[cols.dep[sel]] + RELAY_CHUNK_LAG if stage else np.zeros(sel.size, np.int64)
+        is_local = cols.link[sel] == _LOCAL
+        chunks[sel[is_local]] = min_chunk[is_local]
+        sel, min_chunk = sel[~is_local], min_chunk[~is_local]
+        order = np.lexsort((sel, -cols.nbytes[sel]))  # largest first, then plan order
+        sel, min_chunk = sel[order], min_chunk[order]
+        chunks[sel] = state.place(src_id[sel].tolist(), dst_id[sel].tolist(), cols.nbytes[sel].tolist(),
+                                  min_chunk.tolist(), chunk_cap)
+    return chunks
