@@ -130,3 +130,32 @@ def test_forward_past_the_allocated_chunks() -> None:
     assert chunks[:n0] == list(range(n0))
     assert chunks[n0] == n0 - 1 + RELAY_CHUNK_LAG
     assert chunks == reference_chunks(src, dst, nbytes, link, dep, 1)
+
+
+def test_message_count_past_65536_chunks() -> None:
+    """One element per chunk between two ranks: every transfer is its own message, however many chunks there are
+    (a message key packing chunk and ranks into one int64 must not overflow)."""
+    import torch
+
+    from reshard import Layout, Mesh, Replicate, plan
+
+    n = 70_000
+    src = Layout((n,), Mesh([0]), [Replicate()], torch.float32)
+    dst = Layout((n,), Mesh([1]), [Replicate()], torch.float32)
+    p = plan(src, dst, staging_bytes=8)
+    assert p.stats.num_chunks == n
+    assert p.stats.messages == p.stats.num_transfers == n
+    assert p.stats.per_rank[0].messages_sent == p.stats.per_rank[1].messages_received == n
+
+
+@pytest.mark.parametrize("a_max", [10, 1 << 50])  # the packed int64 key, and the lexsort fallback past it
+def test_unique_triples_against_a_set(a_max: int) -> None:
+    from reshard.planner._chunks import _unique_triples
+
+    rng = np.random.default_rng(a_max % 97)
+    a = rng.integers(0, a_max, 5000)
+    a[::7] = a_max - 1
+    b, c = rng.integers(0, 40, 5000), rng.integers(0, 30, 5000)
+    first = _unique_triples(a, b, c, 40, 30)
+    got = list(zip(a[first].tolist(), b[first].tolist(), c[first].tolist()))
+    assert len(got) == len(set(got)) == len(set(zip(a.tolist(), b.tolist(), c.tolist())))

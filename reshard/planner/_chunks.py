@@ -24,14 +24,12 @@ while chunk i is in flight without waiting for the arrival to be unpacked."""
 _LINK_CODE = {link: code for code, link in enumerate(LINKS)}
 _LOCAL = _LINK_CODE["local"]
 
-_RANK_KEY_WIDTH = 1 << 24
-"""Ranks are below this, so `(chunk * W + src) * W + dst` is a unique int key of a message."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """The numeric fields of the N raw transfers as arrays (entry i belongs to `raw[i]`): what chunk assignment
-    and statistics need, extracted once."""
+    """The numeric fields of a plan's N transfers as arrays (entry i is transfer i in plan order): what chunk
+    assignment and statistics need, extracted once."""
 
     src: np.ndarray  # (N,) int64 rank
     dst: np.ndarray  # (N,) int64 rank
@@ -139,6 +137,29 @@ class _Transfers:
                         np.concatenate([col(11), per_forward(self.p_dep)]))
 
 
+def _dense_ids(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranks that occur, ascending, and each entry's index into them: `(ranks, src_id, dst_id)`."""
+    present = np.zeros(int(max(src.max(), dst.max())) + 1, bool)
+    present[src] = True
+    present[dst] = True
+    dense = np.cumsum(present) - 1
+    return np.flatnonzero(present), dense[src], dense[dst]
+
+
+def _unique_triples(a: np.ndarray, b: np.ndarray, c: np.ndarray, b_size: int, c_size: int) -> np.ndarray:
+    """Indices of the distinct `(a, b, c)` triples (one each), for `0 <= b < b_size`, `0 <= c < c_size`."""
+    if not a.size:
+        return np.zeros(0, np.int64)
+    if (int(a.max()) + 1) * b_size * c_size < 1 << 62:  # one int64 key per triple, then a plain sort
+        key = (a * b_size + b) * c_size + c
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        return order[np.r_[True, key[1:] != key[:-1]]]
+    order = np.lexsort((c, b, a))
+    a, b, c = a[order], b[order], c[order]
+    return order[np.r_[True, (a[1:] != a[:-1]) | (b[1:] != b[:-1]) | (c[1:] != c[:-1])]]
+
+
 _CHUNK_GROW = 1024
 """Chunks are added to the open-chunk bit sets this many at a time."""
 
@@ -239,12 +260,8 @@ def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
     chunks = np.zeros(n, np.int64)
     if not n:
         return chunks
-    present = np.zeros(int(max(cols.src.max(), cols.dst.max())) + 1, bool)  # ranks -> dense ids 0..R-1
-    present[cols.src] = True
-    present[cols.dst] = True
-    dense = np.cumsum(present) - 1
-    src_id, dst_id = dense[cols.src], dense[cols.dst]
-    state = _OpenChunks(int(dense[-1]) + 1)
+    ranks, src_id, dst_id = _dense_ids(cols.src, cols.dst)
+    state = _OpenChunks(ranks.size)
     forward = cols.dep >= 0
     for stage in (0, 1):
         sel = np.flatnonzero(forward) if stage else np.flatnonzero(~forward)

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
-from reshard.planner._chunks import _RANK_KEY_WIDTH, RELAY_CHUNK_LAG, _assign_chunks, _Columns, _Transfers
+from reshard.planner._chunks import (
+    RELAY_CHUNK_LAG,
+    _assign_chunks,
+    _Columns,
+    _dense_ids,
+    _Transfers,
+    _unique_triples,
+)
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._layout import _shared_cache
 from reshard.planner._topology import Topology
@@ -464,6 +471,7 @@ class Plan:
         # vectorized: a whole-model plan has up to millions of transfers
         n = chunks.size
         src, dst, nbytes, kind, chunk = cols.src, cols.dst, cols.nbytes, cols.link, chunks
+        ranks, src_id, dst_id = _dense_ids(src, dst) if n else (np.zeros(0, np.int64),) * 3
         per: dict[int, dict[str, int]] = defaultdict(dict)
 
         def accumulate(name: str, ranks: np.ndarray, values: np.ndarray | None) -> None:
@@ -486,10 +494,10 @@ class Plan:
                 continue
             accumulate(f"{link}_send", src[sel], nbytes[sel])
             accumulate(f"{link}_recv", dst[sel], nbytes[sel])
-            keys = np.sort((chunk[sel] * _RANK_KEY_WIDTH + src[sel]) * _RANK_KEY_WIDTH + dst[sel])
-            keys = keys[np.r_[True, keys[1:] != keys[:-1]]] if keys.size else keys  # unique (sort: no hashing)
-            accumulate(f"{link}_messages_sent", (keys // _RANK_KEY_WIDTH) % _RANK_KEY_WIDTH, None)
-            accumulate(f"{link}_messages_received", keys % _RANK_KEY_WIDTH, None)
+            # a message is one (chunk, sender, receiver)
+            first = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], ranks.size, ranks.size)
+            accumulate(f"{link}_messages_sent", src[sel][first], None)
+            accumulate(f"{link}_messages_received", dst[sel][first], None)
         num_messages = sum(v for d in per.values() for k, v in d.items() if k.endswith("_messages_sent"))
         num_chunks = int(chunk.max()) + 1 if n else 0
         per_rank = {r: RankBytes(**v) for r, v in sorted(per.items())}
