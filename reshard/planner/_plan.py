@@ -44,7 +44,9 @@ SPREAD_FACTOR = 8
 """A box is split over several relay receivers only when it exceeds 1/SPREAD_FACTOR of a receiver's fair share of
 its domain's network bytes."""
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""Part of every fingerprint: bumped when the same inputs plan differently (2: first-fit chunk placement over bit
+sets, relay forwards after all stage-0 transfers in plan order)."""
 
 
 @dataclass(frozen=True, slots=True)
