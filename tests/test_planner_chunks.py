@@ -156,6 +156,5 @@ def test_unique_triples_against_a_set(a_max: int) -> None:
     a = rng.integers(0, a_max, 5000)
     a[::7] = a_max - 1
     b, c = rng.integers(0, 40, 5000), rng.integers(0, 30, 5000)
-    first = _unique_triples(a, b, c, 40, 30)
-    got = list(zip(a[first].tolist(), b[first].tolist(), c[first].tolist()))
+    got = list(zip(*(x.tolist() for x in _unique_triples(a, b, c, 40, 30))))
     assert len(got) == len(set(got)) == len(set(zip(a.tolist(), b.tolist(), c.tolist())))

@@ -146,18 +146,19 @@ def _dense_ids(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return np.flatnonzero(present), dense[src], dense[dst]
 
 
-def _unique_triples(a: np.ndarray, b: np.ndarray, c: np.ndarray, b_size: int, c_size: int) -> np.ndarray:
-    """Indices of the distinct `(a, b, c)` triples (one each), for `0 <= b < b_size`, `0 <= c < c_size`."""
-    if not a.size:
-        return np.zeros(0, np.int64)
-    if (int(a.max()) + 1) * b_size * c_size < 1 << 62:  # one int64 key per triple, then a plain sort
-        key = (a * b_size + b) * c_size + c
-        order = np.argsort(key, kind="stable")
-        key = key[order]
-        return order[np.r_[True, key[1:] != key[:-1]]]
+def _unique_triples(a: np.ndarray, b: np.ndarray, c: np.ndarray, b_size: int,
+                    c_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct `(a, b, c)` triples, as three arrays, for `0 <= a`, `0 <= b < b_size`, `0 <= c < c_size`."""
+    if a.size and (int(a.max()) + 1) * b_size * c_size < 1 << 62:  # one int64 key per triple, then a plain sort
+        key = np.sort((a * b_size + b) * c_size + c)
+        key = key[np.r_[True, key[1:] != key[:-1]]]
+        ab, c = np.divmod(key, c_size)
+        a, b = np.divmod(ab, b_size)
+        return a, b, c
     order = np.lexsort((c, b, a))
     a, b, c = a[order], b[order], c[order]
-    return order[np.r_[True, (a[1:] != a[:-1]) | (b[1:] != b[:-1]) | (c[1:] != c[:-1])]]
+    first = np.r_[True, (a[1:] != a[:-1]) | (b[1:] != b[:-1]) | (c[1:] != c[:-1])] if a.size else np.zeros(0, bool)
+    return a[first], b[first], c[first]
 
 
 _CHUNK_GROW = 1024

@@ -497,9 +497,9 @@ class Plan:
             accumulate(f"{link}_send", src[sel], nbytes[sel])
             accumulate(f"{link}_recv", dst[sel], nbytes[sel])
             # a message is one (chunk, sender, receiver)
-            first = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], ranks.size, ranks.size)
-            accumulate(f"{link}_messages_sent", src[sel][first], None)
-            accumulate(f"{link}_messages_received", dst[sel][first], None)
+            _, senders, receivers = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], ranks.size, ranks.size)
+            accumulate(f"{link}_messages_sent", ranks[senders], None)
+            accumulate(f"{link}_messages_received", ranks[receivers], None)
         num_messages = sum(v for d in per.values() for k, v in d.items() if k.endswith("_messages_sent"))
         num_chunks = int(chunk.max()) + 1 if n else 0
         per_rank = {r: RankBytes(**v) for r, v in sorted(per.items())}
@@ -757,8 +757,8 @@ def plan_many(
         b = _Builder(topology, relay, chunk_cap, min_split_bytes)
         lower_by_domain = _network_lower_bound(items, topology)
         dst_per_domain: dict[Any, set[int]] = defaultdict(set)
-        for it in items:
-            for r in it.dst.ranks:
+        for dst in {_geometry_id(it.dst): it.dst for it in items}.values():  # rank sets repeat with geometries
+            for r in dst.ranks:
                 dst_per_domain[b.domain(r)].add(r)
         b.fair_recv = {d: lower_by_domain[d] / len(rs) for d, rs in dst_per_domain.items() if lower_by_domain.get(d)}
         recipes: dict[tuple[int, int], _Recipe] = {}
