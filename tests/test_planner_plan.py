@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections import defaultdict
 
 import pytest
 import torch
@@ -245,3 +246,38 @@ def test_repeated_geometries_are_exact_and_rotate_sources() -> None:
     sends = [p.stats.per_rank[r].network_send for r in range(4)]
     assert min(sends) > 0 and max(sends) <= 1.5 * min(sends), sends
     assert p.stats.network_bytes == p.stats.network_lower_bound == 6 * 16 * 8 * 8
+
+
+@pytest.mark.parametrize("staging", [1 << 20, 16384])
+def test_items_of_one_geometry_move_in_units_within_the_budget(staging: int) -> None:
+    """Layers of equal geometry are planned in units (one choice of sender and relay for several tensors, the same
+    boxes of each): every tensor is still written exactly once from the right source, units show up as messages
+    that carry the same box of several tensors, and a chunk's send + receive bytes stay within half the staging."""
+    from reshard import PlanItem, plan_many
+
+    shape, n_items = (64, 16), 40
+    full = index_tensor(shape)
+    src_mesh, src_pl = torch.arange(4).reshape(2, 2), [Replicate(), Shard(0)]
+    dst_mesh, dst_pl = torch.arange(4, 12).reshape(4, 2), [Replicate(), Shard(1)]
+    src = Layout(shape, Mesh(src_mesh), src_pl, torch.int64)
+    dst = Layout(shape, Mesh(dst_mesh), dst_pl, torch.int64)
+    p = plan_many([PlanItem(src, dst, i, i) for i in range(n_items)], Topology(domain_size=4), staging_bytes=staging,
+                  min_split_bytes=256)
+    src_locals = {r: dtensor_local(full, src_mesh, src_pl, r, 12) for r in src.ranks}
+    expected = {r: dtensor_local(full, dst_mesh, dst_pl, r, 12) for r in dst.ranks}
+    for i in range(n_items):
+        sub = type("P", (), {"transfers": [t for t in p.transfers if t.item == i]})
+        got, writes = execute_in_process(sub, src_locals, {r: tuple(e.shape) for r, e in expected.items()})
+        for r in dst.ranks:
+            assert torch.equal(got[r], expected[r]) and bool((writes[r] == 1).all()), (i, r)
+    assert p.stats.network_bytes == p.stats.network_lower_bound
+    batched = 0
+    for r in p.ranks:
+        for c in p.for_rank(r).chunks:
+            assert c.send_bytes + c.recv_bytes <= staging // 2
+            for m in c.sends:
+                boxes = defaultdict(set)
+                for t in m.transfers:
+                    boxes[t.global_box].add(t.item)
+                batched += sum(len(items) > 1 for items in boxes.values())
+    assert batched > 0

@@ -26,52 +26,62 @@ _LOCAL = _LINK_CODE["local"]
 
 
 
+Members = tuple[tuple[int, int, int], ...]
+"""The tensors a transfer unit moves the same boxes of: `(item, src_tensor, dst_tensor)` each (one for a lone item;
+several for items of equal geometry, batched so they move together)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """The numeric fields of a plan's N transfers as arrays (entry i is transfer i in plan order): what chunk
+    """The numeric fields of a plan's N transfer units as arrays (entry i is unit i in plan order): what chunk
     assignment and statistics need, extracted once."""
 
     src: np.ndarray  # (N,) int64 rank
     dst: np.ndarray  # (N,) int64 rank
-    nbytes: np.ndarray  # (N,) int64
+    nbytes: np.ndarray  # (N,) int64: bytes of the whole unit (a member's bytes times `count`)
     link: np.ndarray  # (N,) int8 index into LINKS
     dep: np.ndarray  # (N,) int64 index of the arrival a forward waits for, -1 when none
+    count: np.ndarray  # (N,) int64 members (transfers) in the unit
 
 
 class _Transfers:
-    """Every transfer of one plan, in plan order: first the ones emitted one at a time (`rows`), then the relay
-    forwards of network arrivals, which are emitted a part at a time and kept as columns.
+    """Every transfer unit of one plan, in plan order: first the ones emitted one at a time (`rows`), then the
+    relay forwards of network arrivals, which are emitted a part at a time and kept as columns.
 
-    A row is `(src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep)`. A whole-model
-    plan forwards each arrival to every other needer of its domain (~90% of its transfers): keeping those as a few
-    flat lists instead of a tuple each saves most of the time and memory of building them, and leaves the cyclic
-    GC almost nothing to scan.
+    A unit is `(src, dst, src_box, dst_box, global_box, nbytes, link, stage, members, dep)`: the same boxes of each
+    member tensor (`Members`), `nbytes` per member. A whole-model plan forwards each arrival to every other needer
+    of its domain (most of its transfers): keeping those as a few flat lists instead of a tuple each saves most of
+    the time and memory of building them, and leaves the cyclic GC almost nothing to scan.
     """
 
-    __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_item", "p_tensor", "p_dep", "p_count",
-                 "f_dst", "f_dst_box", "_f_part")
+    __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count",
+                 "f_dst", "f_dst_box", "_f_part", "_f_start")
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
-        # per forwarded part: the relay (sender), its box, the global box, bytes, item, tensor, arrival, forwards
+        # per forwarded part: the relay (sender), its box, the global box, bytes, members, arrival, forwards
         self.p_src: list[int] = []
         self.p_src_box: list[Box] = []
         self.p_box: list[Box] = []
         self.p_nbytes: list[int] = []
-        self.p_item: list[int] = []
-        self.p_tensor: list[int] = []
+        self.p_members: list[Members] = []
         self.p_dep: list[int] = []
         self.p_count: list[int] = []
         # per forward: the needer and where the box goes in its tensor
         self.f_dst: list[int] = []
         self.f_dst_box: list[Box] = []
         self._f_part: list[int] | None = None
+        self._f_start: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.f_dst)
 
+    @property
+    def num_parts(self) -> int:
+        return len(self.p_count)
+
     def add_forwards(self, relay: int, relay_box: Box, needers: list[int], dst_boxes: Sequence[Box], skip: int,
-                     box: Box, nbytes: int, item: int, tensor: int, dep: int) -> int:
+                     box: Box, nbytes: int, members: Members, dep: int) -> int:
         """Forward `box` (arrival `dep`, held by `relay` at `relay_box`) to every needer but number `skip`; a
         needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes."""
         others = needers[:skip] + needers[skip + 1:]
@@ -82,39 +92,36 @@ class _Transfers:
         self.p_src_box.append(relay_box)
         self.p_box.append(box)
         self.p_nbytes.append(nbytes)
-        self.p_item.append(item)
-        self.p_tensor.append(tensor)
+        self.p_members.append(members)
         self.p_dep.append(dep)
         self.p_count.append(len(others))
-        return nbytes * (len(others) - others.count(relay))
+        return nbytes * len(members) * (len(others) - others.count(relay))
+
+    def _forward(self, k: int, j: int) -> tuple:
+        src, dst = self.p_src[k], self.f_dst[j]
+        return (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
+                "local" if dst == src else "nvlink", 1, self.p_members[k], self.p_dep[k])
 
     def row(self, i: int) -> tuple:
+        """Unit `i` in plan order."""
         n = len(self.rows)
         if i < n:
             return self.rows[i]
-        j = i - n
         if self._f_part is None:
             self._f_part = np.repeat(np.arange(len(self.p_count)), self.p_count).tolist()
-        k = self._f_part[j]
-        src, dst, t = self.p_src[k], self.f_dst[j], self.p_tensor[k]
-        return (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
-                "local" if dst == src else "nvlink", 1, self.p_item[k], t, t, self.p_dep[k])
+        return self._forward(self._f_part[i - n], i - n)
 
     def __iter__(self) -> Iterator[tuple]:
         yield from self.rows
-        j = 0
-        for k, count in enumerate(self.p_count):
-            src, src_box, box, nbytes = self.p_src[k], self.p_src_box[k], self.p_box[k], self.p_nbytes[k]
-            item, t, dep = self.p_item[k], self.p_tensor[k], self.p_dep[k]
-            for dst, dst_box in zip(self.f_dst[j:j + count], self.f_dst_box[j:j + count]):
-                yield (src, dst, src_box, dst_box, box, nbytes, "local" if dst == src else "nvlink", 1, item, t, t,
-                       dep)
-            j += count
+        yield from self.forwards(0, len(self.p_count))
 
-    def forward_indices(self, items: set[int]) -> list[int]:
-        """Plan-order indices of the forwards of `items`."""
-        part_item = np.repeat(np.asarray(self.p_item, dtype=np.int64), self.p_count)
-        return (np.flatnonzero(np.isin(part_item, list(items))) + len(self.rows)).tolist()
+    def forwards(self, first: int, stop: int) -> Iterator[tuple]:
+        """The forward units of parts `first..stop-1`, in plan order."""
+        if self._f_start is None:
+            self._f_start = np.concatenate([[0], np.cumsum(self.p_count, dtype=np.int64)]).tolist()
+        for k in range(first, stop):
+            for j in range(self._f_start[k], self._f_start[k + 1]):
+                yield self._forward(k, j)
 
     def columns(self) -> _Columns:
         rows = self.rows
@@ -124,6 +131,7 @@ class _Transfers:
             return np.fromiter(map(operator.itemgetter(i), rows), np.int64, n)
 
         link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(6), rows)), np.int8, n)
+        row_count = np.fromiter(map(len, map(operator.itemgetter(8), rows)), np.int64, n)
         count = np.asarray(self.p_count, dtype=np.int64)
 
         def per_forward(values: list[int]) -> np.ndarray:
@@ -132,9 +140,11 @@ class _Transfers:
         f_src = per_forward(self.p_src)
         f_dst = np.asarray(self.f_dst, dtype=np.int64)
         f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
+        f_count = per_forward(list(map(len, self.p_members)))
+        units = np.concatenate([row_count, f_count])
         return _Columns(np.concatenate([col(0), f_src]), np.concatenate([col(1), f_dst]),
-                        np.concatenate([col(5), per_forward(self.p_nbytes)]), np.concatenate([link, f_link]),
-                        np.concatenate([col(11), per_forward(self.p_dep)]))
+                        np.concatenate([col(5), per_forward(self.p_nbytes)]) * units,
+                        np.concatenate([link, f_link]), np.concatenate([col(9), per_forward(self.p_dep)]), units)
 
 
 def _dense_ids(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

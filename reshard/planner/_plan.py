@@ -25,6 +25,7 @@ from reshard.planner._chunks import (
     _dense_ids,
     _Transfers,
     _unique_triples,
+    Members,
 )
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._layout import _shared_cache
@@ -44,9 +45,13 @@ SPREAD_FACTOR = 8
 """A box is split over several relay receivers only when it exceeds 1/SPREAD_FACTOR of a receiver's fair share of
 its domain's network bytes."""
 
+UNIT_SHARE = 16
+"""Items of equal geometry move together in units of at most 1/UNIT_SHARE of a destination rank's mean bytes (and
+at most one chunk), so that choosing one sender and relay for a whole unit still spreads the load."""
+
 PLAN_VERSION = 2
 """Part of every fingerprint: bumped when the same inputs plan differently (2: first-fit chunk placement over bit
-sets, relay forwards after all stage-0 transfers in plan order)."""
+sets, relay forwards after all stage-0 transfers in plan order, items of equal geometry in units)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +116,7 @@ class _Builder:
         self.net_recv: dict[int, int] = defaultdict(int)
         self.nvl_send: dict[int, int] = defaultdict(int)
         self.transfers = _Transfers()
-        # a row: (src, dst, src_box, dst_box, global_box, nbytes, link, stage, item, src_t, dst_t, dep)
+        # a row: (src, dst, src_box, dst_box, global_box, nbytes, link, stage, members, dep), see `_Transfers`
         self.raw = self.transfers.rows
         self.fair_recv: dict[Any, float] = {}  # per destination domain: network bytes per destination rank
         self._domain_cache: dict[int, Any] = {}
@@ -133,9 +138,7 @@ class _Builder:
         itemsize: int,
         link: str,
         stage: int,
-        item: int,
-        src_t: int,
-        dst_t: int,
+        members: Members,
         dep: int = -1,
     ) -> int:
         shape = gbox.shape
@@ -144,7 +147,8 @@ class _Builder:
             nbytes *= s
         src_box = Box._make(tuple(map(operator.add, gbox.offsets, src_delta)), shape)
         dst_box = Box._make(tuple(map(operator.add, gbox.offsets, dst_delta)), shape)
-        self.raw.append((src, dst, src_box, dst_box, gbox, nbytes, link, stage, item, src_t, dst_t, dep))
+        self.raw.append((src, dst, src_box, dst_box, gbox, nbytes, link, stage, members, dep))
+        nbytes *= len(members)
         if link == "network":
             self.net_send[src] += nbytes
             self.net_recv[dst] += nbytes
@@ -199,6 +203,7 @@ class _Recipe:
     net: list[tuple[Any, int, Box, list[int], list[tuple[int, ...]], list[int], list[tuple[int, ...]],
                     list[_Part], int]]
     check_arrivals: bool
+    max_part_bytes: int  # the largest box that takes staging (0 when there is none)
 
 
 def _translate(box: Box, delta: tuple[int, ...]) -> Box:
@@ -298,7 +303,8 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
             net.append((dom, gid, x, [n[0] for n in needers], n_deltas, [h[0] for h in holders], h_deltas,
                         [_part(box, itemsize, n_deltas, h_deltas) for box in boxes], k))
     check = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
-    return _Recipe(itemsize, local, nvl, net, check)
+    largest = max([p.nbytes for _, _, p in nvl] + [p.nbytes for n in net for p in n[7]], default=0)
+    return _Recipe(itemsize, local, nvl, net, check, largest)
 
 
 def _least(ranks: list[int], load: dict[int, int]) -> int:
@@ -307,29 +313,33 @@ def _least(ranks: list[int], load: dict[int, int]) -> int:
     return loads.index(min(loads))
 
 
-def _emit_recipe(b: _Builder, rc: _Recipe, item: PlanItem, item_index: int) -> None:
-    """Phase two: choose senders and relay receivers against the running loads, and emit the transfers."""
+def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
+    """Phase two: choose senders and relay receivers against the running loads, and emit the transfers.
+
+    `members`: `(item, src_tensor, dst_tensor)` of the items (all of this recipe's geometry) that move together:
+    one choice for all, each box once per member, in one transfer unit."""
     raw = b.raw
-    st, dt = item.src_tensor, item.dst_tensor
+    k = len(members)
+    relayed = tuple((i, dt, dt) for i, _, dt in members)  # a forward reads the relay's destination tensor
     for r, sbox, dbox, x in rc.local:
-        raw.append((r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, item_index, st, dt, -1))
+        raw.append((r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, members, -1))
     nvl_send = b.nvl_send
     for r, ranks, part in rc.nvl:
         h = _least(ranks, nvl_send)
         raw.append((ranks[h], r, part.src_boxes[h], part.dst_boxes[0], part.box, part.nbytes, "nvlink", 0,
-                    item_index, st, dt, -1))
-        nvl_send[ranks[h]] += part.nbytes
+                    members, -1))
+        nvl_send[ranks[h]] += part.nbytes * k
     net_send, net_recv = b.net_send, b.net_recv
     arrivals: dict[tuple[Any, int], list[tuple[Box, int, tuple[int, ...], int]]] = defaultdict(list)
-    for dom, gid, x, needers, n_deltas, holders, h_deltas, parts, k in rc.net:
+    for dom, gid, x, needers, n_deltas, holders, h_deltas, parts, spread in rc.net:
         if not b.relay:
             for n, r in enumerate(needers):
                 for part in parts:
                     h = _least(holders, net_send)
                     raw.append((holders[h], r, part.src_boxes[h], part.dst_boxes[n], part.box, part.nbytes,
-                                "network", 0, item_index, st, dt, -1))
-                    net_send[holders[h]] += part.nbytes
-                    net_recv[r] += part.nbytes
+                                "network", 0, members, -1))
+                    net_send[holders[h]] += part.nbytes * k
+                    net_recv[r] += part.nbytes * k
             continue
         if rc.check_arrivals:  # needs overlap partially only in custom layouts: forward what already arrived
             remaining = [x]
@@ -342,24 +352,24 @@ def _emit_recipe(b: _Builder, rc: _Recipe, item: PlanItem, item_index: int) -> N
                     if r == a_rank and d_delta == a_delta:
                         continue
                     b.emit(a_rank, r, a_delta, d_delta, covered, rc.itemsize, "local" if r == a_rank else "nvlink",
-                           1, item_index, dt, dt, a_idx)
+                           1, relayed, a_idx)
             if remaining != [x]:
                 parts = [_part(box, rc.itemsize, n_deltas, h_deltas) for rem in remaining
-                         for box in b.parts(rem, k, rc.itemsize, b.fair_recv.get(dom, 0.0))]
+                         for box in b.parts(rem, spread, rc.itemsize, b.fair_recv.get(dom, 0.0))]
         for part in parts:
             n = _least(needers, net_recv)
             h = _least(holders, net_send)
             recv, recv_box = needers[n], part.dst_boxes[n]
             a_idx = len(raw)
             raw.append((holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes, "network", 0,
-                        item_index, st, dt, -1))
-            net_send[holders[h]] += part.nbytes
-            net_recv[recv] += part.nbytes
+                        members, -1))
+            net_send[holders[h]] += part.nbytes * k
+            net_recv[recv] += part.nbytes * k
             if rc.check_arrivals:
                 arrivals[(dom, gid)].append((part.box, recv, n_deltas[n], a_idx))
             if len(needers) > 1:
                 nvl_send[recv] += b.transfers.add_forwards(recv, recv_box, needers, part.dst_boxes, n, part.box,
-                                                           part.nbytes, item_index, dt, a_idx)
+                                                           part.nbytes, relayed, a_idx)
 
 
 def _geometry_id(layout: Any) -> int:
@@ -462,8 +472,8 @@ class Plan:
         """Every transfer, in plan order (built on first use: a whole-model plan holds hundreds of thousands)."""
         if self._transfers is None:
             self._transfers = tuple(
-                Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, t[8], t[9], t[10])
-                for t, c in zip(self._raw, self._chunks)
+                Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, item, src_t, dst_t)
+                for t, c in zip(self._raw, self._chunks) for item, src_t, dst_t in t[8]
             )
         return self._transfers
 
@@ -515,8 +525,8 @@ class Plan:
             needed_bytes=needed_bytes,
             network_lower_bound=network_lower_bound,
             messages=num_messages,
-            num_transfers=len(self._raw),
-            num_forwards=int(np.count_nonzero(cols.dep >= 0)),
+            num_transfers=int(cols.count.sum()),
+            num_forwards=int(cols.count[cols.dep >= 0].sum()),
             num_chunks=num_chunks,
             max_rank_send_bytes=max(sends, default=0),
             max_rank_recv_bytes=max(recvs, default=0),
@@ -548,14 +558,15 @@ class Plan:
             out.update(it.dst.ranks)
         return tuple(sorted(out))
 
-    def _transfer(self, i: int) -> Transfer:
-        if self._transfers is not None:
-            return self._transfers[i]
+    def _unit(self, i: int) -> list[Transfer]:
+        """The transfers of unit `i` (one per member tensor; same ranks, boxes and chunk)."""
         t = self._raw.row(i)
-        return Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], self._chunks[i], t[8], t[9], t[10])
+        c = self._chunks[i]
+        return [Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, item, src_t, dst_t)
+                for item, src_t, dst_t in t[8]]
 
     def _indices_of(self, rank: int) -> list[int]:
-        """Plan-order indices of the transfers `rank` sends, receives or copies (one index pass for all ranks)."""
+        """Plan-order indices of the units `rank` sends, receives or copies (one index pass for all ranks)."""
         if self._by_rank is None:
             src, dst = self._rank_cols
             other = np.flatnonzero(dst != src)  # a local copy is listed once
@@ -580,11 +591,9 @@ class Plan:
         cached = self._rank_plans.get(rank)
         if cached is not None:
             return cached
-        transfer = self._transfer
         per_chunk: dict[int, tuple[list, dict, dict]] = {}
         deps: dict[int, int] = {}
-        for i in self._indices_of(rank):
-            t = transfer(i)
+        for t in (t for i in self._indices_of(rank) for t in self._unit(i)):
             local, sends, recvs = per_chunk.setdefault(t.chunk, ([], defaultdict(list), defaultdict(list)))
             if t.link == "local":
                 local.append(t)
@@ -761,18 +770,6 @@ def plan_many(
             for r in dst.ranks:
                 dst_per_domain[b.domain(r)].add(r)
         b.fair_recv = {d: lower_by_domain[d] / len(rs) for d, rs in dst_per_domain.items() if lower_by_domain.get(d)}
-        recipes: dict[tuple[int, int], _Recipe] = {}
-        templates: dict[tuple[int, int], tuple[int, int]] = {}  # the transfers of each geometry's first item
-        for i, it in enumerate(items):
-            tkey = (_geometry_id(it.src), _geometry_id(it.dst))
-            rc = recipes.get(tkey)
-            if rc is None:
-                rc = recipes[tkey] = _recipe(b, it)
-            start = len(b.raw)
-            _emit_recipe(b, rc, it, i)
-            templates.setdefault(tkey, (start, len(b.raw)))
-        cols = b.transfers.columns()
-        chunks = _assign_chunks(cols, chunk_cap)
         needed_by_geometry: dict[int, int] = {}
         for it in items:
             g = _geometry_id(it.dst)
@@ -780,9 +777,31 @@ def plan_many(
                 needed_by_geometry[g] = sum(p.global_box.numel for r in it.dst.ranks for p in it.dst.pieces(r)) \
                     * it.dst.dtype.itemsize
         needed = sum(needed_by_geometry[_geometry_id(it.dst)] for it in items)
+        # items of equal geometry (every layer of a model) share one recipe, and move in units of several items
+        # that take the same choices: fewer, larger transfers. A unit's largest box fits a chunk, and a unit stays
+        # small next to a destination rank's share of the bytes, so units still balance over senders and relays
+        unit_cap = min(chunk_cap, max(1, needed // (max(1, sum(map(len, dst_per_domain.values()))) * UNIT_SHARE)))
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, it in enumerate(items):
+            groups.setdefault((_geometry_id(it.src), _geometry_id(it.dst)), []).append(i)
+        templates: list[tuple[int, int, int, int]] = []  # rows and forwarded parts of each geometry's first unit
+        for members in groups.values():
+            rc = _recipe(b, items[members[0]])
+            if rc.check_arrivals:
+                size = 1
+            else:
+                size = max(1, unit_cap // rc.max_part_bytes) if rc.max_part_bytes else len(members)
+            for a in range(0, len(members), size):
+                unit = tuple((i, items[i].src_tensor, items[i].dst_tensor) for i in members[a:a + size])
+                start, first_part = len(b.raw), b.transfers.num_parts
+                _emit_recipe(b, rc, unit)
+                if a == 0:
+                    templates.append((start, len(b.raw), first_part, b.transfers.num_parts))
+        cols = b.transfers.columns()
+        chunks = _assign_chunks(cols, chunk_cap)
         result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, cols, chunks,
                       sum(lower_by_domain.values()), needed)
-        _validate(result, spans=list(templates.values()))
+        _validate(result, spans=templates)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -815,32 +834,35 @@ def plan(
     )
 
 
-def _validate(p: Plan, spans: Sequence[tuple[int, int]] | None = None) -> None:
+def _validate(p: Plan, spans: Sequence[tuple[int, int, int, int]] | None = None) -> None:
     """Cheap self-check from box arithmetic: every destination element is written exactly once, boxes are in
     bounds, and with relays the network bytes meet the lower bound.
 
-    `spans`: the ranges of transfers planned from scratch; the others replay one of them (same geometry, same
-    boxes), so checking the planned ones checks all. None checks every transfer.
+    `spans`: `(first row, stop row, first forwarded part, stop part)` of the units planned from scratch; the others
+    replay one of them (same geometry, same boxes), so checking the planned ones checks all. None checks every
+    unit.
     """
     store = p._raw
     if spans is not None:
-        rows = [t for a, b in spans for t in store.rows[a:b]]
-        planned: set[int] | None = {t[8] for t in rows}
-        rows += [store.row(i) for i in store.forward_indices(planned)]
+        # the members of a unit share its boxes and their geometry: the first member of each first unit stands
+        # for all
+        units = [t for a, b, pa, pb in spans for t in (*store.rows[a:b], *store.forwards(pa, pb))]
+        planned: set[int] | None = {t[8][0][0] for t in units}
     else:
-        rows, planned = list(store), None
+        units, planned = list(store), None
     written: dict[tuple[int, int], int] = defaultdict(int)
     local_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for t in rows:
-        item, dst_rank, src_box, dst_box, gbox = t[8], t[1], t[2], t[3], t[4]
+    for t in units:
+        dst_rank, src_box, dst_box, gbox = t[1], t[2], t[3], t[4]
         if gbox.shape != src_box.shape or gbox.shape != dst_box.shape:
             raise AssertionError(f"transfer shapes disagree: {t}")
-        dst_local = local_shapes.get((item, dst_rank))
-        if dst_local is None:
-            dst_local = local_shapes[(item, dst_rank)] = p.items[item].dst.local_shape(dst_rank)
-        if any(o + s > n for o, s, n in zip(dst_box.offsets, dst_box.shape, dst_local)):
-            raise AssertionError(f"destination box out of bounds of local shape {dst_local}: {t}")
-        written[(item, dst_rank)] += gbox.numel
+        for item, _, _ in t[8] if planned is None else t[8][:1]:
+            dst_local = local_shapes.get((item, dst_rank))
+            if dst_local is None:
+                dst_local = local_shapes[(item, dst_rank)] = p.items[item].dst.local_shape(dst_rank)
+            if any(o + s > n for o, s, n in zip(dst_box.offsets, dst_box.shape, dst_local)):
+                raise AssertionError(f"destination box out of bounds of local shape {dst_local}: {t}")
+            written[(item, dst_rank)] += gbox.numel
     for i, it in enumerate(p.items):
         if planned is not None and i not in planned:
             continue
