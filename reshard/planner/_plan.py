@@ -46,8 +46,9 @@ SPREAD_FACTOR = 8
 its domain's network bytes."""
 
 UNIT_SHARE = 16
-"""Items of equal geometry move together in units of at most 1/UNIT_SHARE of a destination rank's mean bytes (and
-at most one chunk), so that choosing one sender and relay for a whole unit still spreads the load."""
+"""Items of equal geometry move together in units of at most 1/UNIT_SHARE of a destination rank's mean bytes, so
+that choosing one sender and relay for a whole unit still spreads the load, and at most half a chunk, so that a
+rank can still send one unit and receive another in the same chunk."""
 
 PLAN_VERSION = 2
 """Part of every fingerprint: bumped when the same inputs plan differently (2: first-fit chunk placement over bit
@@ -778,9 +779,8 @@ def plan_many(
                     * it.dst.dtype.itemsize
         needed = sum(needed_by_geometry[_geometry_id(it.dst)] for it in items)
         # items of equal geometry (every layer of a model) share one recipe, and move in units of several items
-        # that take the same choices: fewer, larger transfers. A unit's largest box fits a chunk, and a unit stays
-        # small next to a destination rank's share of the bytes, so units still balance over senders and relays
-        unit_cap = min(chunk_cap, max(1, needed // (max(1, sum(map(len, dst_per_domain.values()))) * UNIT_SHARE)))
+        # that take the same choices: fewer, larger transfers (see UNIT_SHARE for how large)
+        unit_cap = min(chunk_cap // 2, max(1, needed // (max(1, sum(map(len, dst_per_domain.values()))) * UNIT_SHARE)))
         groups: dict[tuple[int, int], list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault((_geometry_id(it.src), _geometry_id(it.dst)), []).append(i)
