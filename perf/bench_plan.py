@@ -68,6 +68,7 @@ def main() -> None:
         rows.append(whole_model(args.model, args.system, args.repeat, args.staging_mib))
     for name, src, dst, topo in [] if args.model_only else cases(args.ranks):
         cold, warm = [], []
+        speed = python_speed_ms()
         for _ in range(args.repeat):
             clear_plan_cache()
             t0 = time.perf_counter()
@@ -85,11 +86,13 @@ def main() -> None:
             "cold_ms_max": max(cold) * 1e3,
             "cached_ms_median": statistics.median(warm) * 1e3,
             "first_ms": cold[0] * 1e3,
+            "python_speed_ms": max(speed, python_speed_ms()),  # the slower of before and after
             **machine_info(torch.device("cpu")),
         }
         rows.append(row)
         print(f"{name:<45} transfers {row['transfers']:>6}  cold {row['cold_ms_median']:8.1f} ms "
-              f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}]  cached {row['cached_ms_median']:.3f} ms")
+              f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}]  cached {row['cached_ms_median']:.3f} ms  "
+              f"(reference {row['python_speed_ms']:.0f} ms)")
     write_csv(out / "bench_plan.csv", rows)
     plot(rows, out / "bench_plan.png")
     print(f"wrote {out / 'bench_plan.csv'} and {out / 'bench_plan.png'}")
