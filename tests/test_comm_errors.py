@@ -440,3 +440,30 @@ def test_stuck_peer_makes_every_rank_raise_within_timeout(pool) -> None:
         assert f"rank {o.rank} of" in o.error and "timeout 2.0 s" in o.error
         # rank 7 goes silent within a fraction of a second of the start; allow for 2 cores running 8 ranks
         assert o.seconds < timeout + 2.5, (o.rank, o.seconds)
+
+
+def test_posting_to_a_dead_peer_raises_comm_error() -> None:
+    """gloo refuses to post on a connection a dead peer closed (a RuntimeError at `send`/`recv`, before any wait):
+    `post` turns it into a `CommError` naming this rank, the operation and the peer."""
+    from reshard.comm import CommError
+    from reshard.comm._transfer import post
+
+    class ClosedPg:
+        def recv(self, tensors, peer, tag):
+            return object()
+
+        def send(self, tensors, peer, tag):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:8360")
+
+    class OneGroup:
+        rank, timeout = 2, None
+
+        def data_backend(self, device):
+            return ClosedPg()
+
+        def __str__(self) -> str:
+            return "Group(4 ranks)"
+
+    t = torch.zeros(4)
+    with pytest.raises(CommError, match=r"rank 2 of Group\(4 ranks\): chunk 3: cannot post send to rank 1; the peer"):
+        post([(1, t)], [(0, t)], OneGroup(), what="chunk 3")

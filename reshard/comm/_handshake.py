@@ -181,18 +181,20 @@ def all_gather_object(group: Group, obj: Any, *, timeout: datetime.timedelta, wh
     data = pickle.dumps(obj)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size)]
-    _wait(pg.allgather([sizes], [size]), group, timeout, what)
+    _wait(lambda: pg.allgather([sizes], [size]), group, timeout, what)
     width = max(int(s.item()) for s in sizes)
     buf = torch.zeros(width, dtype=torch.uint8)
     buf[: len(data)] = _to_tensor(data)
     bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size)]
-    _wait(pg.allgather([bufs], [buf]), group, timeout, what)
+    _wait(lambda: pg.allgather([bufs], [buf]), group, timeout, what)
     return [pickle.loads(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
 
 
-def _wait(work: Any, group: Group, timeout: datetime.timedelta, what: str) -> None:
+def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, what: str) -> None:
+    """Start a collective and wait for it; a failure to start (gloo refuses a connection a dead peer closed) or to
+    finish is a `CommError`."""
     try:
-        work.wait(timeout)
+        start().wait(timeout)
     except Exception as e:
         raise CommError(f"rank {group.rank} of {group}: {what} failed or timed out after "
                         f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}") from e

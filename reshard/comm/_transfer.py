@@ -120,11 +120,19 @@ def post(
         coalesce = dev.type == "cuda"
         if coalesce:
             pg._start_coalescing(dev)
+        kind, peer = "", -1
         try:
             for peer, t in recvs:
-                works.append(("receive from", peer, pg.recv([t], peer, tag)))
+                kind = "receive from"
+                works.append((kind, peer, pg.recv([t], peer, tag)))
             for peer, t in sends:
-                works.append(("send to", peer, pg.send([t], peer, tag)))
+                kind = "send to"
+                works.append((kind, peer, pg.send([t], peer, tag)))
+        except RuntimeError as e:  # gloo refuses to post on a connection a dead peer closed
+            raise CommError(
+                f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer died or closed its "
+                f"connection: {e}"
+            ) from e
         finally:
             if coalesce:
                 work = pg._end_coalescing(dev)
