@@ -735,6 +735,9 @@ def plan_many(
            other needers (stage 1). So network bytes equal the lower bound.
         4. Boxes are cut to fit a chunk; chunks are assigned by first fit (see `reshard.planner._chunks`).
 
+    Steps 1-3 run once per geometry (a pair of layouts up to names and local tensors); items of one geometry then
+    move in units of several items that share the choices of steps 2-3 (see `UNIT_SHARE` for their size).
+
     Example (worked by hand): a `(4, 4)` tensor on ranks `[0, 1]` as `S(0)` to ranks `[2, 3]` as `R`, with
     `Topology(domain_size=2)`: domain 1 (ranks 2, 3) needs rows 0:2 (from rank 0) and 2:4 (from rank 1). Rows
     0:2 go to rank 2 over the network and rank 2 forwards them to rank 3; rows 2:4 go to rank 3 (the less loaded
