@@ -14,18 +14,13 @@ import torch
 
 from reshard.planner._box import Box
 from reshard.planner._explicit import ExplicitLayout, relabel
-from reshard.planner._layout import Piece, _shared_cache
+from reshard.planner._layout import Piece, _geometry_id
 
 Block = tuple[int, int]
 
 _DERIVED: dict[tuple, ExplicitLayout] = {}
 """Derived layouts per (kind, weight geometry, block, dtype): every layer of a model has the same geometry, so its
 scale and halo layouts are built (and checked) once and relabelled per weight."""
-
-
-def _geometry(layout: Any) -> int:
-    gid = getattr(layout, "geometry_id", None)
-    return gid if gid is not None else _shared_cache(layout.key)[0]
 
 
 def _check(layout: Any, block: Block, what: str) -> None:
@@ -115,7 +110,7 @@ def _derived(kind: str, layout: Any, block: Block, dtype: torch.dtype, name: str
              box_of: Callable[[Box], Box]) -> ExplicitLayout:
     """The layout where each rank holds `box_of(its piece's global box)` of a tensor of `shape`, as one local
     tensor: built once per (kind, weight geometry, block, dtype), then relabelled `name`."""
-    key = (kind, _geometry(layout), tuple(block), dtype)
+    key = (kind, _geometry_id(layout), tuple(block), dtype)
     cached = _DERIVED.get(key)
     if cached is None:
         pieces: dict[int, list[Piece]] = {}

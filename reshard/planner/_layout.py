@@ -123,6 +123,13 @@ def _shared_cache(key: tuple) -> tuple[int, dict, dict]:
     return entry
 
 
+def _geometry_id(layout: Any) -> int:
+    """The small int naming `layout`'s geometry (its `key`: shape, dtype, ranks, pieces; not its name), for any
+    layout type: its own `geometry_id` when it has one."""
+    gid = getattr(layout, "geometry_id", None)
+    return gid if gid is not None else _shared_cache(layout.key)[0]
+
+
 class Layout:
     """Global shape + dtype + mesh + placements: which part of the global tensor each rank holds.
 

@@ -28,7 +28,7 @@ from reshard.planner._chunks import (
     Members,
 )
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
-from reshard.planner._layout import _shared_cache
+from reshard.planner._layout import _geometry_id
 from reshard.planner._topology import Topology
 from reshard.planner._types import LINKS, Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
 
@@ -371,11 +371,6 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
             if len(needers) > 1:
                 nvl_send[recv] += b.transfers.add_forwards(recv, recv_box, needers, part.dst_boxes, n, part.box,
                                                            part.nbytes, relayed, a_idx)
-
-
-def _geometry_id(layout: Any) -> int:
-    gid = getattr(layout, "geometry_id", None)
-    return gid if gid is not None else _shared_cache(layout.key)[0]
 
 
 _KEY_DIGESTS: dict[int, bytes] = {}
