@@ -7,6 +7,8 @@ numpy on plain values, like the rest of the planner.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -55,7 +57,7 @@ class _Transfers:
     """
 
     __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count",
-                 "f_dst", "f_dst_box", "_f_part", "_f_start")
+                 "f_dst", "f_dst_box", "_f_start")
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
@@ -70,8 +72,7 @@ class _Transfers:
         # per forward: the needer and where the box goes in its tensor
         self.f_dst: list[int] = []
         self.f_dst_box: list[Box] = []
-        self._f_part: list[int] | None = None
-        self._f_start: list[int] | None = None
+        self._f_start: list[int] | None = None  # per part, its first forward (and the total at the end)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.f_dst)
@@ -102,14 +103,18 @@ class _Transfers:
         return (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
                 "local" if dst == src else "nvlink", 1, self.p_members[k], self.p_dep[k])
 
+    def _starts(self) -> list[int]:
+        if self._f_start is None:
+            self._f_start = [0, *itertools.accumulate(self.p_count)]
+        return self._f_start
+
     def row(self, i: int) -> tuple:
         """Unit `i` in plan order."""
         n = len(self.rows)
         if i < n:
             return self.rows[i]
-        if self._f_part is None:
-            self._f_part = np.repeat(np.arange(len(self.p_count)), self.p_count).tolist()
-        return self._forward(self._f_part[i - n], i - n)
+        j = i - n
+        return self._forward(bisect.bisect_right(self._starts(), j) - 1, j)
 
     def __iter__(self) -> Iterator[tuple]:
         yield from self.rows
@@ -117,10 +122,9 @@ class _Transfers:
 
     def forwards(self, first: int, stop: int) -> Iterator[tuple]:
         """The forward units of parts `first..stop-1`, in plan order."""
-        if self._f_start is None:
-            self._f_start = np.concatenate([[0], np.cumsum(self.p_count, dtype=np.int64)]).tolist()
+        starts = self._starts()
         for k in range(first, stop):
-            for j in range(self._f_start[k], self._f_start[k + 1]):
+            for j in range(starts[k], starts[k + 1]):
                 yield self._forward(k, j)
 
     def columns(self) -> _Columns:

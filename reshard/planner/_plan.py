@@ -412,6 +412,12 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
     return out
 
 
+def _unit_transfers(t: tuple, chunk: int) -> list[Transfer]:
+    """The transfers of unit `t` in `chunk`: one per member tensor, same ranks and boxes."""
+    return [Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], chunk, item, src_t, dst_t)
+            for item, src_t, dst_t in t[8]]
+
+
 _PLAN_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _PLAN_CACHE_SIZE = 128
 
@@ -467,10 +473,7 @@ class Plan:
     def transfers(self) -> tuple[Transfer, ...]:
         """Every transfer, in plan order (built on first use: a whole-model plan holds hundreds of thousands)."""
         if self._transfers is None:
-            self._transfers = tuple(
-                Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, item, src_t, dst_t)
-                for t, c in zip(self._raw, self._chunks) for item, src_t, dst_t in t[8]
-            )
+            self._transfers = tuple(x for t, c in zip(self._raw, self._chunks) for x in _unit_transfers(t, c))
         return self._transfers
 
     # ---- derived values -------------------------------------------------------------------------------------
@@ -554,13 +557,6 @@ class Plan:
             out.update(it.dst.ranks)
         return tuple(sorted(out))
 
-    def _unit(self, i: int) -> list[Transfer]:
-        """The transfers of unit `i` (one per member tensor; same ranks, boxes and chunk)."""
-        t = self._raw.row(i)
-        c = self._chunks[i]
-        return [Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], c, item, src_t, dst_t)
-                for item, src_t, dst_t in t[8]]
-
     def _indices_of(self, rank: int) -> list[int]:
         """Plan-order indices of the units `rank` sends, receives or copies (one index pass for all ranks)."""
         if self._by_rank is None:
@@ -589,7 +585,7 @@ class Plan:
             return cached
         per_chunk: dict[int, tuple[list, dict, dict]] = {}
         deps: dict[int, int] = {}
-        for t in (t for i in self._indices_of(rank) for t in self._unit(i)):
+        for t in (x for i in self._indices_of(rank) for x in _unit_transfers(self._raw.row(i), self._chunks[i])):
             local, sends, recvs = per_chunk.setdefault(t.chunk, ([], defaultdict(list), defaultdict(list)))
             if t.link == "local":
                 local.append(t)
