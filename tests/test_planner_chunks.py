@@ -81,8 +81,8 @@ def transfers(draw: st.DrawFn) -> tuple[list, list, list, list, list, int]:
 
 
 def columns(src, dst, nbytes, link, dep) -> _Columns:
-    return _Columns(*(np.asarray(x, dtype=np.int64) for x in (src, dst, nbytes)),
-                    np.asarray(link, dtype=np.int8), np.asarray(dep, dtype=np.int64), np.ones(len(src), np.int64))
+    return _Columns.make(*(np.asarray(x, dtype=np.int64) for x in (src, dst, nbytes)),
+                         np.asarray(link, dtype=np.int8), np.asarray(dep, dtype=np.int64), np.ones(len(src), np.int64))
 
 
 @settings(max_examples=60, deadline=None)

@@ -44,6 +44,15 @@ class _Columns:
     link: np.ndarray  # (N,) int8 index into LINKS
     dep: np.ndarray  # (N,) int64 index of the arrival a forward waits for, -1 when none
     count: np.ndarray  # (N,) int64 members (transfers) in the unit
+    ranks: np.ndarray  # (R,) int64 the ranks that occur, ascending
+    src_id: np.ndarray  # (N,) int64 index of `src` in `ranks`
+    dst_id: np.ndarray  # (N,) int64 index of `dst` in `ranks`
+
+    @classmethod
+    def make(cls, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, link: np.ndarray, dep: np.ndarray,
+             count: np.ndarray) -> _Columns:
+        """The columns, with the dense rank ids derived from `src` and `dst`."""
+        return cls(src, dst, nbytes, link, dep, count, *_dense_ids(src, dst))
 
 
 class _Transfers:
@@ -146,13 +155,15 @@ class _Transfers:
         f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
         f_count = per_forward(list(map(len, self.p_members)))
         units = np.concatenate([row_count, f_count])
-        return _Columns(np.concatenate([col(0), f_src]), np.concatenate([col(1), f_dst]),
+        return _Columns.make(np.concatenate([col(0), f_src]), np.concatenate([col(1), f_dst]),
                         np.concatenate([col(5), per_forward(self.p_nbytes)]) * units,
                         np.concatenate([link, f_link]), np.concatenate([col(9), per_forward(self.p_dep)]), units)
 
 
 def _dense_ids(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ranks that occur, ascending, and each entry's index into them: `(ranks, src_id, dst_id)`."""
+    if not src.size:
+        return np.zeros(0, np.int64), src, dst
     present = np.zeros(int(max(src.max(), dst.max())) + 1, bool)
     present[src] = True
     present[dst] = True
@@ -275,8 +286,8 @@ def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
     chunks = np.zeros(n, np.int64)
     if not n:
         return chunks
-    ranks, src_id, dst_id = _dense_ids(cols.src, cols.dst)
-    state = _OpenChunks(ranks.size)
+    src_id, dst_id = cols.src_id, cols.dst_id
+    state = _OpenChunks(cols.ranks.size)
     forward = cols.dep >= 0
     for stage in (0, 1):
         sel = np.flatnonzero(forward) if stage else np.flatnonzero(~forward)

@@ -22,7 +22,6 @@ from reshard.planner._chunks import (
     RELAY_CHUNK_LAG,
     _assign_chunks,
     _Columns,
-    _dense_ids,
     _Transfers,
     _unique_triples,
     Members,
@@ -482,7 +481,7 @@ class Plan:
         # vectorized: a whole-model plan has up to millions of transfers
         n = chunks.size
         src, dst, nbytes, kind, chunk = cols.src, cols.dst, cols.nbytes, cols.link, chunks
-        ranks, src_id, dst_id = _dense_ids(src, dst) if n else (np.zeros(0, np.int64),) * 3
+        ranks, src_id, dst_id = cols.ranks, cols.src_id, cols.dst_id
         per: dict[int, dict[str, int]] = defaultdict(dict)
 
         def accumulate(name: str, ranks: np.ndarray, values: np.ndarray | None) -> None:
