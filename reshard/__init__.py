@@ -1,56 +1,97 @@
 """reshard: move model weights between GPU groups that shard them differently, each byte once.
 
 The public API:
-- layouts: `Box`, `Mesh`, `Layout`, `Topology`, and the placements `Shard`, `Replicate` (DTensor's own classes);
-- planning: `plan`, `plan_many`, `Plan`, `PlanItem`, `clear_plan_cache`, `gather_broadcast_bytes`;
-- the data-path primitives: `pack`, `unpack` (Triton kernels on CUDA, torch on CPU), `transfer`, and `Group`;
-- execution: `reshard` (a planned tensor), `reshard_dtensor` (DTensors on their own meshes);
+- layouts: `Box`, `Mesh`, `Layout`, `Piece`, `Topology`, the placements `Shard` and `Replicate` (DTensor's own
+  classes), and layouts given piece by piece: `ExplicitLayout`, `fuse`, `relabel`, `vocab_parallel_layout`;
+- planning: `plan`, `plan_many`, `Plan`, `PlanItem`, `PlanStats`, `Transfer`, `clear_plan_cache`,
+  `DEFAULT_STAGING_BYTES`, `DEFAULT_MIN_SPLIT_BYTES`; the baseline's bytes: `gather_broadcast_bytes`;
+- the data-path primitives: `pack`, `unpack` (Triton kernels on CUDA, torch on CPU), `transfer` and its
+  `TransferHandle`, and `Group` (with `DEFAULT_TIMEOUT`);
+- execution: `reshard` (a planned tensor), `execute` (one rank's part of a plan of many tensors, with its
+  `ExecutionReport` and `Staging`), `reshard_dtensor` and `exchange_layouts` (DTensors on their own meshes);
+  errors `CommError`, `ChecksumError`;
 - model refit: `Refit`, `RefitReport`.
+
+Subpackages: `reshard.planner`, `reshard.cost`, `reshard.kernels`, `reshard.comm`, `reshard.refit`, `reshard.sim`
+(imported on use), `reshard.models`.
 """
 
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.comm import CommError, Group, reshard, reshard_dtensor, transfer
+from reshard.comm import (
+    DEFAULT_TIMEOUT,
+    ChecksumError,
+    CommError,
+    ExecutionReport,
+    Group,
+    Staging,
+    TransferHandle,
+    exchange_layouts,
+    execute,
+    reshard,
+    reshard_dtensor,
+    transfer,
+)
+from reshard.cost import gather_broadcast_bytes
 from reshard.kernels import pack, unpack
 from reshard.planner import (
+    DEFAULT_MIN_SPLIT_BYTES,
+    DEFAULT_STAGING_BYTES,
     Box,
+    ExplicitLayout,
     Layout,
     Mesh,
     Piece,
     Plan,
     PlanItem,
+    PlanStats,
     Topology,
     Transfer,
     clear_plan_cache,
-    gather_broadcast_bytes,
+    fuse,
     plan,
     plan_many,
+    relabel,
+    vocab_parallel_layout,
 )
+from reshard.refit import Refit, RefitReport
 
 __all__ = [
     "Box",
+    "ChecksumError",
+    "CommError",
+    "DEFAULT_MIN_SPLIT_BYTES",
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_TIMEOUT",
+    "ExecutionReport",
+    "ExplicitLayout",
+    "Group",
     "Layout",
     "Mesh",
     "Piece",
     "Plan",
     "PlanItem",
+    "PlanStats",
+    "Refit",
+    "RefitReport",
     "Replicate",
     "Shard",
+    "Staging",
     "Topology",
     "Transfer",
+    "TransferHandle",
     "clear_plan_cache",
+    "exchange_layouts",
+    "execute",
+    "fuse",
     "gather_broadcast_bytes",
     "pack",
+    "plan",
+    "plan_many",
+    "relabel",
     "reshard",
     "reshard_dtensor",
     "transfer",
-    "Group",
-    "CommError",
-    "Refit",
-    "RefitReport",
     "unpack",
-    "plan",
-    "plan_many",
+    "vocab_parallel_layout",
 ]
-
-from reshard.refit import Refit, RefitReport  # noqa: E402  (refit builds on everything above)

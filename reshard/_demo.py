@@ -17,7 +17,14 @@ import zlib
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from reshard._launch import RankPool
+from reshard._report import print_plan_report
+from reshard.comm import Group
+from reshard.models import PRESETS
 from reshard.planner import Layout, Mesh, Topology, format_bytes
+from reshard.refit import Refit
+from reshard.refit._vllm import engine_tensors
+from reshard.sim import System, model_layouts
 
 QWEN3_32B_MLP = (25600, 5120)  # gate_proj.weight: intermediate_size x hidden_size
 REFIT_SYSTEM = "train=tp2,dp2 gen=tp2,dp2 domain=4"  # trainer ranks 0-3, inference 4-7; two 4-GPU "domains"
@@ -53,12 +60,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def refit_job(rank: int, world: int, model: str, system: str, policy: str, layers: int | None) -> dict:
     """One rank of the refit demo: register, run twice (metadata + plan, then the steady state), verify."""
-    from reshard.comm import Group
-    from reshard.models import PRESETS
-    from reshard.refit import Refit
-    from reshard.refit._vllm import engine_tensors
-    from reshard.sim import System, model_layouts
-
     config = PRESETS[model] if layers is None else PRESETS[model].replace(num_hidden_layers=layers)
     sysm = System.parse(system)
     weights = model_layouts(config, sysm, stack_experts=True)
@@ -111,8 +112,6 @@ def refit_job(rank: int, world: int, model: str, system: str, policy: str, layer
 
 
 def run_refit_demo(world_size: int = 8, model: str = "qwen3-0.6b", layers: int | None = None) -> int:
-    from reshard._launch import RankPool
-
     print(f"\n== refit: {model} with random weights, trainer TP2 x DP2 (ranks 0-3) -> inference TP2 x 2 replicas "
           "(ranks 4-7), gloo on this CPU ==")
     t0 = time.perf_counter()
@@ -145,8 +144,6 @@ def run_refit_demo(world_size: int = 8, model: str = "qwen3-0.6b", layers: int |
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from reshard.__main__ import print_plan_report
-
     src, dst = demo_layouts()
     print("== plan: Qwen3-32B mlp.gate_proj.weight, trainer TP4 x DP2 -> inference TP2 x 4 replicas ==")
     print_plan_report(src, dst, Topology(domain_size=8), relay=True, describe=False)

@@ -12,7 +12,9 @@ from reshard.comm._executor import execute
 from reshard.comm._group import Group, Timeout, as_timedelta
 from reshard.comm._handshake import all_gather_object
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
+from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._layout import placement_str
+from reshard.planner._wire import decode_placements, encode_placements
 
 
 def reshard(
@@ -72,15 +74,48 @@ def _side_meta(dt: Any, which: str) -> dict[str, Any] | None:
         raise ValueError(f"reshard_dtensor: {which} must be a DTensor or None, got {type(dt).__name__}")
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
-    return {
-        "shape": tuple(dt.shape),
-        "dtype": str(dt.dtype).removeprefix("torch."),
-        "mesh_shape": tuple(mesh.mesh.shape),
-        "mesh_ranks": tuple(int(r) for r in mesh.mesh.flatten().tolist()),
-        "axis_names": mesh.mesh_dim_names,
-        "placements": tuple(dt.placements),
-        "coord": None if coord is None else tuple(int(c) for c in coord),
+    return {  # JSON values only (see reshard.planner._wire)
+        "shape": [int(s) for s in dt.shape],
+        "dtype": dtype_name(dt.dtype),
+        "mesh_shape": [int(s) for s in mesh.mesh.shape],
+        "mesh_ranks": [int(r) for r in mesh.mesh.flatten().tolist()],
+        "axis_names": None if mesh.mesh_dim_names is None else list(mesh.mesh_dim_names),
+        "placements": encode_placements(dt.placements),
+        "coord": None if coord is None else [int(c) for c in coord],
     }
+
+
+_SIDE_FIELDS = frozenset({"shape", "dtype", "mesh_shape", "mesh_ranks", "axis_names", "placements", "coord"})
+
+
+def _read_side_meta(which: str, rank: int, m: Any) -> dict[str, Any] | None:
+    """One rank's `_side_meta` as received, checked field by field (`ValueError` naming the rank otherwise), with
+    sequences as tuples and placements decoded."""
+    if m is None:
+        return None
+    what = f"reshard_dtensor: {which} metadata from rank {rank}"
+    if not isinstance(m, dict) or set(m) != _SIDE_FIELDS:
+        raise ValueError(f"{what}: expected a dict of {sorted(_SIDE_FIELDS)}, got {m!r}")
+    out: dict[str, Any] = {}
+    for key in ("shape", "mesh_shape", "mesh_ranks"):
+        v = m[key]
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ValueError(f"{what}: {key} must be a list of integers, got {v!r}")
+        out[key] = tuple(v)
+    coord = m["coord"]
+    if coord is not None and (not isinstance(coord, (list, tuple)) or len(coord) != len(out["mesh_shape"]) or not
+                              all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < s
+                                  for c, s in zip(coord, out["mesh_shape"]))):
+        raise ValueError(f"{what}: coord must be None or a position in mesh {list(out['mesh_shape'])}, got {coord!r}")
+    out["coord"] = None if coord is None else tuple(coord)
+    names = m["axis_names"]
+    if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{what}: axis_names must be None or a list of strings, got {names!r}")
+    out["axis_names"] = None if names is None else tuple(names)
+    dtype_from_name(m["dtype"], what=f"{what}: dtype")
+    out["dtype"] = m["dtype"]
+    out["placements"] = tuple(decode_placements(m["placements"], what=f"{what}: placements"))
+    return out
 
 
 def _meta_text(m: dict[str, Any]) -> str:
@@ -130,7 +165,7 @@ def _layout_from_metas(which: str, metas: list[dict[str, Any] | None], name: str
                          f"in the group or did not pass their {which} DTensor; every rank of a mesh must call with "
                          "its DTensor")
     ranks_tensor = torch.tensor(group_ranks, dtype=torch.int64).reshape(mesh_shape)
-    dtype = getattr(torch, first["dtype"])
+    dtype = dtype_from_name(first["dtype"])
     return Layout(first["shape"], Mesh(ranks_tensor, axis_names=first["axis_names"]), list(first["placements"]),
                   dtype, name=name)
 
@@ -155,8 +190,9 @@ def exchange_layouts(src: Any, dst: Any, group: Group, *, timeout: Timeout | Non
     if hit is not None:
         return hit
     metas = all_gather_object(group, local, timeout=td, what="reshard_dtensor layout exchange")
-    src_layout = _layout_from_metas("source", [m[0] for m in metas], name)
-    dst_layout = _layout_from_metas("destination", [m[1] for m in metas], name)
+    src_layout = _layout_from_metas("source", [_read_side_meta("source", r, m[0]) for r, m in enumerate(metas)], name)
+    dst_layout = _layout_from_metas("destination", [_read_side_meta("destination", r, m[1])
+                                                    for r, m in enumerate(metas)], name)
     if len(cache) > 64:
         cache.clear()
     cache[digests] = (src_layout, dst_layout)
@@ -164,8 +200,9 @@ def exchange_layouts(src: Any, dst: Any, group: Group, *, timeout: Timeout | Non
 
 
 def _meta_key(m: dict[str, Any]) -> tuple:
-    return (m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"], m["axis_names"],
-            tuple(placement_str(p) for p in m["placements"]), m["coord"])
+    return (tuple(m["shape"]), m["dtype"], tuple(m["mesh_shape"]), tuple(m["mesh_ranks"]),
+            None if m["axis_names"] is None else tuple(m["axis_names"]), tuple(m["placements"]),
+            None if m["coord"] is None else tuple(m["coord"]))
 
 
 def reshard_dtensor(

@@ -27,7 +27,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from reshard.planner import Layout, Mesh, Topology, format_bytes, gather_broadcast_bytes, plan
+from reshard.comm._executor import execute
+from reshard.comm._group import Group
+from reshard.cost import gather_broadcast_bytes
+from reshard.planner import Layout, Mesh, Topology, format_bytes, plan
+from reshard.planner._dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -241,9 +245,6 @@ def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.de
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import distribute_tensor
 
-    from reshard.comm._executor import execute
-    from reshard.comm._group import Group
-
     group = Group.world()
     src, dst = sc.layouts()
     full = _full(sc.shape, sc.dtype)
@@ -251,7 +252,7 @@ def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.de
     dmesh = DeviceMesh("cpu", torch.as_tensor(sc.dst_mesh), _init_backend=False)
     expected = distribute_tensor(full, dmesh, list(sc.dst_pl), src_data_rank=None).to_local()
     dst_local = torch.zeros(dst.local_shape(rank), dtype=sc.dtype, device=device) if rank in dst.ranks else None
-    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": str(sc.dtype).removeprefix("torch."),
+    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": dtype_name(sc.dtype),
                            "world_size": world_size, "times": {}, "verified": {}, "bytes": {}, "notes": {},
                            "rank_bytes": {}}
 

@@ -9,6 +9,7 @@ Exports:
     pack_reference, unpack_reference: the pure-torch versions, same signatures; the CPU production path and the
         oracle of the tests.
     packed_nbytes, packed_offsets: buffer sizes and offsets for a list of boxes.
+    Box: the box type the functions take (`reshard.planner.Box`, re-exported).
     BACKEND_ENV: the environment variable (`RESHARD_KERNEL_BACKEND`) that overrides `backend=None`.
     launch_config: the kernels' block size and warp count.
     quantize_fp8_block, quantize_fp8_block_reference: DeepSeek-V3 style blockwise FP8: `[..., M, N]` float32 /
@@ -16,11 +17,12 @@ Exports:
         Triton launch per call, or the pure-torch reference (the CPU path), bit for bit the same.
     dequantize_fp8_block: `q.float() * scale_inv` over the blocks.
     block_aligned, scale_box: whether a box of a weight covers whole blocks (then it quantizes to its own slice of
-        the full quantization), and the box of `scale_inv` that a box of the weight touches.
+        the full quantization), and the box of `scale_inv` that a box of the weight touches (the planner's block
+        geometry, re-exported).
 """
 
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels._pack import (
-    BACKEND_ENV,
     PreparedCopy,
     launch_config,
     pack,
@@ -30,17 +32,14 @@ from reshard.kernels._pack import (
     unpack,
     unpack_reference,
 )
-from reshard.kernels._quant import (
-    block_aligned,
-    dequantize_fp8_block,
-    quantize_fp8_block,
-    quantize_fp8_block_reference,
-    scale_box,
-)
+from reshard.kernels._quant import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_block_reference
 from reshard.kernels._spec import packed_nbytes, packed_offsets
+from reshard.planner import Box
+from reshard.planner._blocks import block_aligned, scale_box
 
 __all__ = [
     "BACKEND_ENV",
+    "Box",
     "PreparedCopy",
     "block_aligned",
     "dequantize_fp8_block",

@@ -8,7 +8,6 @@ pure-torch references `pack_reference` / `unpack_reference`, which are also the 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from reshard.kernels._backend import choose_backend
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
 from reshard.kernels._loader import load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
@@ -25,10 +25,6 @@ from reshard.planner._box import Box
 
 logger = logging.getLogger(__name__)
 
-BACKEND_ENV = "RESHARD_KERNEL_BACKEND"
-"""Environment variable that overrides `backend=None`: `triton` or `torch`. An explicit `backend=` wins over it."""
-
-BACKENDS = ("triton", "torch")
 _MAX_WORD_BYTES = 8  # widest int Triton loads natively; a raw copy moves words of 1, 2, 4 or 8 bytes
 _TABLE_HEAD = 5  # columns before the sizes in a descriptor row (see _triton.py)
 
@@ -275,20 +271,10 @@ def _launches(op: str, args: CopyArgs, casts: list[Cast | None]) -> list[_Launch
     return [_build_launch(op, args, idx, cast) for cast, idx in groups.items()]
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _choose_backend(op: str, args: CopyArgs, backend: str | None) -> tuple[str, list[Cast | None]]:
-    """Resolve `backend` (argument, then `RESHARD_KERNEL_BACKEND`, then the device) and the casts it needs."""
-    source = "backend"
-    explicit = backend is not None  # only an explicit argument makes an unfusable cast an error
-    if backend is None and os.environ.get(BACKEND_ENV):
-        backend, source = os.environ[BACKEND_ENV], f"${BACKEND_ENV}"
-    if backend is None:
-        backend = "triton" if args.device.type == "cuda" and _triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: {source} must be one of {BACKENDS} (or None), got {backend!r}")
+    """Resolve `backend` (see `_backend.choose_backend`) and the casts it needs."""
+    # only an explicit argument makes an unfusable cast an error
+    backend, explicit = choose_backend(op, args.device, backend)
     if backend == "torch":
         return backend, []
     casts = _casts(op, args)
@@ -302,8 +288,6 @@ def _choose_backend(op: str, args: CopyArgs, backend: str | None) -> tuple[str, 
             return "torch", []
         raise NotImplementedError(f"{op}: the Triton kernels cannot cast {pair[0]} -> {pair[1]} (box {i}); they "
                                   f"cast {', '.join(SUPPORTED_CASTS)}; use backend='torch' for other casts")
-    if not _triton_available():
-        raise NotImplementedError(f"{op}: backend='triton' needs the triton package; use backend='torch'")
     for cast in set(casts) - {None, Cast.NONE}:
         try:
             nan_policy(cast, args.device.type)

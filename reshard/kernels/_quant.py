@@ -21,7 +21,8 @@ bad element from zeroing its whole block; where a block has neither, this is the
 
 Blocks are local: quantizing a box whose start is a multiple of the block on both dims, and whose stop is a multiple
 or the matrix's edge, gives exactly that box of the full quantization and the matching box of the scales
-(`block_aligned`, `scale_box`). A refit can therefore quantize shards that hold whole blocks on the source.
+(`block_aligned`, `scale_box`: the planner's block geometry, `reshard.planner._blocks`, re-exported by
+`reshard.kernels`). A refit can therefore quantize shards that hold whole blocks on the source.
 
 Layout of this file: constants; the Triton device code (`_quant_block_kernel` and its cast helper), which is defined
 only in the two copies of this file that `_device_code` loads, once with Triton's interpreter on (CPU tensors) and
@@ -36,13 +37,14 @@ from types import ModuleType
 
 import torch
 
-from reshard.kernels._pack import BACKEND_ENV, BACKENDS, _kernels, _triton_available
+from reshard.kernels._backend import choose_backend
+from reshard.kernels._pack import _kernels
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
+from reshard.planner._blocks import DEFAULT_BLOCK, check_block, scale_box
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-4  # as float32: 0x38D1B717; the smallest amax a scale is computed from
-DEFAULT_BLOCK = (128, 128)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_COPIES = ("reshard.kernels._quant_interpreted", "reshard.kernels._quant_compiled")
 
@@ -236,12 +238,6 @@ def _launch(x3: torch.Tensor, q3: torch.Tensor, s3: torch.Tensor, block: tuple[i
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_block(name: str, block: Sequence[int]) -> tuple[int, int]:
-    if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-        raise ValueError(f"{name}: block must be two positive ints (rows, cols), got {block!r}")
-    return int(block[0]), int(block[1])
-
-
 def _as_3d(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
     """`t` (`[..., M, N]`) as a `[B, M, N]` view; `ValueError` when its leading dims do not merge into one stride."""
     try:
@@ -259,7 +255,7 @@ def _prepare(
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype not in INPUT_DTYPES:
         what = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name}: x must be a [..., M, N] tensor of {', '.join(map(str, INPUT_DTYPES))}; got {what}")
-    block = _check_block(name, block)
+    block = check_block(name, block)
     s_shape = scale_box((0,) * x.dim(), tuple(x.shape), block)[1]
     for what, t, dtype, shape in (("out", out, FP8_DTYPE, tuple(x.shape)), ("scale_out", scale_out, torch.float32,
                                                                              s_shape)):
@@ -270,20 +266,6 @@ def _prepare(
     scale = torch.empty(s_shape, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     x3 = x.reshape(math.prod(x.shape[:-2]), *x.shape[-2:])
     return block, x3, _as_3d(name, "out", q), _as_3d(name, "scale_out", scale), q, scale
-
-
-def _choose_backend(device: torch.device, backend: str | None) -> str:
-    """`backend`, else `$RESHARD_KERNEL_BACKEND`, else Triton for CUDA tensors and torch for CPU tensors."""
-    source = "backend"
-    if backend is None and os.environ.get(BACKEND_ENV):
-        backend, source = os.environ[BACKEND_ENV], f"${BACKEND_ENV}"
-    if backend is None:
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"quantize_fp8_block: {source} must be one of {BACKENDS} (or None), got {backend!r}")
-    if backend == "triton" and not _triton_available():
-        raise NotImplementedError("quantize_fp8_block: backend='triton' needs the triton package; use backend='torch'")
-    return backend
 
 
 @torch.no_grad()
@@ -320,7 +302,7 @@ def quantize_fp8_block(
         ([[1.0]], [[1.0, -2.0], [0.5, 448.0]])
     """
     block, x3, q3, s3, q, scale = _prepare("quantize_fp8_block", x, block, out, scale_out)
-    if _choose_backend(x.device, backend) == "torch":
+    if choose_backend("quantize_fp8_block", x.device, backend)[0] == "torch":
         _quantize_torch(x3, q3, s3, block)
     elif x.device.type == "cuda":
         with torch.cuda.device(x.device):
@@ -355,7 +337,7 @@ def dequantize_fp8_block(
     Raises:
         ValueError: wrong dtypes, or a `scale_inv` shape that does not match `q`'s shape and `block`.
     """
-    block = _check_block("dequantize_fp8_block", block)
+    block = check_block("dequantize_fp8_block", block)
     if q.dtype != FP8_DTYPE or q.dim() < 2 or scale_inv.dtype != torch.float32:
         raise ValueError(f"dequantize_fp8_block: q must be {FP8_DTYPE} [..., M, N] and scale_inv float32; got q "
                          f"{q.dtype} of shape {tuple(q.shape)}, scale_inv {scale_inv.dtype}")
@@ -364,61 +346,6 @@ def dequantize_fp8_block(
         raise ValueError(f"dequantize_fp8_block: scale_inv for q of shape {tuple(q.shape)} and block {block} must "
                          f"have shape {want}; got {tuple(scale_inv.shape)}")
     return (q.float() * _expand_scale(scale_inv, q.shape, block)).to(dtype)
-
-
-def block_aligned(
-    box_offsets: Sequence[int], box_shape: Sequence[int], full_shape: Sequence[int],
-    block: Sequence[int] = DEFAULT_BLOCK
-) -> bool:
-    """Whether a box of a `[..., M, N]` tensor covers whole blocks only, so it quantizes on its own.
-
-    True when, on each of the last two dims, the box starts at a multiple of the block and stops at a multiple of
-    it or at the tensor's edge; leading dims (experts) never matter. Such a box quantizes to exactly its slice of
-    the full tensor's `q`, with `scale_box` of the full `scale_inv`. An empty box is aligned.
-
-    Example: `full_shape = (300, 200)`: rows 128..300 and columns 0..128 are aligned (300 is the edge); rows
-    0..100 are not (100 is neither a multiple of 128 nor the edge).
-
-        >>> block_aligned((128, 0), (172, 128), (300, 200)), block_aligned((0, 0), (100, 200), (300, 200))
-        (True, False)
-    """
-    block = _check_block("block_aligned", block)
-    if not len(box_offsets) == len(box_shape) == len(full_shape) >= 2:
-        raise ValueError(f"block_aligned: box offsets {tuple(box_offsets)}, box shape {tuple(box_shape)} and full "
-                         f"shape {tuple(full_shape)} must have one equal length >= 2")
-    if math.prod(box_shape) == 0:
-        return True
-    for start, size, full, b in zip(box_offsets[-2:], box_shape[-2:], full_shape[-2:], block):
-        stop = start + size
-        if start % b or (stop % b and stop != full):
-            return False
-    return True
-
-
-def scale_box(
-    box_offsets: Sequence[int], box_shape: Sequence[int], block: Sequence[int] = DEFAULT_BLOCK
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`(offsets, shape)` in `scale_inv` of the blocks that a box of the weight touches.
-
-    Leading dims are unchanged; on the last two, blocks `start // b` to `ceil(stop / b)`. With the whole tensor as
-    the box this is the shape of its `scale_inv`. For a `block_aligned` box these are exactly its scales.
-
-    Example: rows 128..300, columns 0..200 of a (300, 200) weight, 128 x 128 blocks:
-
-        >>> scale_box((128, 0), (172, 200))
-        ((1, 0), (2, 2))
-    """
-    block = _check_block("scale_box", block)
-    if len(box_offsets) != len(box_shape) or len(box_shape) < 2:
-        raise ValueError(f"scale_box: box offsets {tuple(box_offsets)} and shape {tuple(box_shape)} must have one "
-                         "equal length >= 2")
-    lead_o, lead_s = tuple(box_offsets[:-2]), tuple(box_shape[:-2])
-    offs, sizes = [], []
-    for start, size, b in zip(box_offsets[-2:], box_shape[-2:], block):
-        first = start // b
-        offs.append(first)
-        sizes.append(-(-(start + size) // b) - first if size else 0)
-    return lead_o + tuple(offs), lead_s + tuple(sizes)
 
 
 # ---------------------------------------------------------------------------------------------------------------

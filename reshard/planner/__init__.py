@@ -1,32 +1,47 @@
 """The planner: layouts, box arithmetic and plans. Pure Python on plain values; no device, no process group.
 
-Exports `Box`, `Mesh`, `Layout`, `Piece`, `Topology`, `plan`, `plan_many`, `PlanItem`, `Plan`, the plan's value types,
-and `clear_plan_cache`.
+Exports:
+    Box, intersect, split_box, split_to_fit, subtract: n-D index boxes and their arithmetic.
+    Mesh, Layout, Piece, placement_str: DTensor-exact layouts and their local pieces; `parse_layout` reads the
+        command-line notation (`"ranks=0-7 mesh=2x4 R,S(0)"`).
+    ExplicitLayout, fuse, relabel, vocab_parallel_layout: layouts given piece by piece (fused and padded tensors).
+    scale_layout, block_halo_layout, is_block_aligned: the layouts of block-quantized (FP8) weights' scales and
+        halos.
+    encode_layout, decode_layout: a layout as JSON values and back (checked).
+    dtype_name, dtype_from_name: torch dtype <-> its name.
+    Topology: ranks -> NVLink domains.
+    plan, plan_many, PlanItem, Plan, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES,
+        RELAY_CHUNK_LAG: planning.
+    Transfer, Message, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; format_bytes prints sizes.
 """
 
+from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
+from reshard.planner._dtypes import dtype_from_name, dtype_name
+from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
 from reshard.planner._layout import Layout, Piece, placement_str
 from reshard.planner._mesh import Mesh
+from reshard.planner._notation import parse_layout
 from reshard.planner._plan import (
-    RELAY_CHUNK_LAG,
     DEFAULT_MIN_SPLIT_BYTES,
     DEFAULT_STAGING_BYTES,
+    RELAY_CHUNK_LAG,
     Plan,
     PlanItem,
     clear_plan_cache,
     format_bytes,
-    gather_broadcast_bytes,
     plan,
     plan_many,
 )
 from reshard.planner._topology import Topology
 from reshard.planner._types import Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
+from reshard.planner._wire import decode_layout, encode_layout
 
 __all__ = [
-    "RELAY_CHUNK_LAG",
     "Box",
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",
+    "ExplicitLayout",
     "Layout",
     "Mesh",
     "Message",
@@ -34,23 +49,30 @@ __all__ = [
     "Plan",
     "PlanItem",
     "PlanStats",
+    "RELAY_CHUNK_LAG",
     "RankBytes",
     "RankChunk",
     "RankPlan",
     "Topology",
     "Transfer",
+    "block_halo_layout",
     "clear_plan_cache",
+    "decode_layout",
+    "dtype_from_name",
+    "dtype_name",
+    "encode_layout",
     "format_bytes",
-    "gather_broadcast_bytes",
+    "fuse",
     "intersect",
+    "is_block_aligned",
+    "parse_layout",
     "placement_str",
     "plan",
     "plan_many",
+    "relabel",
+    "scale_layout",
     "split_box",
     "split_to_fit",
     "subtract",
+    "vocab_parallel_layout",
 ]
-
-from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout  # noqa: E402
-
-__all__ += ["ExplicitLayout", "fuse", "relabel", "vocab_parallel_layout"]

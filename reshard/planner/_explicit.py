@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from reshard.planner._box import Box
+from reshard.planner._dtypes import dtype_name
 from reshard.planner._index import _pairwise_disjoint
 from reshard.planner._layout import Layout, Piece, _shared_cache
 from reshard.planner._mesh import _rank_ranges
@@ -108,7 +109,7 @@ class ExplicitLayout:
         return hash(self.key)
 
     def __repr__(self) -> str:
-        dt = str(self.dtype).removeprefix("torch.")
+        dt = dtype_name(self.dtype)
         nm = f"{self.name!r} " if self.name else ""
         return f"ExplicitLayout({nm}{list(self.shape)} {dt} ranks={_rank_ranges(self.ranks)})"
 

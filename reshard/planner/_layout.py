@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard.planner._box import Box
+from reshard.planner._dtypes import dtype_name
 from reshard.planner._mesh import Mesh, _rank_ranges
 
 Interval = tuple[int, int]
@@ -306,7 +307,7 @@ class Layout:
 
     def __repr__(self) -> str:
         pl = ", ".join(placement_str(p) for p in self.placements)
-        dt = str(self.dtype).removeprefix("torch.")
+        dt = dtype_name(self.dtype)
         mesh = "x".join(str(s) for s in self.mesh.shape)
         nm = f"{self.name!r} " if self.name else ""
         return f"Layout({nm}{list(self.shape)} {dt} ranks={_rank_ranges(self.mesh.ranks)} mesh={mesh} [{pl}])"

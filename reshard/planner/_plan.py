@@ -869,22 +869,3 @@ def _validate(p: Plan, spans: Sequence[tuple[int, int, int, int]] | None = None)
     s = p.stats
     if p.relay and s.network_bytes != s.network_lower_bound:
         raise AssertionError(f"network bytes {s.network_bytes} != lower bound {s.network_lower_bound} with relay")
-
-
-def gather_broadcast_bytes(src: Any, dst: Any) -> dict[str, int]:
-    """Bytes that gather-and-broadcast moves for one tensor, the baseline users run today.
-
-    The source ranks all-gather the full tensor (each source rank receives what it lacks), then one source rank
-    broadcasts the full tensor to every destination rank that is not a source rank; each keeps its slice.
-
-    Returns:
-        `{"gather": ..., "broadcast": ..., "total": ...}` in bytes.
-    """
-    full = math.prod(src.shape) * src.dtype.itemsize
-    gather = 0
-    for r in src.ranks:
-        held = union_volume([p.global_box for p in src.pieces(r)]) * src.dtype.itemsize
-        gather += full - held
-    src_ranks = set(src.ranks)
-    broadcast = full * sum(1 for r in dst.ranks if r not in src_ranks)
-    return {"gather": gather, "broadcast": broadcast, "total": gather + broadcast}

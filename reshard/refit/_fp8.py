@@ -1,15 +1,6 @@
-"""FP8 block-quantized refit of one weight (DeepSeek-V3 style: e4m3 values, one float32 `weight_scale_inv` per
-128 x 128 block), exactly equal to quantizing the full high-precision tensor and slicing it.
-
-Where quantization happens, per weight:
-- **On the source**, when every trainer shard covers whole blocks (cuts on multiples of 128, which Megatron's TP and
-  EP splits of real models are). Each trainer rank quantizes its own shard, whose blocks are exactly the full
-  tensor's, and the plan moves FP8 bytes (1 per element, half of bfloat16's) plus the scales, each with its own
-  layout: the scale layout is derived from the weight's (a rank holds the scale of every block its shard
-  touches, so an inference TP cut inside a block gives both ranks that block's scale).
-- **On the destination**, otherwise (uneven FSDP-style cuts through blocks). Each inference rank receives its shard
-  grown to whole blocks (its *halo*) in high precision, quantizes it, and keeps its own part. Exact, at 2-4 bytes
-  per element plus the halo overlap.
+"""FP8 block-quantized refit of one weight, exactly equal to quantizing the full high-precision tensor and slicing
+it: the quantization steps around the plan items of `reshard.planner._fp8` (which says where each weight is
+quantized and why).
 """
 
 from __future__ import annotations
@@ -18,55 +9,25 @@ from typing import Any
 
 import torch
 
-from reshard.planner import PlanItem
-from reshard.planner import relabel
-from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
-
-BLOCK = (128, 128)
-FP8 = torch.float8_e4m3fn
+from reshard.kernels import quantize_fp8_block
+from reshard.planner import plan_many
+from reshard.planner._blocks import DEFAULT_BLOCK as BLOCK
+from reshard.planner._fp8 import FP8, Fp8Items
 
 
 def quantize(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """Block-quantize `x` (`[..., M, N]`, whole blocks from its origin) into `q_out` (FP8) and `s_out` (scales)."""
-    from reshard.kernels import quantize_fp8_block
-
     if x.numel() == 0:
         return
     quantize_fp8_block(x, block=BLOCK, out=q_out, scale_out=s_out)
 
 
-class Fp8Weight:
-    """Plan items and the quantization steps of one FP8 weight.
-
-    Args:
-        name: the destination global tensor's name.
-        src: trainer layout (float32 / bfloat16 / float16).
-        dst: the engine's FP8 weight layout.
-        src_index: index of the trainer's local tensor in the refit's source list.
-        q_index, s_index: indices of the engine's FP8 and scale tensors in the destination list.
-        extra_src, extra_dst: first free indices for this weight's own staging tensors.
-    """
+class Fp8Weight(Fp8Items):
+    """Plan items (see `Fp8Items`, same arguments) and the quantization steps of one FP8 weight."""
 
     def __init__(self, name: str, src: Any, dst: Any, src_index: int, q_index: int, s_index: int,
                  extra_src: int, extra_dst: int) -> None:
-        self.name = name
-        self.src, self.dst = src, dst
-        self.src_index, self.q_index, self.s_index = src_index, q_index, s_index
-        self.on_source = is_block_aligned(src, BLOCK)
-        dst_scales = scale_layout(dst, BLOCK, name=f"{name}.weight_scale_inv")
-        if self.on_source:
-            self.q_src, self.s_src = extra_src, extra_src + 1
-            self.src_scales = scale_layout(src, BLOCK, name=dst_scales.name)
-            self.items = [
-                PlanItem(relabel(src, dtype=FP8), dst, self.q_src, q_index, name=name),
-                PlanItem(self.src_scales, dst_scales, self.s_src, s_index, name=dst_scales.name),
-            ]
-            self.num_extra_src, self.num_extra_dst = 2, 0
-        else:
-            self.halo = block_halo_layout(dst, BLOCK, dtype=src.dtype)
-            self.halo_dst = extra_dst
-            self.items = [PlanItem(src, self.halo, src_index, self.halo_dst, name=name, precision="same")]
-            self.num_extra_src, self.num_extra_dst = 0, 1
+        super().__init__(name, src, dst, src_index, q_index, s_index, extra_src, extra_dst)
         self._staging: dict[str, torch.Tensor] = {}
 
     def _buffer(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -107,6 +68,4 @@ class Fp8Weight:
 
     @property
     def wire_bytes(self) -> int:
-        from reshard.planner import plan_many
-
         return plan_many(self.items).stats.total_bytes

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate
 
+from reshard.comm import execute
 from reshard.planner import Layout, Mesh, PlanItem, plan
 
 
@@ -30,8 +31,6 @@ class GatherBroadcastWeight:
 
     def run(self, refit: Any, src_tensors: list, dst_tensors: list) -> None:
         """Every rank of the group calls this, in the same order for every weight."""
-        from reshard.comm import execute
-
         rank = refit.rank
         item = self.item
         full = None

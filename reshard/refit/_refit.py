@@ -33,9 +33,15 @@ from reshard.planner import (
     plan_many,
     relabel,
 )
+from reshard.comm import Group, execute
+from reshard.comm._group import as_timedelta
+from reshard.comm._handshake import all_gather_object
+from reshard.cost import gather_broadcast, get_hardware, link_time, plan_loads
 from reshard.planner._blocks import scale_layout
+from reshard.planner._wire import decode_layout, encode_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
-from reshard.refit._meta import LayoutLike, check_local, decode_layout, encode_layout
+from reshard.refit._gather import GatherBroadcastWeight
+from reshard.refit._meta import LayoutLike, check_local
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +129,6 @@ class Refit:
         timeout: Any = None,
         precision: str | Mapping[str, str] | Callable[[str], str] = "same",
     ) -> None:
-        from reshard.comm import Group
-
         if policy not in POLICIES:
             raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")
         for n, p in (policies or {}).items():
@@ -218,8 +222,6 @@ class Refit:
 
     def run(self) -> RefitReport:
         """Move every registered weight's current values into the destinations. Every rank of the group calls it."""
-        from reshard.comm import execute
-
         seconds = {"metadata": 0.0, "plan": 0.0, "transfer": 0.0}
         first = self._built is None
         if first:
@@ -273,9 +275,6 @@ class Refit:
 
     # ---- metadata --------------------------------------------------------------------------------------------
     def _exchange_metadata(self) -> list[dict]:
-        from reshard.comm._group import as_timedelta
-        from reshard.comm._handshake import all_gather_object
-
         errors = []
         for name, (tensor, layout) in self._sources.items():
             if self.rank not in layout.ranks:
@@ -480,8 +479,6 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
         if choice == "reshard":
             items.append(item)
         else:
-            from reshard.refit._gather import GatherBroadcastWeight
-
             gather_broadcast.append(GatherBroadcastWeight(item))
     p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
     return _Built(source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
@@ -501,8 +498,6 @@ def _choose(refit: Refit, sname: str, item: PlanItem, memo: dict[tuple, str]) ->
     key = (item.src.key, item.dst.key)
     if key in memo:
         return memo[key]
-    from reshard.sim import gather_broadcast, get_hardware, link_time, plan_loads
-
     hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
     alone = plan(item.src, item.dst, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
     reshard_s = link_time(plan_loads(alone), hw).seconds

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from reshard.models import PRESETS
-from reshard.sim._hardware import HARDWARE
+from reshard.cost import HARDWARE
 from reshard.sim._simulate import SimResult, simulate
 from reshard.sim._system import system_config_names
 

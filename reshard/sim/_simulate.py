@@ -6,20 +6,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from reshard.models import ModelConfig, get_preset
-from reshard.planner import DEFAULT_STAGING_BYTES, RELAY_CHUNK_LAG, Plan, PlanItem, Topology, plan_many
-from reshard.sim._cost import (
+from reshard.cost import (
     GatherBroadcast,
+    Hardware,
     LinkLoads,
     LowerBound,
     Timing,
     gather_broadcast,
+    get_hardware,
     link_time,
     lower_bound,
     plan_loads,
     relay_fill_s,
 )
-from reshard.sim._hardware import Hardware, get_hardware
+from reshard.models import ModelConfig, get_preset
+from reshard.planner import DEFAULT_STAGING_BYTES, RELAY_CHUNK_LAG, Plan, PlanItem, Topology, plan_many, relabel
+from reshard.planner._fp8 import FP8, Fp8Items
 from reshard.sim._layouts import WeightLayouts, model_layouts
 from reshard.sim._system import System, load_system
 
@@ -131,17 +133,12 @@ def fp8_plan_items(layouts: list[WeightLayouts]) -> list[PlanItem]:
     """Plan items of an `fp8_block` refit: linear weights become float8_e4m3fn on the inference side with
     per-128x128-block scales (quantized on the source when trainer shards are block-aligned, else on the
     destination from block halos, exactly as `Refit` does); the other weights move as they are."""
-    import torch
-
-    from reshard.planner import relabel
-    from reshard.refit._fp8 import Fp8Weight
-
     n = len(layouts)
     items: list[PlanItem] = []
     extra_src, extra_dst, scale_dst = n, 2 * n, n
     for i, w in enumerate(layouts):
         if w.spec.kind in FP8_KINDS and len(w.spec.shape) >= 2:
-            f = Fp8Weight(w.spec.name, w.train, relabel(w.gen, dtype=torch.float8_e4m3fn), i, i, scale_dst,
+            f = Fp8Items(w.spec.name, w.train, relabel(w.gen, dtype=FP8), i, i, scale_dst,
                           extra_src, extra_dst)
             scale_dst += 1
             extra_src += f.num_extra_src

@@ -1,4 +1,4 @@
-"""The cost model: time from per-rank link loads, gather-and-broadcast as ring collectives, and lower bounds.
+"""The cost model: time from per-rank link loads, and lower bounds.
 
 Every GPU has four links that work at once: NVLink out, NVLink in, network out, network in (each at its own
 per-direction bandwidth), plus local copies at device copy bandwidth. A plan's chunks are pipelined, so its
@@ -6,22 +6,17 @@ stages (network hop, NVLink forward, local copies) overlap and the busiest link 
 
     time = max over (rank, link, direction) of  bytes / bandwidth + messages * latency   (+ pipeline fill)
 
-Gather-and-broadcast, the baseline, is modelled per trainer pipeline stage as a ring all-gather of each weight
-over the ranks that hold its distinct shards, then a pipelined chain (ring) broadcast of it from one stage rank to
-every inference GPU. Weights go one after another within a stage; stages run concurrently.
+The gather-and-broadcast baseline is modelled in `_baseline.py`.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
 
-from reshard.planner import Box, Plan
-from reshard.sim._hardware import Hardware
+from reshard.cost._hardware import Hardware
+from reshard.planner import Plan
 
 DIRECTIONS = ("send", "recv")
 
@@ -145,129 +140,6 @@ def relay_fill_s(plan: Plan, hw: Hardware, *, chunk_lag: int) -> float:
     chunk = plan.staging_bytes // 2
     busiest = max((rb.nvlink_send for rb in plan.stats.per_rank.values()), default=0)
     return chunk_lag * min(chunk, busiest) / hw.nvlink_bytes_per_s
-
-
-# ---- gather and broadcast ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GatherBroadcast:
-    """The modelled gather-and-broadcast baseline.
-
-    Attributes:
-        seconds: total time (stages concurrent, each stage's weights one after another).
-        stage_seconds: per pipeline stage, gather plus broadcast time.
-        gather_bytes: bytes received by all trainer ranks in all-gathers (every rank ends with every full weight
-            of its stage, as a TP/EP all-gather gives).
-        gather_network_bytes: the part of `gather_bytes` of weights whose ring spans several domains.
-        broadcast_bytes: bytes received by inference GPUs (each receives every weight in full).
-        network_bytes: broadcast bytes crossing the network: in a domain-ordered chain each weight enters each
-            inference domain other than the root's once.
-        gather_seconds, broadcast_seconds: per stage.
-    """
-
-    seconds: float
-    stage_seconds: tuple[float, ...]
-    gather_seconds: tuple[float, ...]
-    broadcast_seconds: tuple[float, ...]
-    gather_bytes: int
-    broadcast_bytes: int
-    network_bytes: int
-    gather_network_bytes: int = 0
-
-
-def _held_bytes(layout: Any, rank: int) -> int:
-    """Bytes of the global tensor `rank` holds (its pieces are disjoint)."""
-    return sum(p.global_box.numel for p in layout.pieces(rank)) * layout.dtype.itemsize
-
-
-def _ring(layout: Any) -> list[int]:
-    """One rank per distinct holding (the first in mesh order): the smallest group that holds every element."""
-    seen: dict[frozenset[Box], int] = {}
-    for r in layout.ranks:
-        boxes = frozenset(p.global_box for p in layout.pieces(r))
-        if boxes and boxes not in seen:
-            seen[boxes] = r
-    return list(seen.values())
-
-
-def ring_allgather_s(nbytes: int, ranks: Sequence[int], hw: Hardware, domain: Callable[[int], Hashable]) -> float:
-    """Ring all-gather of a tensor of `nbytes` over `ranks` (one shard each): `n - 1` steps of `nbytes / n` each.
-
-    The ring's slowest hop sets its bandwidth: NVLink when every rank shares one domain, the network otherwise.
-    """
-    n = len(ranks)
-    if n <= 1:
-        return 0.0
-    link = "nvlink" if len({domain(r) for r in ranks}) == 1 else "network"
-    return (n - 1) / n * nbytes / hw.bandwidth(link) + (n - 1) * hw.latency(link)
-
-
-def chain_broadcast_s(
-    nbytes: int, root: int, dsts: Sequence[int], hw: Hardware, domain: Callable[[int], Hashable]
-) -> float:
-    """Pipelined chain (ring) broadcast of `nbytes` from `root` through `dsts` ordered by domain.
-
-    Every byte crosses every hop once and the hops work at once, so the time is `nbytes` over the slowest hop's
-    bandwidth, plus one latency per hop for the pipeline to fill.
-    """
-    dsts = [d for d in dsts if d != root]
-    if not dsts:
-        return 0.0
-    order = [root, *sorted(dsts, key=lambda r: (domain(r) != domain(root), repr(domain(r)), r))]
-    hops = ["nvlink" if domain(a) == domain(b) else "network" for a, b in itertools.pairwise(order)]
-    bw = min(hw.bandwidth(h) for h in hops)
-    return nbytes / bw + sum(hw.latency(h) for h in hops)
-
-
-def gather_broadcast(
-    weights: Iterable[tuple[Any, Any, int]],
-    hw: Hardware,
-    domain: Callable[[int], Hashable],
-) -> GatherBroadcast:
-    """Model gather-and-broadcast for many weights.
-
-    Args:
-        weights: `(train_layout, gen_layout, stage)` per weight.
-        hw: bandwidths and latencies.
-        domain: rank -> NVLink domain id.
-
-    Returns:
-        A `GatherBroadcast`. Per stage, the root is the first rank of the stage's first ring.
-
-    Closed forms (a weight of `B` bytes in `n` distinct shards, replicated `m` times on the trainer, `G` inference
-    GPUs outside the trainer): gather bytes `m * (n - 1) * B`, broadcast bytes `G * B`.
-    """
-    gather_s: dict[int, float] = defaultdict(float)
-    bcast_s: dict[int, float] = defaultdict(float)
-    gather_bytes = broadcast_bytes = network_bytes = gather_network = 0
-    roots: dict[int, int] = {}
-    for train, gen, stage in weights:
-        full = math.prod(train.shape) * train.dtype.itemsize
-        ring = _ring(train)
-        gathered = sum(full - _held_bytes(train, r) for r in train.ranks)
-        gather_bytes += gathered
-        if len({domain(r) for r in ring}) > 1:
-            gather_network += gathered
-        gather_s[stage] += ring_allgather_s(full, ring, hw, domain)
-        root = roots.setdefault(stage, ring[0] if ring else train.ranks[0])
-        dsts = [r for r in gen.ranks if r != root]
-        broadcast_bytes += full * len(dsts)
-        gen_domains = {domain(r) for r in dsts}
-        network_bytes += full * len(gen_domains - {domain(root)})
-        bcast_s[stage] += chain_broadcast_s(full, root, dsts, hw, domain)
-    stages = sorted(set(gather_s) | set(bcast_s))
-    per_stage = tuple(gather_s[s] + bcast_s[s] for s in stages)
-    return GatherBroadcast(
-        seconds=max(per_stage, default=0.0),
-        stage_seconds=per_stage,
-        gather_seconds=tuple(gather_s[s] for s in stages),
-        broadcast_seconds=tuple(bcast_s[s] for s in stages),
-        gather_bytes=gather_bytes,
-        broadcast_bytes=broadcast_bytes,
-        network_bytes=network_bytes,
-        gather_network_bytes=gather_network,
-    )
 
 
 # ---- lower bound -------------------------------------------------------------------------------------------------
