@@ -38,6 +38,7 @@ from types import ModuleType
 import torch
 
 from reshard.kernels._backend import choose_backend
+from reshard.kernels._loader import load_device_module
 from reshard.kernels._pack import _kernels
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
 from reshard.planner._blocks import DEFAULT_BLOCK, check_block, scale_box
@@ -177,8 +178,6 @@ if __name__ in _DEVICE_COPIES:
 def _device_code(interpret: bool) -> ModuleType:
     """This file loaded again with Triton's interpreter on (CPU tensors) or off (CUDA tensors), once per process, so
     its kernel exists in both modes whatever `TRITON_INTERPRET` said."""
-    from reshard.kernels._loader import load_device_module
-
     return load_device_module(os.path.abspath(__file__), _DEVICE_COPIES[0 if interpret else 1], interpret)
 
 

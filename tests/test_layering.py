@@ -1,0 +1,213 @@
+"""The import graph of `reshard/` follows the data flow: no package imports one above it.
+
+An AST walk over every module (imports inside functions included) checks each import against the table below,
+which is the contract: planner < cost < kernels < comm < refit < integrations; sim uses planner and cost (and the
+model shapes) only; testing and the top-level modules (the public `__init__`, the command line, the demo) may use
+any of them. The pure packages (planner, cost, sim, models) make no `torch.distributed` process-group calls:
+importing DTensor's placement classes (`torch.distributed.tensor`) is fine, `torch.distributed` itself is not.
+Nothing in `reshard/` imports tests, perf or examples, and no `reshard` import hides in a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "reshard"
+
+TOP = "top"  # reshard/__init__.py, __main__.py and the other modules directly in reshard/ but models.py
+ALLOWED: dict[str, frozenset[str]] = {
+    "models": frozenset(),  # model shapes: a pure leaf, at the planner's level
+    "planner": frozenset({"models"}),
+    "cost": frozenset({"planner"}),
+    "kernels": frozenset({"planner"}),
+    "comm": frozenset({"planner", "cost", "kernels"}),
+    "refit": frozenset({"planner", "cost", "kernels", "comm", "models"}),
+    "integrations": frozenset({"planner", "cost", "kernels", "comm", "refit", "models"}),
+    "sim": frozenset({"planner", "cost", "models"}),
+    "testing": frozenset({"planner", "cost", "kernels", "comm", "refit", "integrations", "sim", "models"}),
+    TOP: frozenset({"planner", "cost", "kernels", "comm", "refit", "integrations", "sim", "testing", "models", TOP}),
+}
+"""Which units each unit may import (besides itself)."""
+
+PURE = frozenset({"models", "planner", "cost", "sim"})
+"""Units that may not touch `torch.distributed` beyond its DTensor placement types."""
+
+DISTRIBUTED_OK = ("torch.distributed.tensor",)
+"""The part of `torch.distributed` the pure units may import: placement classes, no process group."""
+
+FORBIDDEN_ROOTS = frozenset({"tests", "perf", "examples", "conftest"}) | frozenset(
+    p.stem for d in ("tests", "perf", "examples") if (ROOT / d).is_dir() for p in (ROOT / d).glob("*.py")
+)
+"""Top-level module names of the tooling beside the library (tests run with `tests/` on `sys.path`)."""
+
+LAZY_RESHARD_IMPORTS: frozenset[tuple[str, str]] = frozenset()
+"""`(module path, imported module)` of the function-level `reshard` imports that start-up cost justifies (each
+with a one-line reason beside it in the code). None is needed today."""
+
+
+def unit_of(module: str) -> str:
+    """The unit of a `reshard` module name: `reshard.planner._plan` -> `planner`, `reshard._demo` -> `top`."""
+    parts = module.split(".")
+    assert parts[0] == "reshard", module
+    if len(parts) == 1:
+        return TOP
+    if parts[1] == "models":
+        return "models"
+    if parts[1] in ALLOWED:
+        return parts[1]
+    if parts[1].startswith("_"):  # a top-level private module (`_demo`, `_report`, `__main__`)
+        return TOP
+    raise AssertionError(f"module {module}: unit {parts[1]!r} is not in the layering table; add it to ALLOWED")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[ast.stmt, str, tuple[str, ...], bool]]:
+    """`(node, imported module, names, inside a function)` for every import in `tree`; relative imports resolved."""
+    out = []
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for inner in ast.walk(node):
+                if inner is not node:
+                    in_function.add(id(inner))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out.append((node, a.name, (), id(node) in in_function))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node, target, tuple(a.name for a in node.names), id(node) in in_function))
+    return out
+
+
+def violations(source: str, module: str, *, is_package: bool = False, path: str = "<source>") -> list[str]:
+    """Every import of `source` (the text of `reshard` module `module`) that the table forbids."""
+    tree = ast.parse(source)
+    unit = unit_of(module)
+    found = []
+    for node, target, names, in_function in _imports(tree, module, is_package):
+        where = f"{path}:{node.lineno}"
+        root = target.split(".")[0]
+        if root in FORBIDDEN_ROOTS:
+            found.append(f"{where}: {module} imports {target} (tooling beside the library)")
+        if root == "reshard":
+            if target == "reshard":
+                # `from reshard import planner` imports a unit; `from reshard import Layout` the public face (top)
+                pairs = [(f"reshard.{n}", n if n in ALLOWED or n == "models" else TOP) for n in names] or [(target, TOP)]
+            else:
+                pairs = [(target, unit_of(target))]
+            for t, t_unit in pairs:
+                if t_unit != unit and t_unit not in ALLOWED[unit]:
+                    found.append(f"{where}: {module} ({unit}) imports {t} ({t_unit}); {unit} may import "
+                                 f"{sorted(ALLOWED[unit]) or 'no other unit'}")
+            if in_function and (path, target) not in LAZY_RESHARD_IMPORTS:
+                found.append(f"{where}: {module} imports {target} inside a function (import it at module level, "
+                             "or list it in LAZY_RESHARD_IMPORTS with the start-up cost that justifies it)")
+        if unit in PURE and (target == "torch.distributed" or target.startswith("torch.distributed.")):
+            allowed = any(target == ok or target.startswith(ok + ".") for ok in DISTRIBUTED_OK)
+            if target == "torch.distributed" and isinstance(node, ast.ImportFrom):
+                allowed = all(n == "tensor" for n in names)
+            if not allowed:
+                found.append(f"{where}: {module} ({unit}, pure) imports {target}: no process groups here")
+    if unit in PURE:
+        for node in ast.walk(tree):
+            # `torch.distributed.<call>` through a plain `import torch`
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "torch"
+                    and node.value.attr == "distributed" and node.attr != "tensor"):
+                found.append(f"{path}:{node.lineno}: {module} ({unit}, pure) uses torch.distributed.{node.attr}")
+    return found
+
+
+def library_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_follows_the_layering(path: Path) -> None:
+    found = violations(path.read_text(), module_name(path), is_package=path.name == "__init__.py",
+                       path=str(path.relative_to(ROOT)))
+    assert not found, "\n".join(found)
+
+
+def test_every_unit_of_the_table_is_known() -> None:
+    # a new subpackage of reshard/ must be placed in the table (unit_of raises otherwise)
+    units = {unit_of(module_name(p)) for p in library_modules()}
+    assert {"planner", "cost", "kernels", "comm", "refit", "sim", "models", TOP} <= units
+    assert units <= set(ALLOWED)
+
+
+def test_table_has_no_cycle_and_follows_the_stack() -> None:
+    # the table itself is a strict order: no unit may import one that may import it back
+    for unit, deps in ALLOWED.items():
+        for dep in deps - {unit}:
+            assert unit not in ALLOWED[dep] or unit == dep, f"{unit} <-> {dep}"
+    stack = ["planner", "cost", "kernels", "comm", "refit", "integrations"]
+    for i, unit in enumerate(stack):
+        assert not ALLOWED[unit] & set(stack[i + 1:]), f"{unit} may import a unit above it"
+    assert ALLOWED["sim"] == {"planner", "cost", "models"}
+
+
+# ---- negative controls: the checker flags what it must ---------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # the cycle this table removed: the simulator reaching into refit for the FP8 plan items
+        ("reshard.sim._simulate", "def f():\n    from reshard.refit._fp8 import Fp8Weight\n",
+         ["sim) imports reshard.refit._fp8 (refit)", "inside a function"]),
+        ("reshard.planner._plan", "import torch.distributed as dist\n", ["pure) imports torch.distributed"]),
+        ("reshard.planner._plan", "from torch.distributed import all_gather\n", ["pure) imports torch.distributed"]),
+        ("reshard.cost._model", "import torch\nx = torch.distributed.new_group([0, 1])\n",
+         ["uses torch.distributed.new_group"]),
+        ("reshard.planner._x", "from reshard.comm import Group\n", ["(planner) imports reshard.comm (comm)"]),
+        ("reshard.cost._x", "from reshard.sim import simulate\n", ["(cost) imports reshard.sim (sim)"]),
+        ("reshard.kernels._x", "from reshard.comm._group import Group\n", ["(kernels) imports reshard.comm._group"]),
+        ("reshard.comm._x", "from reshard.refit import Refit\n", ["(comm) imports reshard.refit (refit)"]),
+        ("reshard.refit._x", "from reshard.sim import System\n", ["(refit) imports reshard.sim (sim)"]),
+        ("reshard.refit._x", "from reshard import Layout\n", ["(refit) imports reshard.Layout (top)"]),
+        ("reshard.planner._x", "from .._demo import run_demo\n", ["imports reshard._demo (top)"]),
+        ("reshard.comm._x", "import mp_pool\n", ["imports mp_pool (tooling"]),
+        ("reshard.sim._x", "from perf import scenarios\n", ["imports perf (tooling"]),
+    ],
+)
+def test_checker_flags_a_violating_module(module: str, source: str, expected: list[str]) -> None:
+    found = violations(source, module)
+    for text in expected:
+        assert any(text in f for f in found), (text, found)
+
+
+def test_checker_passes_allowed_imports() -> None:
+    source = textwrap.dedent("""
+        import torch
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+        from reshard.planner._box import Box
+        from reshard.models import PRESETS
+        from . import _hardware
+        x = torch.distributed.tensor.Shard(0)
+    """)
+    assert violations(source, "reshard.cost._model") == [
+        "<source>:6: reshard.cost._model (cost) imports reshard.models (models); cost may import ['planner']"
+    ]
+    assert violations(source.replace("from reshard.models import PRESETS\n", ""), "reshard.cost._model") == []
+    # the top level may import any unit, a function-level reshard import is still flagged
+    assert violations("from reshard.sim import main\nfrom reshard.refit import Refit\n", "reshard.__main__") == []
+    assert violations("def f():\n    from reshard.sim import main\n", "reshard.__main__")
