@@ -8,8 +8,9 @@ Prints a table per (model, system) and writes `perf/out/simulate/simulate.csv` a
 """
 
 import sys
+from pathlib import Path
 
 from reshard.sim import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(default_out=Path(__file__).resolve().parent / "out" / "simulate"))

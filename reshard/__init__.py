@@ -57,12 +57,12 @@ from reshard.planner import (
 from reshard.refit import Refit, RefitReport
 
 __all__ = [
-    "Box",
-    "ChecksumError",
-    "CommError",
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",
     "DEFAULT_TIMEOUT",
+    "Box",
+    "ChecksumError",
+    "CommError",
     "ExecutionReport",
     "ExplicitLayout",
     "Group",

@@ -181,3 +181,18 @@ def test_hardware_presets_and_errors():
         Hardware("x", 1.0, 0.0, 8)
     with pytest.raises(ValueError, match="unknown link kind 'pcie'"):
         HW.bandwidth("pcie")
+
+
+def test_gather_broadcast_bytes_when_groups_overlap():
+    # Worked by hand: a (4, 4) float32 tensor (64 bytes) as S(0) on ranks 0-1 -> R on ranks 1-3. The all-gather
+    # gives ranks 0 and 1 the 32 bytes each lacks (64); rank 1 then holds the full tensor, so the broadcast reaches
+    # ranks 2 and 3 only (2 x 64 = 128). The modelled baseline counts the same bytes (one definition).
+    train = Layout((4, 4), Mesh([0, 1]), [Shard(0)], torch.float32)
+    gen = Layout((4, 4), Mesh([1, 2, 3]), [Replicate()], torch.float32)
+    assert gather_broadcast_bytes(train, gen) == {"gather": 64, "broadcast": 128, "total": 192}
+    gb = gather_broadcast([(train, gen, 0)], HW, DOMAIN)
+    assert (gb.gather_bytes, gb.broadcast_bytes) == (64, 128)
+    # colocated: every destination rank took part in the all-gather, nothing is broadcast
+    same = Layout((4, 4), Mesh([0, 1]), [Replicate()], torch.float32)
+    assert gather_broadcast_bytes(train, same) == {"gather": 64, "broadcast": 0, "total": 64}
+    assert gather_broadcast([(train, same, 0)], HW, DOMAIN).broadcast_seconds == (0.0,)

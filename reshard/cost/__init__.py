@@ -20,8 +20,8 @@ from reshard.cost._hardware import HARDWARE, Hardware, get_hardware
 from reshard.cost._model import LinkKey, LinkLoads, LowerBound, Timing, link_time, lower_bound, plan_loads, relay_fill_s
 
 __all__ = [
-    "GatherBroadcast",
     "HARDWARE",
+    "GatherBroadcast",
     "Hardware",
     "LinkKey",
     "LinkLoads",

@@ -38,9 +38,10 @@ from reshard.planner._types import Message, PlanStats, RankBytes, RankChunk, Ran
 from reshard.planner._wire import decode_layout, encode_layout
 
 __all__ = [
-    "Box",
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",
+    "RELAY_CHUNK_LAG",
+    "Box",
     "ExplicitLayout",
     "Layout",
     "Mesh",
@@ -49,7 +50,6 @@ __all__ = [
     "Plan",
     "PlanItem",
     "PlanStats",
-    "RELAY_CHUNK_LAG",
     "RankBytes",
     "RankChunk",
     "RankPlan",

@@ -36,8 +36,8 @@ from reshard.sim._simulate import MethodResult, SimResult, plan_items, simulate
 from reshard.sim._system import InferenceParallel, System, TrainerParallel, load_system, system_config_names
 
 __all__ = [
-    "GatherBroadcast",
     "HARDWARE",
+    "GatherBroadcast",
     "Hardware",
     "InferenceParallel",
     "LinkKey",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from reshard.models import PRESETS
 from reshard.cost import HARDWARE
+from reshard.models import PRESETS
 from reshard.sim._simulate import SimResult, simulate
 from reshard.sim._system import system_config_names
 
@@ -137,10 +137,25 @@ def plot(result: SimResult, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m reshard simulate` and `perf/simulate.py`: simulate, print the table, write CSV and PNG."""
+PERF_HINT = "PNG plots need matplotlib: pip install 'reshard[perf]'"
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (an optional dependency: `reshard[perf]`)
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) -> int:
+    """`python -m reshard simulate` and `perf/simulate.py`: simulate and print the table; with `--out DIR` (or a
+    caller's `default_out`) also write `DIR/simulate.csv` and one PNG per result (PNGs need matplotlib).
+
+    Returns the exit status: 0, or 2 (one line on stderr) for a system, model or hardware it cannot read.
+    """
     p = argparse.ArgumentParser(
-        prog="reshard simulate",
+        prog="python -m reshard simulate",
         description="Model the refit time of the project's real plans on an H100/GB200/GB300 cluster.",
     )
     p.add_argument(
@@ -158,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--unstacked", action="store_true", help="plan one tensor per expert instead of [E, ...] stacks")
     p.add_argument("--no-direct", action="store_true", help="skip the direct point-to-point plan")
     p.add_argument("--fp8", action="store_true", help="also model an fp8_block refit (FP8 linear weights + scales)")
-    p.add_argument("--out", type=Path, default=Path("perf/out/simulate"), help="folder for CSV and PNG")
+    p.add_argument("--out", type=Path, default=default_out,
+                   help="folder for simulate.csv and the PNG plots (default: "
+                   + (f"{default_out}" if default_out is not None else "write no files") + ")")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -166,24 +183,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("reshard.sim").setLevel(logging.INFO)
     models = args.model or ["qwen3-32b"]
     systems = args.system or ["qwen3-32b-tp4pp4dp2-to-tp4dp8-64gpus-h100"]
+    plots = _have_matplotlib()
     results = []
     for model in models:
         for system in systems:
-            r = simulate(
-                model,
-                system,
-                args.hardware,
-                domain_size=args.domain_size,
-                stack_experts=not args.unstacked,
-                direct=not args.no_direct,
-                fp8=args.fp8,
-            )
+            try:
+                r = simulate(
+                    model,
+                    system,
+                    args.hardware,
+                    domain_size=args.domain_size,
+                    stack_experts=not args.unstacked,
+                    direct=not args.no_direct,
+                    fp8=args.fp8,
+                )
+            except ValueError as e:  # a system the user wrote that does not parse or fit: one line, no traceback
+                print(f"{p.prog}: error: {e}", file=sys.stderr)
+                return 2
             results.append(r)
             print(format_table(r), end="\n\n")
-            stem = f"{model}__{_slug(r.system.name)}__{args.hardware}_d{r.system.domain_size}"
-            plot(r, args.out / f"{stem}.png")
+            if args.out is not None and plots:
+                stem = f"{model}__{_slug(r.system.name)}__{args.hardware}_d{r.system.domain_size}"
+                plot(r, args.out / f"{stem}.png")
+    if args.out is None:
+        print("no files written (pass --out DIR for simulate.csv and PNG plots)")
+        if not plots:
+            print(PERF_HINT)
+        return 0
     write_csv(results, args.out / "simulate.csv")
-    print(f"wrote {args.out / 'simulate.csv'} and {len(results)} PNG(s) under {args.out}")
+    if plots:
+        print(f"wrote {args.out / 'simulate.csv'} and {len(results)} PNG(s) under {args.out}")
+    else:
+        print(f"wrote {args.out / 'simulate.csv'}; {PERF_HINT}")
     return 0
 
 
