@@ -110,7 +110,8 @@ def violations(source: str, module: str, *, is_package: bool = False, path: str 
         if root == "reshard":
             if target == "reshard":
                 # `from reshard import planner` imports a unit; `from reshard import Layout` the public face (top)
-                pairs = [(f"reshard.{n}", n if n in ALLOWED or n == "models" else TOP) for n in names] or [(target, TOP)]
+                pairs = [(f"reshard.{n}", n if n in ALLOWED or n == "models" else TOP) for n in names]
+                pairs = pairs or [(target, TOP)]
             else:
                 pairs = [(target, unit_of(target))]
             for t, t_unit in pairs:

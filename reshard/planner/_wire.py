@@ -59,10 +59,7 @@ def encode_layout(layout: Layout | ExplicitLayout) -> dict[str, Any]:
     """`layout` as JSON values (dict, list, str, int, None) that `decode_layout` turns back into an equal layout."""
     if isinstance(layout, Layout):
         return {
-            "kind": "mesh",
-            "name": layout.name,
-            "shape": list(layout.shape),
-            "dtype": dtype_name(layout.dtype),
+            **_head("mesh", layout),
             "mesh_shape": list(layout.mesh.shape),
             "ranks": [int(r) for r in layout.mesh.ranks],
             "axis_names": None if layout.mesh.axis_names is None else list(layout.mesh.axis_names),
@@ -70,10 +67,7 @@ def encode_layout(layout: Layout | ExplicitLayout) -> dict[str, Any]:
         }
     if isinstance(layout, ExplicitLayout):
         return {
-            "kind": "explicit",
-            "name": layout.name,
-            "shape": list(layout.shape),
-            "dtype": dtype_name(layout.dtype),
+            **_head("explicit", layout),
             "per_rank": [
                 [r, list(layout.local_shape(r)),
                  [[list(p.global_box.offsets), list(p.global_box.shape), list(p.local_box.offsets), p.tensor]
@@ -82,6 +76,11 @@ def encode_layout(layout: Layout | ExplicitLayout) -> dict[str, Any]:
             ],
         }
     raise TypeError(f"encode_layout: expected a Layout or ExplicitLayout, got {type(layout).__name__}")
+
+
+def _head(kind: str, layout: Layout | ExplicitLayout) -> dict[str, Any]:
+    """The fields both kinds share."""
+    return {"kind": kind, "name": layout.name, "shape": list(layout.shape), "dtype": dtype_name(layout.dtype)}
 
 
 def decode_layout(obj: Any) -> Layout | ExplicitLayout:
