@@ -19,6 +19,7 @@ from reshard.planner._dtypes import dtype_from_name
 from reshard.planner._notation import parse_layout
 from reshard.sim import main as sim_main
 
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """`"25600,5120"`, `"25600x5120"` or `"(25600, 5120)"` -> `(25600, 5120)`; `ValueError` otherwise."""
     body = text.strip().strip("()[]")

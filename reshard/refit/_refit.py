@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+from reshard.comm import Group, execute
+from reshard.comm._group import as_timedelta
+from reshard.comm._handshake import all_gather_object
+from reshard.cost import gather_broadcast, get_hardware, link_time, plan_loads
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     ExplicitLayout,
@@ -33,10 +37,6 @@ from reshard.planner import (
     plan_many,
     relabel,
 )
-from reshard.comm import Group, execute
-from reshard.comm._group import as_timedelta
-from reshard.comm._handshake import all_gather_object
-from reshard.cost import gather_broadcast, get_hardware, link_time, plan_loads
 from reshard.planner._blocks import scale_layout
 from reshard.planner._wire import decode_layout, encode_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
