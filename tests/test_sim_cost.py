@@ -8,7 +8,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard import Layout, Mesh, Topology, gather_broadcast_bytes, plan
-from reshard.sim import (
+from reshard.cost import (
+    HARDWARE,
     Hardware,
     LinkKey,
     LinkLoads,
@@ -18,6 +19,7 @@ from reshard.sim import (
     lower_bound,
     plan_loads,
     relay_fill_s,
+    get_hardware,
     ring_allgather_s,
 )
 
@@ -167,8 +169,6 @@ def test_lower_bound_and_reshard_network_bytes():
 
 
 def test_hardware_presets_and_errors():
-    from reshard.sim import HARDWARE, get_hardware
-
     h100, gb200, gb300 = (get_hardware(n) for n in ("h100", "GB200", "gb300"))
     assert (h100.nvlink_bytes_per_s, h100.network_bytes_per_s, h100.domain_size) == (450e9, 50e9, 8)
     assert (gb200.nvlink_bytes_per_s, gb200.network_bytes_per_s, gb200.domain_size) == (900e9, 50e9, 72)
