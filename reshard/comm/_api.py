@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-import pickle
+import json
 from typing import Any
 
 import torch
 
 from reshard.comm._executor import execute
 from reshard.comm._group import Group, Timeout, as_timedelta
-from reshard.comm._handshake import all_gather_object
+from reshard.comm._group import CommError
+from reshard.comm._handshake import all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._layout import placement_str
+from reshard.planner._notation import parse_placements
 
 
 def reshard(
@@ -63,7 +65,11 @@ def reshard(
 
 
 def _side_meta(dt: Any, which: str) -> dict[str, Any] | None:
-    """What one rank knows of one side's layout: the DTensor's global layout and this rank's place in its mesh."""
+    """What one rank knows of one side's layout: the DTensor's global layout and this rank's place in its mesh.
+
+    Only JSON values (tuples are lists on the wire; `_meta_from_wire` restores them): placements in DTensor
+    notation (`S(0)`, `R`, `_S(0, 2)`, `P`).
+    """
     if dt is None:
         return None
     from torch.distributed.tensor import DTensor
@@ -77,14 +83,40 @@ def _side_meta(dt: Any, which: str) -> dict[str, Any] | None:
         "dtype": str(dt.dtype).removeprefix("torch."),
         "mesh_shape": tuple(mesh.mesh.shape),
         "mesh_ranks": tuple(int(r) for r in mesh.mesh.flatten().tolist()),
-        "axis_names": mesh.mesh_dim_names,
-        "placements": tuple(dt.placements),
+        "axis_names": None if mesh.mesh_dim_names is None else tuple(mesh.mesh_dim_names),
+        "placements": tuple(placement_str(p) for p in dt.placements),
         "coord": None if coord is None else tuple(int(c) for c in coord),
     }
 
 
+_META_KEYS = {"shape", "dtype", "mesh_shape", "mesh_ranks", "axis_names", "placements", "coord"}
+
+
+def _meta_from_wire(m: Any, sender: int, which: str) -> dict[str, Any] | None:
+    """A peer's `_side_meta` as received (lists for tuples), checked and with tuples restored.
+
+    Raises:
+        CommError: naming `sender`, when the metadata does not have `_side_meta`'s structure.
+    """
+    if m is None:
+        return None
+
+    def ints(v: Any, allow_none: bool = False) -> bool:
+        return (allow_none and v is None) or (isinstance(v, list) and all(type(x) is int for x in v))
+
+    def strs(v: Any, allow_none: bool = False) -> bool:
+        return (allow_none and v is None) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+    ok = (isinstance(m, dict) and set(m) == _META_KEYS and ints(m["shape"]) and isinstance(m["dtype"], str)
+          and ints(m["mesh_shape"]) and ints(m["mesh_ranks"]) and strs(m["axis_names"], True)
+          and strs(m["placements"]) and ints(m["coord"], True))
+    if not ok:
+        raise CommError(f"reshard_dtensor: rank {sender} sent malformed {which} layout metadata: {str(m)[:200]}")
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in m.items()}
+
+
 def _meta_text(m: dict[str, Any]) -> str:
-    pl = ", ".join(placement_str(p) for p in m["placements"])
+    pl = ", ".join(m["placements"])
     return (f"{list(m['shape'])} {m['dtype']} mesh {'x'.join(map(str, m['mesh_shape']))} (own ranks "
             f"{list(m['mesh_ranks'])}) [{pl}]")
 
@@ -99,8 +131,7 @@ def _layout_from_metas(which: str, metas: list[dict[str, Any] | None], name: str
                          f"the {which} side must be given on the ranks of its mesh")
     keys = {}
     for r, m in holders:
-        keys.setdefault((m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"],
-                         tuple(placement_str(p) for p in m["placements"])), []).append(r)
+        keys.setdefault((m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"], m["placements"]), []).append(r)
     if len(keys) > 1:
         head = (f"reshard_dtensor: the {which} DTensors differ between ranks (every rank must pass the same global "
                 "layout):")
@@ -131,8 +162,8 @@ def _layout_from_metas(which: str, metas: list[dict[str, Any] | None], name: str
                          "its DTensor")
     ranks_tensor = torch.tensor(group_ranks, dtype=torch.int64).reshape(mesh_shape)
     dtype = getattr(torch, first["dtype"])
-    return Layout(first["shape"], Mesh(ranks_tensor, axis_names=first["axis_names"]), list(first["placements"]),
-                  dtype, name=name)
+    return Layout(first["shape"], Mesh(ranks_tensor, axis_names=first["axis_names"]),
+                  parse_placements(",".join(first["placements"])), dtype, name=name)
 
 
 def exchange_layouts(src: Any, dst: Any, group: Group, *, timeout: Timeout | None = None,
@@ -147,25 +178,28 @@ def exchange_layouts(src: Any, dst: Any, group: Group, *, timeout: Timeout | Non
     """
     td = as_timedelta(timeout, default=group.timeout)
     local = (_side_meta(src, "src"), _side_meta(dst, "dst"))
-    digest = hashlib.sha256(pickle.dumps((local[0] and _meta_key(local[0]), local[1] and _meta_key(local[1]),
-                                          name))).digest()[:16]
-    digests = tuple(all_gather_object(group, digest, timeout=td, what="reshard_dtensor layout digest"))
+    digest = hashlib.sha256(json.dumps([local[0], local[1], name]).encode()).hexdigest()[:32]
+    digests = tuple(all_gather_json(group, digest, timeout=td, what="reshard_dtensor layout digest"))
+    bad = [r for r, d in enumerate(digests) if not isinstance(d, str)]
+    if bad:
+        raise CommError(f"reshard_dtensor: ranks {bad} sent a layout digest that is not a string")
     cache = group.cache.setdefault("layouts", {})
     hit = cache.get(digests)
     if hit is not None:
         return hit
-    metas = all_gather_object(group, local, timeout=td, what="reshard_dtensor layout exchange")
-    src_layout = _layout_from_metas("source", [m[0] for m in metas], name)
-    dst_layout = _layout_from_metas("destination", [m[1] for m in metas], name)
+    metas = all_gather_json(group, list(local), timeout=td, what="reshard_dtensor layout exchange")
+    for r, m in enumerate(metas):
+        if not isinstance(m, list) or len(m) != 2:
+            raise CommError(f"reshard_dtensor: rank {r} sent layout metadata that is not a [source, destination] "
+                            "pair")
+    src_layout = _layout_from_metas("source", [_meta_from_wire(m[0], r, "source") for r, m in enumerate(metas)],
+                                    name)
+    dst_layout = _layout_from_metas("destination", [_meta_from_wire(m[1], r, "destination")
+                                                    for r, m in enumerate(metas)], name)
     if len(cache) > 64:
         cache.clear()
     cache[digests] = (src_layout, dst_layout)
     return src_layout, dst_layout
-
-
-def _meta_key(m: dict[str, Any]) -> tuple:
-    return (m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"], m["axis_names"],
-            tuple(placement_str(p) for p in m["placements"]), m["coord"])
 
 
 def reshard_dtensor(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from reshard.comm._group import CommError, Group, Timeout, as_timedelta
+from reshard.comm._group import FAULT_POLL_S, CommError, Group, Timeout, as_timedelta
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,52 @@ TAG_DATA = 1
 their messages in the same (chunk, peer) order, so equal tags never mismatch."""
 TAG_CHECKSUM = 2
 TAG_CONTROL = 3
+
+def fault(group: Group, failed: int | None, message: str, what: str) -> CommError:
+    """The `CommError` to raise when this rank saw rank `failed` fail: records the verdict for every rank.
+
+    If another rank reported first, the error gives that verdict (the root cause) and this rank's observation.
+    """
+    report = getattr(group, "report_fault", None)
+    if report is None:
+        return CommError(message)
+    verdict = report(failed, message)
+    if verdict["observer"] == group.rank and verdict["message"] == message[:4000]:
+        return CommError(message)
+    return CommError(f"{group.describe_fault(verdict, what)}\n  (here: {message})")
+
+
+def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
+    """Run `block` (waits on gloo work) while checking every `FAULT_POLL_S` whether a rank reported a fault.
+
+    `block` runs in a daemon thread, so a verdict from another rank ends this rank's wait at once; the abandoned
+    wait then ends at its own timeout, on a group that is aborted anyway.
+
+    Raises:
+        CommError: with the group's verdict, when some rank reported a fault before `block` finished.
+    """
+    if getattr(group, "_store", None) is None:
+        block()
+        return
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            block()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"reshard-wait-{group.rank}", daemon=True).start()
+    while not done.wait(FAULT_POLL_S):
+        verdict = group.fault()
+        if verdict is not None:
+            raise CommError(group.describe_fault(verdict, what))
+    if error:
+        raise error[0]
+
 
 TensorMap = Mapping[int, "torch.Tensor | Sequence[torch.Tensor]"]
 
@@ -74,18 +121,28 @@ class TransferHandle:
         limit = as_timedelta(timeout, default=self._timeout)
         start = time.monotonic()
         deadline = start + limit.total_seconds()
-        for kind, peer, work in self._works:
-            remaining = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(datetime.timedelta(seconds=remaining))
-            except Exception as e:  # gloo raises RuntimeError for timeouts and closed connections
-                waited = time.monotonic() - start
-                self._done = True
-                raise CommError(
-                    f"rank {self._group.rank} of {self._group}: {self._what}: {kind} rank {peer} failed after "
-                    f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
-                    f"different plans: {e}"
-                ) from e
+        failure: list[tuple[str, int, BaseException]] = []
+
+        def wait_all() -> None:
+            for kind, peer, work in self._works:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                try:
+                    work.wait(datetime.timedelta(seconds=remaining))
+                except Exception as e:  # gloo raises RuntimeError for timeouts and closed connections
+                    failure.append((kind, peer, e))
+                    return
+
+        try:
+            wait_watched(self._group, wait_all, self._what)
+        finally:
+            self._done = True
+        if failure:
+            kind, peer, e = failure[0]
+            waited = time.monotonic() - start
+            message = (f"rank {self._group.rank} of {self._group}: {self._what}: {kind} rank {peer} failed after "
+                       f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
+                       f"different plans: {e}")
+            raise fault(self._group, peer, message, self._what) from e
         self._done = True
 
     def is_completed(self) -> bool:
@@ -129,10 +186,8 @@ def post(
                 kind = "send to"
                 works.append((kind, peer, pg.send([t], peer, tag)))
         except RuntimeError as e:  # gloo refuses to post on a connection a dead peer closed
-            raise CommError(
-                f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer died or closed its "
-                f"connection: {e}"
-            ) from e
+            raise fault(group, peer, f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer "
+                        f"died or closed its connection: {e}", what) from e
         finally:
             if coalesce:
                 work = pg._end_coalescing(dev)

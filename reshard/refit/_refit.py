@@ -274,7 +274,7 @@ class Refit:
     # ---- metadata --------------------------------------------------------------------------------------------
     def _exchange_metadata(self) -> list[dict]:
         from reshard.comm._group import as_timedelta
-        from reshard.comm._handshake import all_gather_object
+        from reshard.comm._handshake import all_gather_json
 
         errors = []
         for name, (tensor, layout) in self._sources.items():
@@ -303,7 +303,18 @@ class Refit:
             "errors": errors,
         }
         td = as_timedelta(self.timeout, default=self.group.timeout)
-        return all_gather_object(self.group, mine, timeout=td, what="refit metadata exchange")
+        # JSON on the wire (lists for tuples); layout specs are tuples again for decode_layout
+        metas = all_gather_json(self.group, mine, timeout=td, what="refit metadata exchange")
+        return [_as_tuples(m) if isinstance(m, dict) else m for m in metas]
+
+
+def _as_tuples(value: Any) -> Any:
+    """`value` as received from the JSON all-gather, with every list turned back into a tuple."""
+    if isinstance(value, list):
+        return tuple(_as_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_tuples(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
