@@ -97,6 +97,10 @@ class Group:
 
     Do not build one directly: use `Group.world()` or `Group.rendezvous(...)`.
 
+    Threading rule: one call at a time. A call from a second thread while another thread's call runs on the group
+    raises `CommError` and aborts the group on every rank (see the module docstring); use one group per thread.
+    After a `CommError` from a fault (a dead, stuck or misbehaving peer) the group is unusable; close it.
+
     Attributes:
         rank: this process's rank in the group.
         size: the number of ranks.
@@ -133,6 +137,7 @@ class Group:
         self._owner_what = ""
         self._depth = 0
         self._verdict: dict[str, Any] | None = None
+        self._waiter: Any = None  # the job queue of the thread that runs blocking waits (see _transfer.wait_watched)
         self.store_port: int | None = None
         """The store's port (a rendezvous group; useful when the store was started on port 0)."""
 
@@ -255,7 +260,8 @@ class Group:
         try:
             session = rv.join(base, rank, world_size, key, deadline, label)
             store.set_timeout(remaining())
-            control = dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td)
+            control = rv.connect(lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td),
+                                 base, rank, label)
             rv.prove_membership(control, base, rank, world_size, key, session, remaining(), label)
         except CommError:
             raise
@@ -388,6 +394,9 @@ class Group:
 
     def close(self) -> None:
         """Release the group's backends (a rendezvous group only; the default world is left alone)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.put(None)  # ends the waiter thread after its current wait
         self.cache.clear()
         if self._closer is not None:
             closer, self._closer = self._closer, None

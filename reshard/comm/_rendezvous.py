@@ -22,7 +22,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,6 +152,33 @@ def join(store: Any, rank: int, world_size: int, token: bytes, deadline: float, 
                                              "rank's job token (a wrong token on one side, or not a member); refused")
     _check_abort(store, rank, label)
     return hashlib.sha256("|".join(nonces).encode()).hexdigest()
+
+
+def connect(build: Callable[[], Any], store: Any, rank: int, label: str) -> Any:
+    """`build()` (a backend connecting through the store, bounded by the store's timeout) in a daemon thread,
+    while watching for another rank's fault verdict, so a rendezvous refused elsewhere is refused here at once.
+
+    Raises:
+        CommError: a rank reported a fault while the backend connected.
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"reshard-connect-{rank}", daemon=True).start()
+    while not done.wait(_POLL_S):
+        _check_abort(store, rank, label)
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def prove_membership(control: Any, store: Any, rank: int, world_size: int, token: bytes, session: str,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,8 +43,8 @@ def fault(group: Group, failed: int | None, message: str, what: str) -> CommErro
 def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
     """Run `block` (waits on gloo work) while checking every `FAULT_POLL_S` whether a rank reported a fault.
 
-    `block` runs in a daemon thread, so a verdict from another rank ends this rank's wait at once; the abandoned
-    wait then ends at its own timeout, on a group that is aborted anyway.
+    `block` runs on the group's waiter thread (a daemon, started on first use), so a verdict from another rank ends
+    this rank's wait at once; the abandoned wait then ends at its own timeout, on a group that is aborted anyway.
 
     Raises:
         CommError: with the group's verdict, when some rank reported a fault before `block` finished.
@@ -53,22 +54,37 @@ def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
         return
     done = threading.Event()
     error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            block()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            error.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"reshard-wait-{group.rank}", daemon=True).start()
+    _waiter(group).put((block, done, error))
     while not done.wait(FAULT_POLL_S):
         verdict = group.fault()
         if verdict is not None:
             raise CommError(group.describe_fault(verdict, what))
     if error:
         raise error[0]
+
+
+def _waiter(group: Group) -> queue.SimpleQueue:
+    """The queue of `group`'s waiter thread, which runs `(block, done, error)` jobs one after another."""
+    with group._state:
+        jobs = group._waiter
+        if jobs is None:
+            jobs = group._waiter = queue.SimpleQueue()
+            threading.Thread(target=_wait_loop, args=(jobs,), name=f"reshard-wait-{group.rank}", daemon=True).start()
+    return jobs
+
+
+def _wait_loop(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        block, done, error = job
+        try:
+            block()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            error.append(e)
+        finally:
+            done.set()
 
 
 TensorMap = Mapping[int, "torch.Tensor | Sequence[torch.Tensor]"]
@@ -87,7 +103,8 @@ def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[to
 class TransferHandle:
     """The sends and receives of one `transfer` call, in flight.
 
-    Runtime contract: until `wait()` returns, do not write a tensor being sent nor read one being received. On
+    Runtime contract: until `wait()` returns, do not write a tensor being sent nor read one being received. A
+    handle from `transfer` holds its group's call slot until `wait()` returns (see `Group`: one call at a time). On
     CPU (gloo), `wait()` blocks until every operation completed, at most `timeout` in all, and raises `CommError`
     naming the peer if one failed or did not answer. On CUDA (NCCL), `wait()` makes the *current stream* wait for
     the transfers and returns without blocking the host; failures then surface through NCCL's own watchdog, which
@@ -102,6 +119,13 @@ class TransferHandle:
         self._what = what
         self._device_type = device_type
         self._done = not works
+        self._release: Callable[[], Any] | None = None  # ends the group call `transfer` started
+
+    def _finish(self) -> None:
+        self._done = True
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def wait(self, timeout: Timeout | None = None) -> None:
         """Complete every send and receive (see the class docstring).
@@ -114,9 +138,11 @@ class TransferHandle:
             return
         if self._device_type == "cuda":
             # NCCL: a stream wait, no host block (a timeout argument would make NCCL block the host)
-            for _, _, work in self._works:
-                work.wait()
-            self._done = True
+            try:
+                for _, _, work in self._works:
+                    work.wait()
+            finally:
+                self._finish()
             return
         limit = as_timedelta(timeout, default=self._timeout)
         start = time.monotonic()
@@ -135,7 +161,7 @@ class TransferHandle:
         try:
             wait_watched(self._group, wait_all, self._what)
         finally:
-            self._done = True
+            self._finish()
         if failure:
             kind, peer, e = failure[0]
             waited = time.monotonic() - start
@@ -143,7 +169,6 @@ class TransferHandle:
                        f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
                        f"different plans: {e}")
             raise fault(self._group, peer, message, self._what) from e
-        self._done = True
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (every operation finished or failed)."""
@@ -250,7 +275,17 @@ def transfer(
         raise ValueError(f"transfer: rank {group.rank} sends itself {[tuple(t.shape) for t in self_sends]} but "
                          f"receives {[tuple(t.shape) for t in self_recvs]}; a transfer to yourself is a local copy "
                          "and needs matching tensors")
-    for a, b in zip(self_sends, self_recvs):
-        b.copy_(a)
-    logger.debug("rank %d: transfer posts %d sends, %d receives", group.rank, len(send_list), len(recv_list))
-    return post(send_list, recv_list, group, timeout=td, what="transfer")
+    guard = group.exclusive("transfer")  # held until the handle's wait() returns (see Group: one call at a time)
+    guard.__enter__()
+    try:
+        for a, b in zip(self_sends, self_recvs):
+            b.copy_(a)
+        logger.debug("rank %d: transfer posts %d sends, %d receives", group.rank, len(send_list), len(recv_list))
+        handle = post(send_list, recv_list, group, timeout=td, what="transfer")
+    except BaseException as e:
+        guard.__exit__(type(e), e, e.__traceback__)
+        raise
+    handle._release = lambda: guard.__exit__(None, None, None)
+    if handle._done:
+        handle._finish()
+    return handle

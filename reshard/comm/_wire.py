@@ -4,9 +4,9 @@ Every control message that carries a variable payload (error lists, plan descrip
 rendezvous claims, fault reports) is the UTF-8 JSON text of `{"v": WIRE_VERSION, "kind": KIND, "data": VALUE}`,
 where `VALUE` is built from `None`, `bool`, `int`, `float` (finite), `str`, lists and string-keyed dicts. Tuples are
 sent as lists. Decoding is `json.loads` and a structural check: a peer's bytes are never deserialised as objects,
-evaluated or loaded as tensors, so a member of a group cannot make another member run code. A payload that is larger than
-`MAX_MESSAGE_BYTES`, is not valid UTF-8 JSON, has another version or kind, or nests deeper than `MAX_DEPTH` is a
-`CommError` naming the sender.
+evaluated or loaded as tensors, so a member of a group cannot make another member run code. A payload that is
+larger than `MAX_MESSAGE_BYTES`, is not valid UTF-8 JSON, has another version or kind, or nests deeper than
+`MAX_DEPTH` is a `CommError` naming the sender.
 """
 
 from __future__ import annotations
