@@ -142,11 +142,11 @@ def test_wire_decoding_refuses_malformed_messages() -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
-def on_rank_two_threads(w, different_plans: bool, calls: int) -> dict:
+def on_rank_two_threads(w, different_plans: bool, calls: int, tag: str = "guarded") -> dict:
     """Two threads reshard on one group at once, `calls` times each; each thread's source has its own content."""
     from reshard.comm import reshard
 
-    group = w.new_group(f"threads-{different_plans}", timeout=20)
+    group = w.new_group(f"threads-{tag}-{different_plans}", timeout=20)
     mesh = Mesh(list(range(w.world_size)))
     results: dict[int, list[str]] = {0: [], 1: []}
 
@@ -185,6 +185,25 @@ def test_two_threads_on_one_group_never_cross_data(pool, different_plans) -> Non
             for r in res:
                 assert r == "ok" or "second thread" in r or "different plans" in r, (o.rank, t, r)
     assert any(r != "ok" for o in outs for res in o.value.values() for r in res), "the threads never overlapped"
+
+
+def on_rank_two_threads_unguarded(w, calls: int) -> dict:
+    """The same race with the group's one-call-at-a-time guard switched off."""
+    import contextlib
+
+    original = Group.exclusive
+    Group.exclusive = lambda self, what: contextlib.nullcontext()
+    try:
+        return on_rank_two_threads(w, False, calls, "unguarded")
+    finally:
+        Group.exclusive = original
+
+
+def test_without_the_guard_the_race_crosses_data(pool) -> None:
+    """Negative control: the race above really hands one thread's bytes to the other when nothing refuses it."""
+    outs = pool.run(on_rank_two_threads_unguarded, 20, timeout=240)
+    wrong = sum(r == "WRONG BYTES" for o in outs if o.ok for res in o.value.values() for r in res)
+    assert wrong > 0, [o.value if o.ok else o.error for o in outs]
 
 
 def test_exclusive_is_reentrant_and_refuses_a_second_thread() -> None:

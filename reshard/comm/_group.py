@@ -250,6 +250,7 @@ class Group:
                 store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=remaining(),
                                       wait_for_workers=False, master_listen_fd=sock.detach())
             else:
+                rv.wait_for_listener(host, port, deadline, f"rank {rank} of {label}")
                 store = dist.TCPStore(host, port, None, False, timeout=remaining())
         except CommError:
             raise
@@ -336,11 +337,13 @@ class Group:
                 if self._owner is None:
                     self._owner, self._owner_what = me, what
                 self._depth += 1
+                outer = self._depth == 1
         if clash:
             verdict = self.report_fault(None, clash)
             raise CommError(self.describe_fault(verdict, what))
         try:
-            self.raise_if_aborted(what)
+            if outer or self._verdict is not None:  # one store round trip per outermost call
+                self.raise_if_aborted(what)
             yield
         finally:
             with self._state:

@@ -88,6 +88,29 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def wait_for_listener(host: str, port: int, deadline: float, label: str) -> None:
+    """Wait until something accepts TCP connections on `host:port`, polling until `deadline`.
+
+    torch's store client retries with its own back-off and can overshoot a short timeout several times over, so
+    the store is only built once its address answers.
+
+    Raises:
+        CommError: nothing listened there before `deadline`.
+    """
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommError(f"{label}: cannot reach the store at {host}:{port} within the timeout: nothing accepted "
+                            f"a connection ({last})")
+        try:
+            with socket.create_connection((host, port), timeout=min(max(left, 0.01), 1.0)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(min(_POLL_S * 2, max(deadline - time.monotonic(), 0)))
+
+
 def _mac(token: bytes, *parts: object) -> str:
     return hmac.new(token, "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
 
