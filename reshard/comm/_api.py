@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import pickle
+import json
 from typing import Any
 
 import torch
 
 from reshard.comm._executor import execute
 from reshard.comm._group import Group, Timeout, as_timedelta
-from reshard.comm._handshake import all_gather_object
+from reshard.comm._group import CommError
+from reshard.comm._handshake import all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._layout import placement_str
@@ -65,7 +66,11 @@ def reshard(
 
 
 def _side_meta(dt: Any, which: str) -> dict[str, Any] | None:
-    """What one rank knows of one side's layout: the DTensor's global layout and this rank's place in its mesh."""
+    """What one rank knows of one side's layout: the DTensor's global layout and this rank's place in its mesh.
+
+    Only JSON values (tuples are lists on the wire; `_meta_from_wire` restores them): placements in DTensor
+    notation (`S(0)`, `R`, `_S(0, 2)`, `P`).
+    """
     if dt is None:
         return None
     from torch.distributed.tensor import DTensor
@@ -89,6 +94,14 @@ _SIDE_FIELDS = frozenset({"shape", "dtype", "mesh_shape", "mesh_ranks", "axis_na
 
 
 def _read_side_meta(which: str, rank: int, m: Any) -> dict[str, Any] | None:
+    """`_check_side_meta`, with a malformed message reported as a `CommError` naming its sender."""
+    try:
+        return _check_side_meta(which, rank, m)
+    except ValueError as e:
+        raise CommError(str(e)) from None
+
+
+def _check_side_meta(which: str, rank: int, m: Any) -> dict[str, Any] | None:
     """One rank's `_side_meta` as received, checked field by field (`ValueError` naming the rank otherwise), with
     sequences as tuples and placements decoded."""
     if m is None:
@@ -119,7 +132,7 @@ def _read_side_meta(which: str, rank: int, m: Any) -> dict[str, Any] | None:
 
 
 def _meta_text(m: dict[str, Any]) -> str:
-    pl = ", ".join(placement_str(p) for p in m["placements"])
+    pl = ", ".join(m["placements"])
     return (f"{list(m['shape'])} {m['dtype']} mesh {'x'.join(map(str, m['mesh_shape']))} (own ranks "
             f"{list(m['mesh_ranks'])}) [{pl}]")
 
@@ -134,8 +147,7 @@ def _layout_from_metas(which: str, metas: list[dict[str, Any] | None], name: str
                          f"the {which} side must be given on the ranks of its mesh")
     keys = {}
     for r, m in holders:
-        keys.setdefault((m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"],
-                         tuple(placement_str(p) for p in m["placements"])), []).append(r)
+        keys.setdefault((m["shape"], m["dtype"], m["mesh_shape"], m["mesh_ranks"], m["placements"]), []).append(r)
     if len(keys) > 1:
         head = (f"reshard_dtensor: the {which} DTensors differ between ranks (every rank must pass the same global "
                 "layout):")
@@ -182,15 +194,22 @@ def exchange_layouts(src: Any, dst: Any, group: Group, *, timeout: Timeout | Non
     """
     td = as_timedelta(timeout, default=group.timeout)
     local = (_side_meta(src, "src"), _side_meta(dst, "dst"))
-    digest = hashlib.sha256(pickle.dumps((local[0] and _meta_key(local[0]), local[1] and _meta_key(local[1]),
-                                          name))).digest()[:16]
-    digests = tuple(all_gather_object(group, digest, timeout=td, what="reshard_dtensor layout digest"))
+    digest = hashlib.sha256(json.dumps([local[0], local[1], name]).encode()).hexdigest()[:32]
+    digests = tuple(all_gather_json(group, digest, timeout=td, what="reshard_dtensor layout digest"))
+    bad = [r for r, d in enumerate(digests) if not isinstance(d, str)]
+    if bad:
+        raise CommError(f"reshard_dtensor: ranks {bad} sent a layout digest that is not a string")
     cache = group.cache.setdefault("layouts", {})
     hit = cache.get(digests)
     if hit is not None:
         return hit
-    metas = all_gather_object(group, local, timeout=td, what="reshard_dtensor layout exchange")
-    src_layout = _layout_from_metas("source", [_read_side_meta("source", r, m[0]) for r, m in enumerate(metas)], name)
+    metas = all_gather_json(group, list(local), timeout=td, what="reshard_dtensor layout exchange")
+    for r, m in enumerate(metas):
+        if not isinstance(m, list) or len(m) != 2:
+            raise CommError(f"reshard_dtensor: rank {r} sent layout metadata that is not a [source, destination] "
+                            "pair")
+    src_layout = _layout_from_metas("source", [_read_side_meta("source", r, m[0]) for r, m in enumerate(metas)],
+                                    name)
     dst_layout = _layout_from_metas("destination", [_read_side_meta("destination", r, m[1])
                                                     for r, m in enumerate(metas)], name)
     if len(cache) > 64:

@@ -708,7 +708,7 @@ def execute(
     if ranks[-1] >= group.size:
         raise ValueError(f"execute: the plan spans ranks up to {ranks[-1]} but {group} has {group.size} ranks")
     start = time.perf_counter()
-    with torch.no_grad():
+    with group.exclusive("execute"), torch.no_grad():  # one call at a time per group (see Group)
         prog = _program(plan, rank)
         errors, device = _check_tensors(plan, rank, src_tensors, dst_tensors)
         staging: Staging | None = None

@@ -15,18 +15,35 @@ Rank mapping. Plans speak in the group's ranks. With `Group.world()` these are t
 (ranks `0 .. T-1`) and `group_rank = T + own_rank` on the inference side (ranks `T .. T+I-1`). `reshard_dtensor`
 does this mapping itself from the DTensors' mesh coordinates, so DTensor meshes may keep the ranks of each side's
 own default world.
+
+Threading. A `Group` runs one call at a time (a reshard, an `execute`, a layout exchange, a `transfer` until its
+handle is waited on). A call made from a second thread while another thread's call runs on the same group is
+refused with `CommError`, and the group is aborted on every rank: peers cannot tell which of this process's threads
+their messages belong to, so continuing could hand one thread's bytes to the other. Use one group per thread (each
+its own `Group.rendezvous` prefix) to reshard concurrently.
+
+Faults. When a rank sees a peer fail (a closed connection, a timeout, a malformed message), it records a verdict in
+the group's store naming the failed rank and itself; every other rank polls for it while it waits and raises
+`CommError` with that verdict within `FAULT_POLL_S` (plus scheduling). After that the group is unusable: every
+later call raises the same verdict; close it and rendezvous anew under a fresh prefix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from reshard.comm import _rendezvous as rv
+from reshard.comm._errors import ABORT_KEY, FAULT_POLL_S, CommError, parse_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +68,14 @@ def as_timedelta(timeout: Timeout | None, *, default: datetime.timedelta = DEFAU
     return value
 
 
-class CommError(RuntimeError):
-    """A peer failed, died or did not answer within the timeout, or received bytes failed verification."""
-
-
 class Group:
     """A process group as reshard uses it: `rank` and `size` in the numbering that plans use.
 
     Do not build one directly: use `Group.world()` or `Group.rendezvous(...)`.
+
+    Threading rule: one call at a time. A call from a second thread while another thread's call runs on the group
+    raises `CommError` and aborts the group on every rank (see the module docstring); use one group per thread.
+    After a `CommError` from a fault (a dead, stuck or misbehaving peer) the group is unusable; close it.
 
     Attributes:
         rank: this process's rank in the group.
@@ -78,6 +95,7 @@ class Group:
         timeout: datetime.timedelta,
         closer: Callable[[], None] | None = None,
         keepalive: tuple = (),
+        store: Any = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -89,7 +107,15 @@ class Group:
         self._keepalive = keepalive  # the store must outlive the backends built on it
         self.cache: dict[Any, Any] = {}
         """Per-group caches of the comm layer (exchanged layouts, staging); cleared by `close()`."""
-        self._lock = threading.Lock()
+        self._store = store  # where fault verdicts meet (None: faults are reported on the observing rank only)
+        self._state = threading.Lock()
+        self._owner: int | None = None  # the thread whose call runs now
+        self._owner_what = ""
+        self._depth = 0
+        self._verdict: dict[str, Any] | None = None
+        self._waiter: Any = None  # the job queue of the thread that runs blocking waits (see _transfer.wait_watched)
+        self.store_port: int | None = None
+        """The store's port (a rendezvous group; useful when the store was started on port 0)."""
 
     # -- construction -------------------------------------------------------------------------------------------
 
@@ -119,8 +145,12 @@ class Group:
             control = dist.new_group(backend="gloo")
         if "nccl" in backend or "cuda" in backend:
             data["cuda"] = pg
+        try:
+            store: Any = dist.PrefixStore("reshard/world/", dist.distributed_c10d._get_default_store())
+        except Exception:  # a world without a store of its own: faults are reported on the observing rank only
+            store = None
         group = cls(rank=dist.get_rank(), size=dist.get_world_size(), control=control, data=data,
-                    name=f"world({backend})", timeout=DEFAULT_TIMEOUT)
+                    name=f"world({backend})", timeout=DEFAULT_TIMEOUT, store=store)
         cls._WORLD, cls._WORLD_PG = group, pg
         return group
 
@@ -136,26 +166,40 @@ class Group:
         timeout: Timeout = DEFAULT_TIMEOUT,
         prefix: str = "reshard",
         is_master: bool | None = None,
+        token: str | bytes | None = None,
     ) -> Group:
         """Build a separate group of `world_size` processes that meet at a TCP store on `host:port`.
 
         The default process group (if any) is neither used nor changed. Every process of the group calls this with
-        the same `host`, `port`, `world_size` and `prefix`, and its own `rank`.
+        the same `host`, `port`, `world_size`, `prefix` and token, and its own `rank`.
+
+        Joining is checked (see `reshard.comm._rendezvous`): each rank claims its rank with a claim signed by the job
+        token (an HMAC; the token is never written to the store), and refuses the group with `CommError`, within
+        `timeout`, when a rank is claimed twice, a rank has another world size or token, or a rank does not join.
+        A store hosted here listens on `host` only, not on every interface.
 
         Args:
-            host, port: the TCP store's address. By default group rank 0 hosts the store there.
+            host, port: the TCP store's address. By default group rank 0 hosts the store there (port 0: any free
+                port, see `store_port`).
             rank: this process's rank in the new group, `0 <= rank < world_size` (see the module docstring for how
                 to map each side's own ranks into the group).
             world_size: the number of processes in the group.
             backend: `None` (gloo for CPU tensors, plus NCCL for CUDA tensors when CUDA is available), `"gloo"`
                 or `"nccl"` (NCCL for data; control messages always use gloo).
-            timeout: for the rendezvous and, by default, for every operation on the group.
-            prefix: a namespace in the store, so several groups can share one store.
+            timeout: for the whole rendezvous and, by default, for every operation on the group.
+            prefix: a namespace in the store, so several groups can share one store; use a fresh one per group.
             is_master: whether this process hosts the store; default `rank == 0`. Pass False on every rank when the
                 store is hosted elsewhere.
+            token: the job's shared secret (str or bytes); default the `RESHARD_TOKEN` environment variable.
+                Required unless `host` is a loopback address (then a missing token logs that the group is
+                unauthenticated).
 
         Returns:
             The group. Call `close()` when done with it.
+
+        Raises:
+            ValueError: bad arguments, or no token for a non-loopback host (before any connection).
+            CommError: the rendezvous was refused or did not complete within `timeout` (on every rank that joined).
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or isinstance(world_size, bool) \
                 or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
@@ -163,12 +207,43 @@ class Group:
                              f"world_size={world_size!r}")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"Group.rendezvous: backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"Group.rendezvous: prefix must be a non-empty str, got {prefix!r}")
         td = as_timedelta(timeout)
+        key = rv.resolve_token(token, host)
+        deadline = time.monotonic() + td.total_seconds()
+        label = f"rendezvous({prefix})"
         master = rank == 0 if is_master is None else bool(is_master)
-        store = dist.TCPStore(host, port, world_size if master else None, master, timeout=td,
-                              wait_for_workers=False)
+
+        def remaining() -> datetime.timedelta:
+            return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+
+        try:
+            if master:
+                sock = rv.listen(host, port)
+                store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=remaining(),
+                                      wait_for_workers=False, master_listen_fd=sock.detach())
+            else:
+                rv.wait_for_listener(host, port, deadline, f"rank {rank} of {label}")
+                store = dist.TCPStore(host, port, None, False, timeout=remaining())
+        except CommError:
+            raise
+        except Exception as e:  # DistStoreError, DistNetworkError, TimeoutError: torch's store errors
+            raise CommError(f"rank {rank} of {label}: cannot reach the store at {host}:{port} within "
+                            f"{td.total_seconds():.1f} s: {type(e).__name__}: {e}") from e
         base = dist.PrefixStore(f"{prefix}/", store)
-        control = dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td)
+        try:
+            session = rv.join(base, rank, world_size, key, deadline, label)
+            store.set_timeout(remaining())
+            control = rv.connect(lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td),
+                                 base, rank, label)
+            rv.prove_membership(control, base, rank, world_size, key, session, remaining(), label)
+        except CommError:
+            raise
+        except Exception as e:  # torch's store errors while the backend connects
+            raise CommError(f"rank {rank} of {label}: the rendezvous failed: {type(e).__name__}: {e}") from e
+        finally:
+            store.set_timeout(td)
         data: dict[str, Any] = {"cpu": control}
         want_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
         if want_nccl:
@@ -191,8 +266,10 @@ class Group:
                         logger.debug("group %s: shutdown failed", prefix, exc_info=True)
 
         logger.debug("rendezvous %s at %s:%d: rank %d of %d", prefix, host, port, rank, world_size)
-        return cls(rank=rank, size=world_size, control=control, data=data, name=f"rendezvous({prefix})",
-                   timeout=td, closer=close, keepalive=(store, base))
+        group = cls(rank=rank, size=world_size, control=control, data=data, name=label, timeout=td, closer=close,
+                    keepalive=(store, base), store=base)
+        group.store_port = store.port
+        return group
 
     # -- use ----------------------------------------------------------------------------------------------------
 
@@ -213,12 +290,90 @@ class Group:
                              "tensors with gloo or CUDA tensors with NCCL")
         return pg
 
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Run one call on the group: refuse (and abort the group) if another thread's call runs on it.
+
+        Re-entrant in one thread (a reshard inside a refit). Also refuses a group that a fault aborted.
+
+        Raises:
+            CommError: another thread is inside a call on this group, or the group was aborted.
+        """
+        me = threading.get_ident()
+        with self._state:
+            if self._owner is not None and self._owner != me:
+                busy = self._owner_what
+                clash = (f"{what} was called from a second thread while {busy} runs on the same group; a Group runs "
+                         "one call at a time, and peers cannot tell the two calls apart, so the group is aborted "
+                         "on every rank (use one group per thread)")
+            else:
+                clash = ""
+                if self._owner is None:
+                    self._owner, self._owner_what = me, what
+                self._depth += 1
+                outer = self._depth == 1
+        if clash:
+            verdict = self.report_fault(None, clash)
+            raise CommError(self.describe_fault(verdict, what))
+        try:
+            if outer or self._verdict is not None:  # one store round trip per outermost call
+                self.raise_if_aborted(what)
+            yield
+        finally:
+            with self._state:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+
+    def report_fault(self, failed: int | None, message: str) -> dict[str, Any]:
+        """Record that this rank saw rank `failed` (None: unknown) fail; returns the group's first verdict.
+
+        The first verdict written wins, so every rank reports the same culprit; later ones are logged only.
+        """
+        mine = {"failed": failed, "observer": self.rank, "message": message[:4000]}
+        verdict = mine
+        if self._store is not None:
+            raw = json.dumps(mine).encode()
+            try:
+                verdict = parse_verdict(self._store.compare_set(ABORT_KEY, "", raw))
+            except Exception:  # the store host may be gone too: the local verdict stands
+                logger.debug("%s: cannot record the fault verdict", self, exc_info=True)
+        if verdict != mine:
+            logger.info("%s: fault seen here (%s) follows the group's verdict (%s)", self, message, verdict)
+        self._verdict = self._verdict or verdict
+        return self._verdict
+
+    def fault(self) -> dict[str, Any] | None:
+        """The group's fault verdict if some rank reported one (a store round trip until one is found), else None."""
+        if self._verdict is None and self._store is not None:
+            try:
+                if self._store.check([ABORT_KEY]):
+                    self._verdict = parse_verdict(self._store.get(ABORT_KEY))
+            except Exception:  # a store that stopped answering is itself a fault, seen by the waits
+                logger.debug("%s: cannot read the fault verdict", self, exc_info=True)
+        return self._verdict
+
+    def describe_fault(self, verdict: dict[str, Any], what: str) -> str:
+        """The `CommError` message for `verdict` as seen by this rank during `what`."""
+        failed = "a rank" if verdict["failed"] is None else f"rank {verdict['failed']}"
+        return (f"rank {self.rank} of {self}: {what} stopped: {failed} failed, seen by rank {verdict['observer']}: "
+                f"{verdict['message']}")
+
+    def raise_if_aborted(self, what: str) -> None:
+        """Raise the group's fault verdict as a `CommError` if some rank reported one."""
+        verdict = self.fault()
+        if verdict is not None:
+            raise CommError(self.describe_fault(verdict, what))
+
     def check_rank(self, rank: int, what: str) -> None:
         if not 0 <= rank < self.size:
             raise ValueError(f"{what}: rank {rank} is outside {self} (ranks 0..{self.size - 1})")
 
     def close(self) -> None:
         """Release the group's backends (a rendezvous group only; the default world is left alone)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.put(None)  # ends the waiter thread after its current wait
         self.cache.clear()
         if self._closer is not None:
             closer, self._closer = self._closer, None

@@ -1,4 +1,4 @@
-"""Agreement before and after data moves: plan fingerprints, bad-input flags, and object all-gather.
+"""Agreement before and after data moves: plan fingerprints, bad-input flags, and a JSON all-gather.
 
 `agree` is a star exchange over the control backend among the ranks of a plan, rooted at the lowest of them: every
 rank sends its plan fingerprint and its local errors, the root decides, and every rank gets the same verdict. So
@@ -12,7 +12,6 @@ posts a receive of the wrong size.
 from __future__ import annotations
 
 import datetime
-import pickle
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,11 +19,14 @@ from typing import Any
 import torch
 
 from reshard.comm._group import CommError, Group
-from reshard.comm._transfer import TAG_CONTROL, post
+from reshard.comm._transfer import TAG_CONTROL, fault, post, wait_watched
+from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode
 
 _FP_BYTES = 32
-_HEADER = struct.Struct(f"<{_FP_BYTES}sq")  # fingerprint, payload length
-_REPLY = struct.Struct("<qq")  # status, payload length
+_MAGIC = 0x52530000 | WIRE_VERSION  # "RS" + wire version: a peer of another version is named, not misread
+_HEADER = struct.Struct(f"<I{_FP_BYTES}sq")  # magic, fingerprint, payload length
+_REPLY = struct.Struct("<Iqq")  # magic, status, payload length
+_LENGTH = struct.Struct("<Iq")  # magic, payload length
 
 _OK, _FAIL, _DESCRIBE, _WAIT = 0, 1, 2, 3
 EXACT_SUFFIX = " (exact)"
@@ -48,6 +50,50 @@ def _exchange(group: Group, sends: Sequence[tuple[int, bytes]], recvs: Sequence[
     return out
 
 
+def _refused(group: Group, sender: int, error: CommError, what: str) -> CommError:
+    """A malformed or oversized message from `sender`: a fault every rank learns, naming `sender`."""
+    return fault(group, sender, str(error), what)
+
+
+def _unpack(fmt: struct.Struct, data: bytes, sender: int, group: Group, label: str) -> tuple:
+    values = fmt.unpack(data)
+    if values[0] != _MAGIC:
+        raise _refused(group, sender, CommError(
+            f"rank {group.rank} of {group}: {label}: rank {sender} sent a control header with magic "
+            f"{values[0]:#x}, expected {_MAGIC:#x} (another reshard version, or not a reshard process)"), label)
+    return values[1:]
+
+
+def _strings(value: Any, sender: int, group: Group, what: str, label: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _refused(group, sender, CommError(f"rank {group.rank} of {group}: {label}: rank {sender} sent {what} "
+                                                "that is not a list of strings"), label)
+    return value
+
+
+def _pairs(value: Any, sender: int, group: Group, label: str) -> list[tuple[str, str]]:
+    if not isinstance(value, list) or not all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)
+                                              for v in value):
+        raise _refused(group, sender, CommError(f"rank {group.rank} of {group}: {label}: rank {sender} sent a plan "
+                                                "description that is not a list of [field, value] strings"), label)
+    return [(k, v) for k, v in value]
+
+
+def _payload(group: Group, data: bytes, sender: int, kind: str, label: str) -> Any:
+    try:
+        return decode(data, sender, kind, f"rank {group.rank} of {group}: {label}")
+    except CommError as e:
+        raise _refused(group, sender, e, label) from None
+
+
+def _size(group: Group, size: int, sender: int, kind: str, label: str) -> int:
+    try:
+        check_size(size, sender, kind, f"rank {group.rank} of {group}: {label}")
+    except CommError as e:
+        raise _refused(group, sender, e, label) from None
+    return size
+
+
 def agree(
     group: Group,
     ranks: Sequence[int],
@@ -62,12 +108,16 @@ def agree(
 ) -> None:
     """Make every rank of `ranks` agree that all hold the same plan and no rank has an error; else raise on all.
 
+    Wire format: fixed-size struct headers (magic with the wire version, fingerprint, status, lengths) and
+    variable payloads in the JSON wire format of `reshard.comm._wire` (error strings, `[field, value]` pairs, the
+    verdict text); every announced length is checked against the size limit before the receive is posted.
+
     Args:
         group: the group `ranks` belong to (this process is `group.rank`, one of `ranks`).
         ranks: the ranks that take part; the lowest is the root.
         fingerprint: this rank's plan fingerprint.
         errors: this rank's local error messages (empty if none).
-        describe: called only when fingerprints differ: `(field, value)` pairs saying what the plan was built
+        describe: called only when fingerprints differ: `(field, value)` string pairs saying what the plan was built
             from (layouts, topology, budgets), so the root can say what differs.
         timeout: for each wait.
         what: a label for messages ("plan handshake").
@@ -76,25 +126,38 @@ def agree(
 
     Raises:
         `error_type` on every rank, with the same message: which ranks have which plan inputs, or every rank's
-        errors. `CommError` if a rank does not answer within `timeout`.
+        errors. `CommError` if a rank does not answer within `timeout`, or sends a malformed or oversized message
+        (naming it, on every rank).
     """
+    with group.exclusive(what):
+        _agree(group, ranks, fingerprint, errors, describe, timeout, what, error_type, failure)
+
+
+def _agree(group: Group, ranks: Sequence[int], fingerprint: str, errors: Sequence[str],
+           describe: Callable[[], list[tuple[str, str]]], timeout: datetime.timedelta, what: str,
+           error_type: type[Exception], failure: str) -> None:
     root = min(ranks)
     me = group.rank
     fp = fingerprint.encode()[:_FP_BYTES].ljust(_FP_BYTES, b"\0")
-    payload = pickle.dumps(list(errors)) if errors else b""
+    payload = encode("errors", [str(e) for e in errors]) if errors else b""
     label = f"{what} (root rank {root})"
     if me != root:
-        _exchange(group, [(root, _HEADER.pack(fp, len(payload))), (root, payload)], [], timeout, label)
+        _exchange(group, [(root, _HEADER.pack(_MAGIC, fp, len(payload))), (root, payload)], [], timeout, label)
         reply = _exchange(group, [], [(root, _REPLY.size)], timeout, label)[root]
-        status, size = _REPLY.unpack(reply)
+        status, size = _unpack(_REPLY, reply, root, group, label)
         if status in (_DESCRIBE, _WAIT):
             if status == _DESCRIBE:
-                desc = pickle.dumps(describe())
-                _exchange(group, [(root, struct.pack("<q", len(desc))), (root, desc)], [], timeout, label)
-            status, size = _REPLY.unpack(_exchange(group, [], [(root, _REPLY.size)], timeout, label)[root])
+                desc = encode("describe", [[str(k), str(v)] for k, v in describe()])
+                _exchange(group, [(root, _LENGTH.pack(_MAGIC, len(desc))), (root, desc)], [], timeout, label)
+            reply = _exchange(group, [], [(root, _REPLY.size)], timeout, label)[root]
+            status, size = _unpack(_REPLY, reply, root, group, label)
         if status == _OK:
             return
-        message = _exchange(group, [], [(root, size)], timeout, label)[root].decode()
+        data = _exchange(group, [], [(root, _size(group, size, root, "verdict", label))], timeout, label)[root]
+        message = _payload(group, data, root, "verdict", label)
+        if status != _FAIL or not isinstance(message, str):
+            raise _refused(group, root, CommError(f"rank {me} of {group}: {label}: the root sent status {status} "
+                                                  f"with a {type(message).__name__} verdict"), label)
         raise error_type(message)
 
     others = [r for r in sorted(set(ranks)) if r != me]
@@ -102,29 +165,32 @@ def agree(
     fps: dict[int, bytes] = {me: fp}
     sizes: dict[int, int] = {}
     for r, h in headers.items():
-        fps[r], sizes[r] = _HEADER.unpack(h)
+        fps[r], size = _unpack(_HEADER, h, r, group, label)
+        sizes[r] = _size(group, size, r, "errors", label)
     blobs = _exchange(group, [], [(r, n) for r, n in sizes.items() if n], timeout, label)
-    all_errors: dict[int, list[str]] = {me: list(errors)} if errors else {}
+    all_errors: dict[int, list[str]] = {me: [str(e) for e in errors]} if errors else {}
     for r, b in blobs.items():
         if b:
-            all_errors[r] = pickle.loads(b)
+            all_errors[r] = _strings(_payload(group, b, r, "errors", label), r, group, "errors", label)
     differ = [r for r in others if fps[r] != fp]
     message = ""
     if differ:
-        _exchange(group, [(r, _REPLY.pack(_DESCRIBE if r in differ else _WAIT, 0)) for r in others], [], timeout,
-                  label)
-        lens = _exchange(group, [], [(r, 8) for r in differ], timeout, label)
-        descs = _exchange(group, [], [(r, struct.unpack("<q", lens[r])[0]) for r in differ], timeout, label)
-        message = _describe_difference(me, describe(), {r: pickle.loads(descs[r]) for r in differ}, fps, what)
+        _exchange(group, [(r, _REPLY.pack(_MAGIC, _DESCRIBE if r in differ else _WAIT, 0)) for r in others], [],
+                  timeout, label)
+        lens = _exchange(group, [], [(r, _LENGTH.size) for r in differ], timeout, label)
+        want = {r: _size(group, _unpack(_LENGTH, lens[r], r, group, label)[0], r, "describe", label) for r in differ}
+        descs = _exchange(group, [], list(want.items()), timeout, label)
+        theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in differ}
+        message = _describe_difference(me, [(str(k), str(v)) for k, v in describe()], theirs, fps, what)
         if all_errors:
             message += "\n" + _describe_errors(all_errors, failure)
     elif all_errors:
         message = _describe_errors(all_errors, failure)
-    data = message.encode()
+    data = encode("verdict", message) if message else b""
     status = _FAIL if message else _OK
     sends: list[tuple[int, bytes]] = []
     for r in others:
-        sends.append((r, _REPLY.pack(status, len(data))))
+        sends.append((r, _REPLY.pack(_MAGIC, status, len(data))))
         if data:
             sends.append((r, data))
     _exchange(group, sends, [], timeout, label)
@@ -172,29 +238,42 @@ def _describe_difference(root: int, mine: list[tuple[str, str]], theirs: dict[in
     return "\n".join(lines)
 
 
-def all_gather_object(group: Group, obj: Any, *, timeout: datetime.timedelta, what: str) -> list[Any]:
-    """Every rank of `group` gets every rank's `obj` (pickled), in rank order, over the control backend.
+def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, what: str) -> list[Any]:
+    """Every rank of `group` gets every rank's `value`, in rank order, over the control backend.
 
+    `value` must be JSON-serialisable (None, bool, int, finite float, str, lists, tuples, str-keyed dicts); it
+    travels in the wire format of `reshard.comm._wire`, so what comes back holds lists where tuples were sent.
     Collective: every rank of the group calls it.
+
+    Raises:
+        TypeError, ValueError: `value` is not JSON-serialisable or too large (on this rank, before any message).
+        CommError: a rank did not answer within `timeout`, or announced or sent an oversized or malformed payload
+            (naming it; every rank sees the same bytes, so every rank raises).
     """
-    pg = group.control
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size)]
-    _wait(lambda: pg.allgather([sizes], [size]), group, timeout, what)
-    width = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(data)] = _to_tensor(data)
-    bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size)]
-    _wait(lambda: pg.allgather([bufs], [buf]), group, timeout, what)
-    return [pickle.loads(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+    data = encode(what, value)
+    with group.exclusive(what):
+        pg = group.control
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size)]
+        _wait(lambda: pg.allgather([sizes], [size]), group, timeout, what)
+        for r, s in enumerate(sizes):
+            _size(group, int(s.item()), r, what, what)
+        width = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = _to_tensor(data)
+        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size)]
+        _wait(lambda: pg.allgather([bufs], [buf]), group, timeout, what)
+        return [_payload(group, b[: int(s.item())].numpy().tobytes(), r, what, what)
+                for r, (b, s) in enumerate(zip(bufs, sizes))]
 
 
 def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, what: str) -> None:
-    """Start a collective and wait for it; a failure to start (gloo refuses a connection a dead peer closed) or to
-    finish is a `CommError`."""
+    """Start a collective and wait for it (watching for other ranks' fault reports); a failure to start (gloo
+    refuses a connection a dead peer closed) or to finish is a `CommError` that every rank learns."""
     try:
-        start().wait(timeout)
+        wait_watched(group, lambda: start().wait(timeout), what)
+    except CommError:
+        raise
     except Exception as e:
-        raise CommError(f"rank {group.rank} of {group}: {what} failed or timed out after "
-                        f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}") from e
+        raise fault(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
+                    f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what) from e

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from reshard.comm._group import CommError, Group, Timeout, as_timedelta
+from reshard.comm._group import FAULT_POLL_S, CommError, Group, Timeout, as_timedelta
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,67 @@ TAG_DATA = 1
 their messages in the same (chunk, peer) order, so equal tags never mismatch."""
 TAG_CHECKSUM = 2
 TAG_CONTROL = 3
+
+def fault(group: Group, failed: int | None, message: str, what: str) -> CommError:
+    """The `CommError` to raise when this rank saw rank `failed` fail: records the verdict for every rank.
+
+    If another rank reported first, the error gives that verdict (the root cause) and this rank's observation.
+    """
+    report = getattr(group, "report_fault", None)
+    if report is None:
+        return CommError(message)
+    verdict = report(failed, message)
+    if verdict["observer"] == group.rank and verdict["message"] == message[:4000]:
+        return CommError(message)
+    return CommError(f"{group.describe_fault(verdict, what)}\n  (here: {message})")
+
+
+def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
+    """Run `block` (waits on gloo work) while checking every `FAULT_POLL_S` whether a rank reported a fault.
+
+    `block` runs on the group's waiter thread (a daemon, started on first use), so a verdict from another rank ends
+    this rank's wait at once; the abandoned wait then ends at its own timeout, on a group that is aborted anyway.
+
+    Raises:
+        CommError: with the group's verdict, when some rank reported a fault before `block` finished.
+    """
+    if getattr(group, "_store", None) is None:
+        block()
+        return
+    done = threading.Event()
+    error: list[BaseException] = []
+    _waiter(group).put((block, done, error))
+    while not done.wait(FAULT_POLL_S):
+        verdict = group.fault()
+        if verdict is not None:
+            raise CommError(group.describe_fault(verdict, what))
+    if error:
+        raise error[0]
+
+
+def _waiter(group: Group) -> queue.SimpleQueue:
+    """The queue of `group`'s waiter thread, which runs `(block, done, error)` jobs one after another."""
+    with group._state:
+        jobs = group._waiter
+        if jobs is None:
+            jobs = group._waiter = queue.SimpleQueue()
+            threading.Thread(target=_wait_loop, args=(jobs,), name=f"reshard-wait-{group.rank}", daemon=True).start()
+    return jobs
+
+
+def _wait_loop(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        block, done, error = job
+        try:
+            block()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            error.append(e)
+        finally:
+            done.set()
+
 
 TensorMap = Mapping[int, "torch.Tensor | Sequence[torch.Tensor]"]
 
@@ -40,7 +103,8 @@ def _as_list(value: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[to
 class TransferHandle:
     """The sends and receives of one `transfer` call, in flight.
 
-    Runtime contract: until `wait()` returns, do not write a tensor being sent nor read one being received. On
+    Runtime contract: until `wait()` returns, do not write a tensor being sent nor read one being received. A
+    handle from `transfer` holds its group's call slot until `wait()` returns (see `Group`: one call at a time). On
     CPU (gloo), `wait()` blocks until every operation completed, at most `timeout` in all, and raises `CommError`
     naming the peer if one failed or did not answer. On CUDA (NCCL), `wait()` makes the *current stream* wait for
     the transfers and returns without blocking the host; failures then surface through NCCL's own watchdog, which
@@ -55,6 +119,13 @@ class TransferHandle:
         self._what = what
         self._device_type = device_type
         self._done = not works
+        self._release: Callable[[], Any] | None = None  # ends the group call `transfer` started
+
+    def _finish(self) -> None:
+        self._done = True
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def wait(self, timeout: Timeout | None = None) -> None:
         """Complete every send and receive (see the class docstring).
@@ -67,26 +138,37 @@ class TransferHandle:
             return
         if self._device_type == "cuda":
             # NCCL: a stream wait, no host block (a timeout argument would make NCCL block the host)
-            for _, _, work in self._works:
-                work.wait()
-            self._done = True
+            try:
+                for _, _, work in self._works:
+                    work.wait()
+            finally:
+                self._finish()
             return
         limit = as_timedelta(timeout, default=self._timeout)
         start = time.monotonic()
         deadline = start + limit.total_seconds()
-        for kind, peer, work in self._works:
-            remaining = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(datetime.timedelta(seconds=remaining))
-            except Exception as e:  # gloo raises RuntimeError for timeouts and closed connections
-                waited = time.monotonic() - start
-                self._done = True
-                raise CommError(
-                    f"rank {self._group.rank} of {self._group}: {self._what}: {kind} rank {peer} failed after "
-                    f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
-                    f"different plans: {e}"
-                ) from e
-        self._done = True
+        failure: list[tuple[str, int, BaseException]] = []
+
+        def wait_all() -> None:
+            for kind, peer, work in self._works:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                try:
+                    work.wait(datetime.timedelta(seconds=remaining))
+                except Exception as e:  # gloo raises RuntimeError for timeouts and closed connections
+                    failure.append((kind, peer, e))
+                    return
+
+        try:
+            wait_watched(self._group, wait_all, self._what)
+        finally:
+            self._finish()
+        if failure:
+            kind, peer, e = failure[0]
+            waited = time.monotonic() - start
+            message = (f"rank {self._group.rank} of {self._group}: {self._what}: {kind} rank {peer} failed after "
+                       f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
+                       f"different plans: {e}")
+            raise fault(self._group, peer, message, self._what) from e
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (every operation finished or failed)."""
@@ -129,10 +211,8 @@ def post(
                 kind = "send to"
                 works.append((kind, peer, pg.send([t], peer, tag)))
         except RuntimeError as e:  # gloo refuses to post on a connection a dead peer closed
-            raise CommError(
-                f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer died or closed its "
-                f"connection: {e}"
-            ) from e
+            raise fault(group, peer, f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer "
+                        f"died or closed its connection: {e}", what) from e
         finally:
             if coalesce:
                 work = pg._end_coalescing(dev)
@@ -195,7 +275,17 @@ def transfer(
         raise ValueError(f"transfer: rank {group.rank} sends itself {[tuple(t.shape) for t in self_sends]} but "
                          f"receives {[tuple(t.shape) for t in self_recvs]}; a transfer to yourself is a local copy "
                          "and needs matching tensors")
-    for a, b in zip(self_sends, self_recvs):
-        b.copy_(a)
-    logger.debug("rank %d: transfer posts %d sends, %d receives", group.rank, len(send_list), len(recv_list))
-    return post(send_list, recv_list, group, timeout=td, what="transfer")
+    guard = group.exclusive("transfer")  # held until the handle's wait() returns (see Group: one call at a time)
+    guard.__enter__()
+    try:
+        for a, b in zip(self_sends, self_recvs):
+            b.copy_(a)
+        logger.debug("rank %d: transfer posts %d sends, %d receives", group.rank, len(send_list), len(recv_list))
+        handle = post(send_list, recv_list, group, timeout=td, what="transfer")
+    except BaseException as e:
+        guard.__exit__(type(e), e, e.__traceback__)
+        raise
+    handle._release = lambda: guard.__exit__(None, None, None)
+    if handle._done:
+        handle._finish()
+    return handle

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from reshard.comm import Group, execute
+from reshard.comm import CommError, Group, execute
 from reshard.comm._group import as_timedelta
-from reshard.comm._handshake import all_gather_object
+from reshard.comm._handshake import all_gather_json
 from reshard.cost import gather_broadcast, get_hardware, link_time, plan_loads
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
@@ -302,7 +302,12 @@ class Refit:
             "errors": errors,
         }
         td = as_timedelta(self.timeout, default=self.group.timeout)
-        return all_gather_object(self.group, mine, timeout=td, what="refit metadata exchange")
+        metas = all_gather_json(self.group, mine, timeout=td, what="refit metadata exchange")
+        for r, m in enumerate(metas):
+            if not (isinstance(m, dict) and set(m) == set(mine) and m["rank"] == r and isinstance(m["sources"], dict)
+                    and isinstance(m["dests"], dict) and isinstance(m["errors"], list)):
+                raise CommError(f"refit metadata exchange: rank {r} sent malformed metadata: {str(m)[:200]}")
+        return metas
 
 
 @dataclass

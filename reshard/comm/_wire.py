@@ -1,0 +1,118 @@
+"""The wire format of control messages: versioned JSON with a size limit, never code.
+
+Every control message that carries a variable payload (error lists, plan descriptions, object all-gathers,
+rendezvous claims, fault reports) is the UTF-8 JSON text of `{"v": WIRE_VERSION, "kind": KIND, "data": VALUE}`,
+where `VALUE` is built from `None`, `bool`, `int`, `float` (finite), `str`, lists and string-keyed dicts. Tuples are
+sent as lists. Decoding is `json.loads` and a structural check: a peer's bytes are never deserialised as objects,
+evaluated or loaded as tensors, so a member of a group cannot make another member run code. A payload that is
+larger than `MAX_MESSAGE_BYTES`, is not valid UTF-8 JSON, has another version or kind, or nests deeper than
+`MAX_DEPTH` is a `CommError` naming the sender.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from reshard.comm._errors import CommError
+
+WIRE_VERSION = 1
+"""Version of the control-message format; peers with another version are refused."""
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest control payload a rank accepts from a peer (64 MiB); larger announced sizes are refused unread."""
+
+MAX_DEPTH = 32
+"""The deepest nesting of lists and dicts accepted in a payload."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def _check(value: Any, depth: int, path: str) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {MAX_DEPTH} levels")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: non-finite float {value!r}")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check(v, depth + 1, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{path}: dict keys must be str, got {type(k).__name__} {k!r}")
+            _check(v, depth + 1, f"{path}[{k!r}]")
+        return
+    raise TypeError(f"{path}: {type(value).__name__} is not JSON-serialisable (use None, bool, int, float, str, "
+                    "lists, tuples and str-keyed dicts)")
+
+
+def encode(kind: str, value: Any) -> bytes:
+    """`value` as a control message of `kind`.
+
+    Raises:
+        TypeError: `value` holds something other than JSON values (a tuple is sent as a list).
+        ValueError: a non-finite float, nesting deeper than `MAX_DEPTH`, or more than `MAX_MESSAGE_BYTES`.
+    """
+    _check(value, 0, kind)
+    data = json.dumps({"v": WIRE_VERSION, "kind": kind, "data": value}, separators=(",", ":"),
+                      allow_nan=False).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"{kind}: control message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def check_size(size: int, sender: int, kind: str, receiver: str) -> None:
+    """Refuse an announced payload size before receiving it.
+
+    Raises:
+        CommError: naming `sender`, when `size` is negative or over `MAX_MESSAGE_BYTES`.
+    """
+    if not 0 <= size <= MAX_MESSAGE_BYTES:
+        raise CommError(f"{receiver}: rank {sender} announced a {kind} message of {size} bytes; the limit is "
+                        f"{MAX_MESSAGE_BYTES} (a malformed or hostile message was refused unread)")
+
+
+def decode(data: bytes, sender: int, kind: str, receiver: str) -> Any:
+    """The value of a control message of `kind` from rank `sender` (`receiver` labels the error).
+
+    Raises:
+        CommError: naming `sender`, when the message is oversized, malformed, or of another version or kind.
+    """
+    check_size(len(data), sender, kind, receiver)
+    try:
+        msg = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        head = bytes(data[:16])
+        raise CommError(f"{receiver}: rank {sender} sent a malformed {kind} message ({len(data)} bytes starting "
+                        f"{head!r}): not UTF-8 JSON ({e}); it was not decoded further") from None
+    if not isinstance(msg, dict) or set(msg) != {"v", "kind", "data"}:
+        raise CommError(f"{receiver}: rank {sender} sent a malformed {kind} message: expected an object with keys "
+                        f"v, kind, data")
+    if msg["v"] != WIRE_VERSION:
+        raise CommError(f"{receiver}: rank {sender} speaks control-message version {msg['v']!r}, this rank "
+                        f"{WIRE_VERSION}; run the same reshard version on every rank")
+    if msg["kind"] != kind:
+        raise CommError(f"{receiver}: rank {sender} sent a {msg['kind']!r} message where {kind!r} was expected")
+    try:
+        _check(msg["data"], 0, kind)
+    except (TypeError, ValueError) as e:
+        raise CommError(f"{receiver}: rank {sender} sent a malformed {kind} message: {e}") from None
+    return msg["data"]
+
+
+def expect(value: Any, types: type | tuple[type, ...], sender: int, what: str, receiver: str) -> Any:
+    """`value` if it is an instance of `types` (bools are not ints), else a `CommError` naming `sender`."""
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in (
+        types if isinstance(types, tuple) else (types,)))
+    if not ok:
+        raise CommError(f"{receiver}: rank {sender} sent a malformed message: {what} is {type(value).__name__} "
+                        f"{str(value)[:80]!r}")
+    return value
