@@ -15,19 +15,19 @@ from collections import defaultdict
 
 import pytest
 import torch
-from dtensor_oracle import close_world, dtensor_local, index_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard import Layout, Mesh, Topology, plan
+from reshard.testing import close_fake_world, dtensor_local, index_tensor
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _fake_world():
     yield
-    close_world()
+    close_fake_world()
 
 
 @st.composite
