@@ -11,6 +11,8 @@ from comm_cases import build_cases, run_cases
 
 from reshard.testing import shared_pool
 
+pytestmark = pytest.mark.distributed
+
 WORLD = 8
 CASES = build_cases()
 

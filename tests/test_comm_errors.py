@@ -19,6 +19,8 @@ from reshard import Layout, Mesh, PlanItem, Topology, plan, plan_many
 from reshard.comm import Group, reshard
 from reshard.testing import shared_pool
 
+pytestmark = pytest.mark.distributed
+
 WORLD = 8
 
 

@@ -15,6 +15,8 @@ from torch.distributed.tensor import Shard
 from reshard import Layout, Mesh, plan
 from reshard.testing import RankPool
 
+pytestmark = pytest.mark.distributed
+
 TIMEOUT = 3.0
 
 

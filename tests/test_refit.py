@@ -8,6 +8,8 @@ from refit_cases import job_precision, job_refit, job_refit_error
 
 from reshard.testing import RankPool
 
+pytestmark = pytest.mark.distributed
+
 QWEN_SYSTEM = "train=tp2,dp2 gen=tp2,dp2 domain=4"  # trainer ranks 0-3, inference ranks 4-7
 MOE_SYSTEM = "train=ep2,dp2 gen=tp2,dp2 domain=4"
 

@@ -9,12 +9,16 @@ Ranks on this machine:
     Outcome, RankError: one rank's result; some ranks failed.
     free_port: a free TCP port on this machine.
 
+Devices:
+    device_under_test, DEVICE_ENV: the test device, `RESHARD_TEST_DEVICE` (`cpu` by default, or `cuda`).
+
 Ground truth from DTensor, in one process (a fake process group):
     dtensor_local: what `distribute_tensor(full, mesh, placements).to_local()` gives any rank.
     index_tensor: a tensor whose element `i` is `i`, to read ownership off a local tensor.
     use_fake_rank, close_fake_world: act as any rank of a fake default world, and tear it down.
 """
 
+from reshard.testing._device import DEVICE_ENV, device_under_test
 from reshard.testing._oracle import close_fake_world, dtensor_local, index_tensor, use_fake_rank
 from reshard.testing._pool import (
     PRELOAD,
@@ -30,6 +34,7 @@ from reshard.testing._pool import (
 )
 
 __all__ = [
+    "DEVICE_ENV",
     "PRELOAD",
     "Outcome",
     "RankError",
@@ -38,6 +43,7 @@ __all__ = [
     "close_fake_world",
     "close_shared_pools",
     "describe_exit",
+    "device_under_test",
     "dtensor_local",
     "free_port",
     "index_tensor",
