@@ -38,7 +38,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PRELOAD = ("__main__", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "reshard.comm")
+PRELOAD = ("__main__", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "reshard.comm",
+           "reshard.testing")
 """Modules the forkserver imports once, before it forks any rank (`__main__`: a script's own functions)."""
 
 _POLL_S = 0.2  # how often a waiting caller checks that its ranks are alive
