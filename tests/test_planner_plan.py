@@ -190,6 +190,7 @@ def test_for_rank_messages_agree_between_sender_and_receiver() -> None:
                 assert rm.transfers == m.transfers and rm.offsets == m.offsets and rm.nbytes == m.nbytes
 
 
+@pytest.mark.distributed  # starts several interpreters
 def test_plans_are_cached_and_deterministic_across_processes() -> None:
     code = textwrap.dedent(
         """
