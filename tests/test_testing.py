@@ -30,6 +30,10 @@ def on_rank_raise(w) -> None:
     raise ValueError(f"rank {w.rank}: bad value 7, expected 3")
 
 
+def on_rank_unpicklable(w):
+    return lambda: w.rank  # a value that cannot travel back
+
+
 def on_rank_die(w, victim: int, how: str) -> str:
     if w.rank == victim:
         if how == "exit":
@@ -71,6 +75,12 @@ def test_raised_error_comes_back_with_type_and_message(pool) -> None:
     with pytest.raises(RankError, match=r"3 of 3 ranks failed\nrank 0: ValueError: rank 0: bad value 7"):
         pool.run_ok(on_rank_raise)
     assert pool.run_ok(on_rank_value, 0)[0][0] == 0  # the pool survives raised errors
+
+
+def test_unpicklable_value_is_an_error_not_a_hang(pool) -> None:
+    outs = pool.run(on_rank_unpicklable, timeout=60)
+    assert all(o.error_type == "TypeError" and "cannot return the value of on_rank_unpicklable" in o.message
+               for o in outs), outs
 
 
 @pytest.mark.parametrize("how,expected", [("exit", "exit code 17"), ("kill", "signal SIGKILL")])

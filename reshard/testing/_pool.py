@@ -34,6 +34,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -203,11 +204,13 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, gen: int, bac
             out = Outcome(rank, False, error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
                           message=str(e), trace=traceback.format_exc())
         out.seconds = time.perf_counter() - start
-        try:
-            outbox.put((task_id, rank, out))
-        except Exception as e:  # noqa: BLE001 - an unpicklable value
-            outbox.put((task_id, rank, Outcome(rank, False, error=f"TypeError: cannot return the value: {e}",
-                                               error_type="TypeError", message=f"cannot return the value: {e}")))
+        try:  # the queue pickles in a background thread, where a failure would be lost: pickle here first
+            ForkingPickler.dumps(out)
+        except Exception as e:  # noqa: BLE001 - an unpicklable value or error
+            msg = f"cannot return the value of {qualname}: {type(e).__name__}: {e}"
+            out = Outcome(rank, False, error=f"TypeError: {msg}", error_type="TypeError", message=msg,
+                          seconds=out.seconds)
+        outbox.put((task_id, rank, out))
     # no destroy_process_group: it may wait on peers that are gone; the process exit releases gloo
 
 
