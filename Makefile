@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m reshard demo
+	$(PY) examples/refit_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_info, python_speed_ms, write_csv  # noqa: E402
+
 from reshard import Layout, Mesh, Topology, clear_plan_cache, plan  # noqa: E402
 
 

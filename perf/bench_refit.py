@@ -18,14 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import torch  # noqa: E402
-
 from _common import machine_info, write_csv  # noqa: E402
-from reshard._demo import refit_job  # noqa: E402
-from reshard._launch import RankPool  # noqa: E402
+from refit_demo import refit_job  # noqa: E402
+
 from reshard.planner import format_bytes  # noqa: E402
 from reshard.sim import System  # noqa: E402
+from reshard.testing import RankPool  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Usage:
     python perf/bench_reshard.py [--world 8] [--rows 25600 --cols 5120 --dtype bfloat16] [--repeat 5] [--warmup 1]
                                  [--staging-mib 64] [--scenarios tp-to-tp2xdp,...] [--backend gloo] [--out perf/out]
 
-For each scenario (see `reshard.comm._demo.scenarios`; the default weight is a Qwen3-32B MLP weight, 25600 x 5120
+For each scenario (see `perf/scenarios.py`; the default weight is a Qwen3-32B MLP weight, 25600 x 5120
 bf16), every method runs `--warmup` untimed and `--repeat` timed times in the same processes; each run is timed
 barrier to barrier and the slowest rank counts. Every result is checked bit for bit against DTensor's
 `distribute_tensor(...).to_local()`. Bytes are the payload moved between ranks: exact from the layouts for reshard
@@ -29,8 +29,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reshard.comm._demo import ScenarioResult, compare_job, format_results, launch, merge, scenarios  # noqa: E402
+from scenarios import ScenarioResult, compare_job, format_results, merge, scenarios  # noqa: E402
+
+from reshard.testing import launch  # noqa: E402
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
 
@@ -100,7 +103,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--staging-mib", type=float, default=64.0, help="reshard staging budget per rank")
-    ap.add_argument("--scenarios", default="all", help="comma-separated keys of reshard.comm._demo.scenarios")
+    ap.add_argument("--scenarios", default="all", help="comma-separated keys of scenarios() in perf/scenarios.py")
     ap.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo", choices=["gloo", "nccl"])
     ap.add_argument("--out", default="perf/out")
     args = ap.parse_args()
@@ -112,7 +115,7 @@ def main() -> int:
         ap.error(f"unknown scenarios {unknown}; expected some of {list(table)}")
     chosen = [table[k] for k in keys]
     t0 = time.perf_counter()
-    per_rank = launch(args.world, compare_job, chosen, warmup=args.warmup, repeat=args.repeat,
+    per_rank = launch(compare_job, args.world, chosen, warmup=args.warmup, repeat=args.repeat,
                       staging_bytes=int(args.staging_mib * 2**20), backend=args.backend)
     results = merge(per_rank)
     wall = time.perf_counter() - t0

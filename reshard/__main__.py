@@ -1,8 +1,7 @@
-"""Command line: `python -m reshard {plan,demo,simulate}`.
+"""Command line: `python -m reshard {plan,simulate}`.
 
 - `plan`: plan one tensor between two layouts written in DTensor notation and print the statistics next to
   gather-and-broadcast's bytes (`--describe` lists the transfers).
-- `demo`: the main job of `make demo`.
 - `simulate`: the cluster-scale refit simulator (see `reshard.sim`).
 """
 
@@ -12,8 +11,7 @@ import argparse
 import logging
 import sys
 
-from reshard._demo import run_demo
-from reshard._report import print_plan_report
+from reshard.cost import print_plan_report
 from reshard.planner import Topology
 from reshard.planner._dtypes import dtype_from_name
 from reshard.planner._notation import parse_layout
@@ -45,10 +43,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(args)
-
-
 def cmd_simulate(argv: list[str]) -> int:
     return int(sim_main(argv) or 0)
 
@@ -71,11 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--describe", action="store_true", help="also list every transfer")
     p.add_argument("--name", default="weight")
     p.set_defaults(func=cmd_plan)
-    d = sub.add_parser("demo", help="the main job of `make demo`")
-    d.add_argument("--world-size", type=int, default=8)
-    d.add_argument("--plan-only", action="store_true", help="only plan, move no data")
-    d.add_argument("--layers", type=int, default=None, help="decoder layers of the refit model (default: all)")
-    d.set_defaults(func=cmd_demo)
     sub.add_parser("simulate", help="cluster-scale refit simulator (see --help after it)")
     args = ap.parse_args(argv)
     return int(args.func(args) or 0)

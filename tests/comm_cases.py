@@ -1,4 +1,4 @@
-"""Reshard cases and the functions that run them on the ranks of a `mp_pool.RankPool`.
+"""Reshard cases and the functions that run them on the ranks of a `reshard.testing.RankPool`.
 
 A `Case` is a source layout and a destination layout (DTensor meshes and placements over the pool's ranks), a
 dtype, planning options and a call form. `run_cases` runs a list of cases on every rank, one after another, and

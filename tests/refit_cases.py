@@ -129,9 +129,10 @@ def vllm_expected(name: str, config, seed: int, tp: int, tp_idx: int, ref_local:
     return t  # norms, MLA down-projections, routers: replicated
 
 
-def job_refit(rank: int, world: int, model: str, system: str, seed: int, new_seed: int | None = None,
+def job_refit(w, model: str, system: str, seed: int, new_seed: int | None = None,
               **refit_kwargs) -> dict:
     """Refit, verify every engine tensor bit for bit; optionally change the trainer's weights and run again."""
+    rank = w.rank
     refit, sources, dests, sysm, config = setup(model, system, rank, seed, **refit_kwargs)
     reports = [refit.run()]
     mismatches = _verify(rank, dests, sysm, config, seed)
@@ -171,8 +172,9 @@ def _verify(rank: int, dests: dict, sysm, config, seed: int) -> list[str]:
     return out
 
 
-def job_refit_error(rank: int, world: int, model: str, system: str, case: str) -> str:
+def job_refit_error(w, model: str, system: str, case: str) -> str:
     """Build a refit with one deliberate mistake; every rank must raise the same ValueError naming it."""
+    rank = w.rank
     kwargs: dict = {}
     if case == "unmapped":
         kwargs["name_map"] = lambda n: None if n.endswith("input_layernorm.weight") else n
@@ -229,12 +231,14 @@ def special_floats(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return x
 
 
-def job_precision(rank: int, world: int, case: str = "ok", seed: int = 11) -> dict:
+def job_precision(w, case: str = "ok", seed: int = 11) -> dict:
     """Refit FP8 block weights (source- and destination-side quantization) and one cast weight; check them
     bit for bit against quantizing (casting) the full tensor in one process and slicing it by hand."""
     from reshard.kernels import quantize_fp8_block_reference
     from reshard import Layout, Mesh, Replicate
     from reshard.planner._blocks import scale_layout
+
+    rank = w.rank
 
     refit = Refit(Group.world(), precision=lambda n: "cast" if n == CAST_WEIGHT[0] else "fp8_block",
                   staging_bytes=1 << 16)

@@ -1,6 +1,6 @@
 """Comm, end to end on 8 gloo ranks on this machine, against DTensor's own `distribute_tensor` as ground truth.
 
-One pool of ranks serves the whole module (see `mp_pool`); the correctness cases run in one job
+One pool of ranks serves the whole module (see `reshard.testing.RankPool`); the correctness cases run in one job
 (`comm_cases.run_cases`) and each is reported as its own test.
 """
 
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 from comm_cases import build_cases, run_cases
-from mp_pool import shared_pool
+
+from reshard.testing import shared_pool
+
+pytestmark = pytest.mark.distributed
 
 WORLD = 8
 CASES = build_cases()

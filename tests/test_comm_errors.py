@@ -2,7 +2,7 @@
 
 Every error test checks that *every* rank raises (not only the one with the bad input), with a message that names
 what is wrong, and, where the contract says so, that no byte moved. Functions named `on_rank_*` run on the ranks
-of the shared pool (see `mp_pool`).
+of the shared pool (see `reshard.testing.RankPool`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import time
 import pytest
 import torch
 from comm_cases import B2, S0, SENTINEL, A, B, Hooked, R, as_bytes, dtensor_local, full_tensor
-from mp_pool import shared_pool
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard import Layout, Mesh, PlanItem, Topology, plan, plan_many
 from reshard.comm import Group, reshard
+from reshard.testing import shared_pool
+
+pytestmark = pytest.mark.distributed
 
 WORLD = 8
 

@@ -10,10 +10,12 @@ import os
 import pytest
 import torch
 from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
-from mp_pool import RankPool
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
+from reshard.testing import RankPool
+
+pytestmark = pytest.mark.distributed
 
 TIMEOUT = 3.0
 

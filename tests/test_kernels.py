@@ -10,7 +10,6 @@ arena: that proves nothing outside the boxes was written, including memory betwe
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,8 +31,9 @@ from reshard.kernels import (
 )
 from reshard.kernels import _pack as pack_module
 from reshard.planner._box import Box
+from reshard.testing import device_under_test
 
-DEVICE = torch.device(os.environ.get("RESHARD_TEST_DEVICE", "cpu"))
+DEVICE = device_under_test()
 BACKENDS = ["torch", "triton"]
 ON_GPU = DEVICE.type == "cuda"
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_kernels import BACKENDS, DEVICE, ON_GPU
 
 from reshard.kernels import BACKEND_ENV, pack, pack_reference, prepare_pack, unpack
 from reshard.planner._box import Box
+from reshard.testing import device_under_test
 
+DEVICE = device_under_test()
+ON_GPU = DEVICE.type == "cuda"
+BACKENDS = ["torch", "triton"]
 HALF_TYPES = [torch.bfloat16, torch.float16]
 INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import DEVICE, ON_GPU
 
 from reshard.kernels import pack, unpack
 from reshard.planner._box import Box
+from reshard.testing import device_under_test
+
+DEVICE = device_under_test()
+ON_GPU = DEVICE.type == "cuda"
 
 ROWS, COLS = 2**16 + 3, 2**15 + 1  # odd row length: no dims merge and no word wider than a byte fits
 NUMEL = ROWS * COLS

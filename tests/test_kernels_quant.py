@@ -18,7 +18,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels import DEVICE, ON_GPU
 
 from reshard.kernels import (
     BACKEND_ENV,
@@ -29,8 +28,11 @@ from reshard.kernels import (
     scale_box,
 )
 from reshard.kernels import _quant as quant_module
+from reshard.testing import device_under_test
 
 FP8 = torch.float8_e4m3fn
+DEVICE = device_under_test()
+ON_GPU = DEVICE.type == "cuda"
 BACKENDS = ["torch", "triton"]
 INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 GiB = 2**30

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dtensor_oracle import close_world, dtensor_local
 from test_planner_plan import execute_in_process
 
 from reshard import Layout, Mesh, PlanItem, Replicate, Shard, Topology, plan_many
 from reshard.planner import ExplicitLayout, fuse, vocab_parallel_layout
+from reshard.testing import close_fake_world, dtensor_local
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _fake_world():
     yield
-    close_world()
+    close_fake_world()
 
 
 def test_fused_qkv_with_replicated_kv_heads() -> None:

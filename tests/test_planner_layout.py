@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dtensor_oracle import close_world, dtensor_local, index_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard import Layout, Mesh
+from reshard.testing import close_fake_world, dtensor_local, index_tensor, use_fake_rank
 
 
 def rebuild_local(layout: Layout, rank: int, full: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ def layout_cases(draw: st.DrawFn):
 @pytest.fixture(scope="module", autouse=True)
 def _fake_world():
     yield
-    close_world()
+    close_fake_world()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,11 +93,10 @@ def test_uneven_strided_shard_gives_several_pieces() -> None:
 
 
 def test_mesh_from_device_mesh_and_layout_from_dtensor() -> None:
-    from dtensor_oracle import _WORLD
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import distribute_tensor
 
-    _WORLD.use(3, 6)
+    use_fake_rank(3, 6)
     dm = DeviceMesh("cpu", torch.arange(6).reshape(2, 3), mesh_dim_names=("dp", "tp"))
     mesh = Mesh.from_device_mesh(dm)
     assert mesh.shape == (2, 3) and mesh.axis_names == ("dp", "tp") and mesh.coordinate(3) == (1, 0)

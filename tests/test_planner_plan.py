@@ -15,19 +15,19 @@ from collections import defaultdict
 
 import pytest
 import torch
-from dtensor_oracle import close_world, dtensor_local, index_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard import Layout, Mesh, Topology, plan
+from reshard.testing import close_fake_world, dtensor_local, index_tensor
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _fake_world():
     yield
-    close_world()
+    close_fake_world()
 
 
 @st.composite
@@ -190,6 +190,7 @@ def test_for_rank_messages_agree_between_sender_and_receiver() -> None:
                 assert rm.transfers == m.transfers and rm.offsets == m.offsets and rm.nbytes == m.nbytes
 
 
+@pytest.mark.distributed  # starts several interpreters
 def test_plans_are_cached_and_deterministic_across_processes() -> None:
     code = textwrap.dedent(
         """

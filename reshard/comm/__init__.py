@@ -8,12 +8,9 @@ Exports:
     reshard_dtensor, exchange_layouts: reshard DTensors on their own meshes; a side may be None on ranks not on it.
     CommError, ChecksumError: a peer failed or timed out; a received box failed verification.
     DEFAULT_TIMEOUT, NUM_SLOTS: the default wait timeout and the pipeline depth.
-    run_demo: spawn gloo ranks on this machine, reshard a large weight, check it against DTensor, and time it against
-        gather-and-broadcast (and DTensor `redistribute` on one mesh).
 """
 
 from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
-from reshard.comm._demo import run_demo
 from reshard.comm._executor import NUM_SLOTS, ChecksumError, ExecutionReport, Staging, execute
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group
 from reshard.comm._transfer import TransferHandle, transfer
@@ -31,6 +28,5 @@ __all__ = [
     "execute",
     "reshard",
     "reshard_dtensor",
-    "run_demo",
     "transfer",
 ]

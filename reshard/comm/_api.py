@@ -14,7 +14,6 @@ from reshard.comm._group import CommError
 from reshard.comm._handshake import all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._dtypes import dtype_from_name, dtype_name
-from reshard.planner._layout import placement_str
 from reshard.planner._wire import decode_placements, encode_placements
 
 

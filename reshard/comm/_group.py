@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.comm import _rendezvous as rv
-from reshard.comm._errors import ABORT_KEY, FAULT_POLL_S, CommError, parse_verdict
+from reshard.comm._errors import ABORT_KEY, CommError, parse_verdict
 
 logger = logging.getLogger(__name__)
 

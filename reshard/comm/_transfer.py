@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from reshard.comm._group import FAULT_POLL_S, CommError, Group, Timeout, as_timedelta
+from reshard.comm._errors import FAULT_POLL_S, CommError
+from reshard.comm._group import Group, Timeout, as_timedelta
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,9 @@ Used by the refit policy (`policy="auto"` compares the two methods per weight) a
   `LowerBound`;
 - the gather-and-broadcast baseline: `gather_broadcast_bytes` (its bytes for one tensor, the one definition),
   `gather_broadcast` and `GatherBroadcast` (its modelled time for many weights), `ring_allgather_s`,
-  `chain_broadcast_s`.
+  `chain_broadcast_s`;
+- `print_plan_report`: a plan's statistics beside gather-and-broadcast's bytes for the same tensor (what
+  `python -m reshard plan` and the demo print).
 """
 
 from reshard.cost._baseline import (
@@ -18,6 +20,7 @@ from reshard.cost._baseline import (
 )
 from reshard.cost._hardware import HARDWARE, Hardware, get_hardware
 from reshard.cost._model import LinkKey, LinkLoads, LowerBound, Timing, link_time, lower_bound, plan_loads, relay_fill_s
+from reshard.cost._report import print_plan_report
 
 __all__ = [
     "HARDWARE",
@@ -34,6 +37,7 @@ __all__ = [
     "link_time",
     "lower_bound",
     "plan_loads",
+    "print_plan_report",
     "relay_fill_s",
     "ring_allgather_s",
 ]

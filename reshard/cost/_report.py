@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from reshard.cost import gather_broadcast_bytes
+from reshard.cost._baseline import gather_broadcast_bytes
 from reshard.planner import Topology, format_bytes, plan
 from reshard.planner._plan import format_stats
 

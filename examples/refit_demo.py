@@ -1,4 +1,4 @@
-"""The main job of `make demo`.
+"""The demo of `make demo`: `python examples/refit_demo.py [--world-size 8] [--layers N] [--plan-only]`.
 
 1. Plan a realistic single-weight reshard (a Qwen3-32B MLP weight, trainer TP4 x DP2 -> inference TP2 x 4 replicas,
    8-GPU NVLink domains) and print its statistics beside gather-and-broadcast's bytes.
@@ -6,25 +6,27 @@
    ranks (vLLM-style TP2 x 2 replicas, fused `qkv_proj` / `gate_up_proj`, padded vocabulary), over gloo, once by
    reshard and once by gather-and-broadcast. Both results are verified against the full model, and a table
    shows bytes and time per phase.
+
+Prints `demo verified` at the end when every destination element matched, and exits non-zero otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import zlib
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+import torch.distributed as dist
 
-from reshard._launch import RankPool
-from reshard._report import print_plan_report
-from reshard.comm import Group
+from reshard import Group, Layout, Mesh, Refit, Replicate, Shard, Topology
+from reshard.cost import print_plan_report
 from reshard.models import PRESETS
-from reshard.planner import Layout, Mesh, Topology, format_bytes
-from reshard.refit import Refit
-from reshard.refit._vllm import engine_tensors
+from reshard.planner import format_bytes
+from reshard.refit import engine_tensors
 from reshard.sim import System, model_layouts
+from reshard.testing import RankPool
 
 QWEN3_32B_MLP = (25600, 5120)  # gate_proj.weight: intermediate_size x hidden_size
 REFIT_SYSTEM = "train=tp2,dp2 gen=tp2,dp2 domain=4"  # trainer ranks 0-3, inference 4-7; two 4-GPU "domains"
@@ -58,8 +60,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
 
 
-def refit_job(rank: int, world: int, model: str, system: str, policy: str, layers: int | None) -> dict:
-    """One rank of the refit demo: register, run twice (metadata + plan, then the steady state), verify."""
+def refit_job(w, model: str, system: str, policy: str, layers: int | None) -> dict:
+    """One rank (`w`, a `reshard.testing.Worker`) of the refit demo: register, run twice (metadata + plan, then the
+    steady state), verify."""
+    rank = w.rank
     config = PRESETS[model] if layers is None else PRESETS[model].replace(num_hidden_layers=layers)
     sysm = System.parse(system)
     weights = model_layouts(config, sysm, stack_experts=True)
@@ -77,8 +81,6 @@ def refit_job(rank: int, world: int, model: str, system: str, policy: str, layer
             local = torch.zeros(et.local_shape(rank), dtype=et.dtype)
             refit.add_destination(et.name, local, list(et.components), dim=et.dim)
             dests.append((local, et))
-    import torch.distributed as dist
-
     dist.barrier()  # time the refit, not the set-up skew between ranks
     first = refit.run()
     # an optimizer step: new values written in place into the trainer's tensors
@@ -112,6 +114,8 @@ def refit_job(rank: int, world: int, model: str, system: str, policy: str, layer
 
 
 def run_refit_demo(world_size: int = 8, model: str = "qwen3-0.6b", layers: int | None = None) -> int:
+    """Refit `model` with random weights on `world_size` CPU ranks, by reshard and by gather-and-broadcast; 0 when
+    every destination element matched the full model."""
     print(f"\n== refit: {model} with random weights, trainer TP2 x DP2 (ranks 0-3) -> inference TP2 x 2 replicas "
           "(ranks 4-7), gloo on this CPU ==")
     t0 = time.perf_counter()
@@ -143,10 +147,28 @@ def run_refit_demo(world_size: int = 8, model: str = "qwen3-0.6b", layers: int |
     return 0
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def print_plan(src: Layout, dst: Layout, topology: Topology) -> None:
+    """Plan `src -> dst` and print its statistics beside gather-and-broadcast's bytes (what `python -m reshard plan`
+    prints)."""
+    print_plan_report(src, dst, topology, relay=True, describe=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--plan-only", action="store_true", help="only plan, move no data")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the refit model (default: all)")
+    args = ap.parse_args(argv)
     src, dst = demo_layouts()
     print("== plan: Qwen3-32B mlp.gate_proj.weight, trainer TP4 x DP2 -> inference TP2 x 4 replicas ==")
-    print_plan_report(src, dst, Topology(domain_size=8), relay=True, describe=False)
-    if getattr(args, "plan_only", False):
+    print_plan(src, dst, Topology(domain_size=8))
+    if args.plan_only:
         return 0
-    return run_refit_demo(args.world_size, layers=getattr(args, "layers", None))
+    rc = run_refit_demo(args.world_size, layers=args.layers)
+    if rc == 0:
+        print("demo verified")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

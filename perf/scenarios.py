@@ -9,29 +9,24 @@ For each `Scenario` (a weight's source and destination layouts), every rank runs
 - DTensor `redistribute`, when source and destination share one mesh.
 
 Each method's result is checked bit for bit against DTensor's own `distribute_tensor(full, dst_mesh,
-dst_placements).to_local()`. Used by `run_demo` (for `make demo`) and by `perf/bench_reshard.py`.
+dst_placements).to_local()`. Used by `perf/bench_reshard.py`; `run_demo()` runs one scenario on ranks of this
+machine (`reshard.testing.launch`).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import socket
 import statistics
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from reshard.comm._executor import execute
-from reshard.comm._group import Group
-from reshard.cost import gather_broadcast_bytes
+from reshard import gather_broadcast_bytes
 from reshard.planner import Layout, Mesh, Topology, format_bytes, plan
-from reshard.planner._dtypes import dtype_name
+from reshard.testing import launch
 
 logger = logging.getLogger(__name__)
 
@@ -228,15 +223,12 @@ def _timed(fn: Any, warmup: int, repeat: int) -> list[float]:
     return out
 
 
-def compare_job(rank: int, world_size: int, scenario_list: list[Scenario], *, warmup: int = 1, repeat: int = 3,
+def compare_job(w: Any, scenario_list: list[Scenario], *, warmup: int = 1, repeat: int = 3,
                 staging_bytes: int = 64 << 20, methods: tuple[str, ...] = ("reshard", "gather-broadcast",
                                                                           "redistribute")) -> list[dict]:
-    """One rank's part of timing every scenario with every method; returns per-scenario rows (see `merge`)."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-    return [_compare_scenario(rank, world_size, sc, device, warmup, repeat, staging_bytes, methods)
+    """One rank's part (`w`: its `reshard.testing.Worker`) of timing every scenario with every method; returns
+    per-scenario rows (see `merge`)."""
+    return [_compare_scenario(w.rank, w.world_size, sc, w.device, warmup, repeat, staging_bytes, methods)
             for sc in scenario_list]
 
 
@@ -245,6 +237,8 @@ def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.de
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import distribute_tensor
 
+    from reshard.comm import Group, execute
+
     group = Group.world()
     src, dst = sc.layouts()
     full = _full(sc.shape, sc.dtype)
@@ -252,7 +246,7 @@ def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.de
     dmesh = DeviceMesh("cpu", torch.as_tensor(sc.dst_mesh), _init_backend=False)
     expected = distribute_tensor(full, dmesh, list(sc.dst_pl), src_data_rank=None).to_local()
     dst_local = torch.zeros(dst.local_shape(rank), dtype=sc.dtype, device=device) if rank in dst.ranks else None
-    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": dtype_name(sc.dtype),
+    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": str(sc.dtype).removeprefix("torch."),
                            "world_size": world_size, "times": {}, "verified": {}, "bytes": {}, "notes": {},
                            "rank_bytes": {}}
 
@@ -291,80 +285,6 @@ def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.de
         row["rank_bytes"]["redistribute"] = counter.received
         row["notes"]["redistribute"] = f"collectives {counter.calls}"
     return row
-
-
-# -------------------------------------------------------------------------------------------------------------
-# launching ranks
-# -------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Any, args: tuple, kwargs: dict,
-               results: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=600))
-        results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
-    except BaseException as e:  # noqa: BLE001 - carried back to the launching process
-        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-def launch(world_size: int, fn: Any, *args: Any, backend: str = "gloo", timeout: float = 1800.0,
-           **kwargs: Any) -> list[Any]:
-    """Run `fn(rank, world_size, *args, **kwargs)` once on `world_size` new processes of one default world.
-
-    Start-up (imports, rendezvous) is paid once, so `fn` should do all the work of a run. Returns the per-rank
-    results; raises `RuntimeError` with the traceback if a rank failed.
-    """
-    import queue
-
-    import torch.multiprocessing as mp
-
-    # a forkserver that imported torch once forks the ranks: start-up costs one import, not one per rank
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-                                "reshard.comm"])
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, kwargs, results),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors = []
-    try:
-        deadline = time.monotonic() + timeout
-        while len(out) + len(errors) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"launch: ranks {sorted(set(range(world_size)) - set(out))} did not finish "
-                                       f"(exit codes {[p.exitcode for p in procs]})") from None
-                continue
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank}: {value}")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("launch: ranks failed:\n" + "\n".join(errors))
-    return [out[r] for r in range(world_size)]
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -459,7 +379,7 @@ def run_demo(world_size: int = 8, *, shape: tuple[int, int] = (6400, 5120), dtyp
     all_scenarios = scenarios(world_size, shape, dtype)
     if scenario not in all_scenarios:
         raise ValueError(f"run_demo: unknown scenario {scenario!r}; expected one of {sorted(all_scenarios)}")
-    per_rank = launch(world_size, compare_job, [all_scenarios[scenario]], warmup=warmup, repeat=repeat,
+    per_rank = launch(compare_job, world_size, [all_scenarios[scenario]], warmup=warmup, repeat=repeat,
                       staging_bytes=staging_bytes, backend=backend)
     results = merge(per_rank)
     r = results[0]
@@ -471,3 +391,8 @@ def run_demo(world_size: int = 8, *, shape: tuple[int, int] = (6400, 5120), dtyp
         "bytes": {k: m.bytes for k, m in r.methods.items()},
         "seconds": {k: m.median for k, m in r.methods.items()},
     }
+
+
+if __name__ == "__main__":
+    demo = run_demo(world_size=4, shape=(1600, 1280))
+    print(demo["text"])

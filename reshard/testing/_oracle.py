@@ -1,13 +1,13 @@
 """Ground truth from DTensor itself, in one process, through a fake process group.
 
-`dtensor_local(shape, mesh_ranks, placements, rank, world_size)` returns what `distribute_tensor` gives `rank` for
-an index tensor (element `i` holds `i`), with no communication: exactly the global elements that rank holds, in
-its local order.
+`dtensor_local(full, mesh_ranks, placements, rank, world_size)` returns what `distribute_tensor` gives `rank`, with
+no communication: one process can ask as any rank of any world size. Feed it `index_tensor(shape)` (element `i`
+holds `i`) to see exactly which global elements a rank holds, in its local order.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ def index_tensor(shape: Sequence[int]) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int64).reshape(tuple(shape))
 
 
-class FakeWorld:
+class _FakeWorld:
     """Switches the (fake) default process group to any rank, reusing it while rank and size stay the same."""
 
     def __init__(self) -> None:
@@ -45,17 +45,31 @@ class FakeWorld:
         self.rank = self.world_size = None
 
 
-_WORLD = FakeWorld()
+_WORLD = _FakeWorld()
+
+
+def use_fake_rank(rank: int, world_size: int) -> None:
+    """Make this process's default process group a fake one, as `rank` of `world_size` (no communication), so
+    `DeviceMesh` and `distribute_tensor` can be built as that rank. Replaces any default group."""
+    _WORLD.use(rank, world_size)
 
 
 def dtensor_local(
     full: torch.Tensor, mesh_ranks: torch.Tensor, placements: Sequence, rank: int, world_size: int
 ) -> torch.Tensor:
-    """`distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()` as seen by `rank`."""
-    _WORLD.use(rank, world_size)
+    """`distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()` as `rank` of `world_size` sees it.
+
+    Args:
+        full: the global tensor (CPU).
+        mesh_ranks: the mesh's global ranks, an n-D int tensor (like `DeviceMesh.mesh`).
+        placements: one DTensor placement per mesh axis.
+        rank, world_size: the rank to ask as, and the fake world's size (above every rank of the mesh).
+    """
+    use_fake_rank(rank, world_size)
     mesh = DeviceMesh("cpu", mesh_ranks)
     return distribute_tensor(full, mesh, list(placements), src_data_rank=None).to_local()
 
 
-def close_world() -> None:
+def close_fake_world() -> None:
+    """Destroy the fake default process group, if `dtensor_local` or `use_fake_rank` made one."""
     _WORLD.close()

@@ -1,0 +1,53 @@
+"""Test helpers shipped with reshard, for its own tests and for users' tests of code that reshards.
+
+Ranks on this machine:
+    RankPool: `world_size` processes, started once, that run `fn(worker, *args)` together; one `Outcome` per rank
+        (value, or error type, message and traceback; a rank that died is named with its exit code or signal).
+    shared_pool, close_shared_pools: one pool per size for a whole test session.
+    launch: run `fn(worker, *args)` once on fresh ranks; the per-rank values.
+    Worker: what `fn` gets on its rank (`rank`, `world_size`, `device`, `group`, `new_group`, `init_world`).
+    Outcome, RankError: one rank's result; some ranks failed.
+    free_port: a free TCP port on this machine.
+
+Devices:
+    device_under_test, DEVICE_ENV: the test device, `RESHARD_TEST_DEVICE` (`cpu` by default, or `cuda`).
+
+Ground truth from DTensor, in one process (a fake process group):
+    dtensor_local: what `distribute_tensor(full, mesh, placements).to_local()` gives any rank.
+    index_tensor: a tensor whose element `i` is `i`, to read ownership off a local tensor.
+    use_fake_rank, close_fake_world: act as any rank of a fake default world, and tear it down.
+"""
+
+from reshard.testing._device import DEVICE_ENV, device_under_test
+from reshard.testing._oracle import close_fake_world, dtensor_local, index_tensor, use_fake_rank
+from reshard.testing._pool import (
+    PRELOAD,
+    Outcome,
+    RankError,
+    RankPool,
+    Worker,
+    close_shared_pools,
+    describe_exit,
+    free_port,
+    launch,
+    shared_pool,
+)
+
+__all__ = [
+    "DEVICE_ENV",
+    "PRELOAD",
+    "Outcome",
+    "RankError",
+    "RankPool",
+    "Worker",
+    "close_fake_world",
+    "close_shared_pools",
+    "describe_exit",
+    "device_under_test",
+    "dtensor_local",
+    "free_port",
+    "index_tensor",
+    "launch",
+    "shared_pool",
+    "use_fake_rank",
+]

@@ -1,0 +1,111 @@
+"""Every script in `examples/` and every ```python block of README.md runs, as a user would run it.
+
+Each runs in a fresh subprocess from a temporary directory (not the repository root), with the checkout's
+`reshard` on `PYTHONPATH`, so a snippet that stops working, or works only from the repository, fails here.
+
+README blocks: a block whose first line is `# torchrun --nproc-per-node N` runs under torchrun with N ranks; a
+block that must not run says so on its first line, `# not run: <reason>`, and is reported as skipped with that
+reason. Every other block runs with `python`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+TIMEOUT_S = 900  # generous: several ranks start on a loaded 2-core machine
+TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc-per-node[ =](\d+)\s*$")
+NOT_RUN = re.compile(r"^#\s*not run:\s*(\S.*)$")
+
+# what each example prints when it checked its own result, and the arguments that keep it short
+EXPECTED = {
+    "plan_one_tensor.py": r"^plan verified: network 96 B \(lower bound 96 B\)",
+    "dtensor_two_groups.py": r"^dtensor_two_groups verified on 4 ranks$",
+    "refit_model.py": r"^refit_model verified: 4 weights",
+    "refit_demo.py": r"^demo verified$",
+}
+ARGS = {"refit_demo.py": ["--layers", "2"]}
+
+
+def run_script(path: Path, cwd: Path, *, nproc: int | None = None, args: tuple[str, ...] = ()) -> str:
+    """Run `path` (under torchrun with `nproc` ranks if given) from `cwd`; its output, asserting exit status 0."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, str(path), *args]
+    if nproc is not None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(path), *args]
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-6000:]}"
+    return r.stdout
+
+
+def torchrun_ranks(text: str) -> int | None:
+    """N from a `torchrun --nproc-per-node N` in an example's docstring: how it must be started."""
+    m = re.search(r"torchrun --nproc-per-node (\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def readme_blocks(path: Path = REPO / "README.md") -> list[tuple[int, str]]:
+    """`(line number, code)` of every ```python block of `path`."""
+    blocks, current, start = [], None, 0
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if current is None and line.strip() == "```python":
+            current, start = [], i + 1
+        elif current is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(current) + "\n"))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_every_example_declares_its_check() -> None:
+    assert sorted(p.name for p in EXAMPLES) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs_and_verifies(path: Path, tmp_path: Path) -> None:
+    text = path.read_text()
+    assert 'if __name__ == "__main__":' in text, f"{path.name} needs a __main__ guard"
+    out = run_script(path, tmp_path, nproc=torchrun_ranks(text), args=tuple(ARGS.get(path.name, ())))
+    assert re.search(EXPECTED[path.name], out, re.M), f"{path.name} did not print its verification:\n{out[-3000:]}"
+
+
+BLOCKS = readme_blocks()
+
+
+@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
+def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
+    first = code.splitlines()[0] if code.strip() else ""
+    skip = NOT_RUN.match(first)
+    if skip:
+        pytest.skip(f"README.md:{line}: {skip.group(1)}")
+    ranks = TORCHRUN.match(first)
+    script = tmp_path / f"readme_{line}.py"
+    script.write_text(code)
+    run_script(script, tmp_path, nproc=int(ranks.group(1)) if ranks else None)
+
+
+def test_readme_markers_are_honoured(tmp_path: Path) -> None:
+    """The block runner itself: a failing block fails, a torchrun block gets its ranks, `# not run` needs a reason."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("print(undefined_name)\n")
+    with pytest.raises(AssertionError, match="NameError"):
+        run_script(bad, tmp_path)
+    ranks = tmp_path / "ranks.py"
+    ranks.write_text("import os\nprint('world', os.environ['WORLD_SIZE'])\n")
+    assert run_script(ranks, tmp_path, nproc=2).count("world 2") == 2
+    assert TORCHRUN.match("# torchrun --nproc-per-node 4").group(1) == "4"
+    assert NOT_RUN.match("# not run: needs 8 GPUs").group(1) == "needs 8 GPUs"
+    assert NOT_RUN.match("# not run:") is None  # a reason is required
