@@ -185,7 +185,7 @@ def test_table_has_no_cycle_and_follows_the_stack() -> None:
         ("reshard.refit._x", "from reshard.sim import System\n", ["(refit) imports reshard.sim (sim)"]),
         ("reshard.refit._x", "from reshard import Layout\n", ["(refit) imports reshard.Layout (top)"]),
         ("reshard.planner._x", "from .._demo import run_demo\n", ["imports reshard._demo (top)"]),
-        ("reshard.comm._x", "import mp_pool\n", ["imports mp_pool (tooling"]),
+        ("reshard.comm._x", "import comm_cases\n", ["imports comm_cases (tooling"]),
         ("reshard.sim._x", "from perf import scenarios\n", ["imports perf (tooling"]),
     ],
 )

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from reshard.comm import Group
+
 logger = logging.getLogger(__name__)
 
 PRELOAD = ("__main__", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "reshard.comm",
@@ -144,7 +146,7 @@ class Worker:
             ranks: the group's size (default: the pool's); rank: this process's rank in it (default: its own).
             timeout: the group's timeout, seconds.
         """
-        from reshard.comm import Group
+
 
         return Group.rendezvous(self.host, self.port, self.rank if rank is None else rank,
                                 self.world_size if ranks is None else ranks, prefix=f"case/{tag}", timeout=timeout,
@@ -179,7 +181,7 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, gen: int, bac
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        from reshard.comm import Group
+
 
         w = Worker(rank, world_size, host, port, backend)
         w.init_world(f"world{gen}/", rank, world_size, timeout_s=timeout_s)
