@@ -24,7 +24,7 @@ from reshard.planner._chunks import (
     Member,
     Members,
     Unit,
-    _LOCAL as _LINK_CODE_LOCAL,
+    _LOCAL,
     _assign_chunks,
     _Columns,
     _Transfers,
@@ -34,17 +34,8 @@ from reshard.planner._format import describe_plan, format_bytes, format_stats
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._layout import _geometry_id
 from reshard.planner._topology import Topology
-from reshard.planner._types import (
-    LINKS,
-    PIPELINE_DEPTH,
-    BoxList,
-    Message,
-    PlanStats,
-    RankBytes,
-    RankChunk,
-    RankPlan,
-    Transfer,
-)
+from reshard.planner._types import (LINKS, PIPELINE_DEPTH, BoxList, Message, PlanStats, RankBytes, RankChunk,
+                                    RankPlan, Transfer)
 
 __all__ = ["DEFAULT_MIN_SPLIT_BYTES", "DEFAULT_STAGING_BYTES", "PLAN_VERSION", "RELAY_CHUNK_LAG", "Plan", "PlanData",
            "PlanItem", "clear_plan_cache", "format_bytes", "format_stats", "gather_broadcast_bytes", "plan",
@@ -923,7 +914,7 @@ def _check_chunks(data: PlanData, cols: _Columns, chunks: np.ndarray) -> None:
         i = int(fwd[np.argmax(early)])
         raise _invalid(f"unit {i} forwards in chunk {chunks[i]} the arrival of chunk {chunks[cols.dep[i]]}; expected "
                        f"at least {RELAY_CHUNK_LAG} chunks later (RELAY_CHUNK_LAG)")
-    staged = np.flatnonzero(cols.link != _LINK_CODE_LOCAL)
+    staged = np.flatnonzero(cols.link != _LOCAL)
     if not staged.size:
         return
     num_ranks = cols.ranks.size
