@@ -465,7 +465,16 @@ def clear_plan_cache() -> None:
     _PLAN_CACHE.clear()
 
 
-@dataclass(frozen=True, slots=True)
+class UnitSpan(NamedTuple):
+    """Units `rows[first_row:stop_row]` and the forwards of parts `first_part..stop_part - 1` of a `_Transfers`."""
+
+    first_row: int
+    stop_row: int
+    first_part: int
+    stop_part: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity: it holds arrays
 class PlanData:
     """What the planner built, as `Plan` takes it: the inputs, every transfer unit and its chunk.
 
@@ -478,7 +487,7 @@ class PlanData:
         chunks: `(N,)` int64, the chunk of each of the N units.
         network_lower_bound: bytes that must cross into the destination domains (see `PlanStats`).
         needed_bytes: bytes the destination ranks hold when done.
-        planned: `(first row, stop row, first forwarded part, stop part)` of the units planned from scratch, when
+        planned: the spans (`UnitSpan`) of the units planned from scratch, when
             every other unit replays one of them (same geometry, same boxes): the box checks then look at these
             only. None checks every unit.
     """
@@ -492,7 +501,7 @@ class PlanData:
     chunks: np.ndarray
     network_lower_bound: int
     needed_bytes: int
-    planned: tuple[tuple[int, int, int, int], ...] | None = None
+    planned: tuple[UnitSpan, ...] | None = None
 
 
 class Plan:
@@ -844,7 +853,7 @@ def plan_many(
         groups: dict[tuple[int, int], list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault((_geometry_id(it.src), _geometry_id(it.dst)), []).append(i)
-        templates: list[tuple[int, int, int, int]] = []  # rows and forwarded parts of each geometry's first unit
+        templates: list[UnitSpan] = []  # each geometry's first unit
         for members in groups.values():
             rc = _recipe(b, items[members[0]])
             if rc.check_arrivals:
@@ -856,7 +865,7 @@ def plan_many(
                 start, first_part = len(b.raw), b.transfers.num_parts
                 _emit_recipe(b, rc, unit)
                 if a == 0:
-                    templates.append((start, len(b.raw), first_part, b.transfers.num_parts))
+                    templates.append(UnitSpan(start, len(b.raw), first_part, b.transfers.num_parts))
         chunks = _assign_chunks(b.transfers.columns(), chunk_cap)
         result = Plan(PlanData(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, chunks,
                                sum(lower_by_domain.values()), needed, tuple(templates)))
@@ -899,7 +908,7 @@ def _invalid(message: str) -> ValueError:
 
 def _check_chunks(data: PlanData, cols: _Columns, chunks: np.ndarray) -> None:
     """One chunk per unit; forwards at least `RELAY_CHUNK_LAG` chunks after their arrival; each rank's send plus
-    receive bytes in a chunk within `staging_bytes // PIPELINE_DEPTH`, unless one transfer alone exceeds it."""
+    receive bytes in a chunk within `staging_bytes // PIPELINE_DEPTH` (the planner cuts every box to fit)."""
     n = cols.src.size
     if chunks.shape != (n,) or (n and (chunks.dtype.kind not in "iu" or int(chunks.min()) < 0)):
         raise _invalid(f"chunks must be {n} non-negative integers (one per unit), got shape {chunks.shape} of "
@@ -917,16 +926,18 @@ def _check_chunks(data: PlanData, cols: _Columns, chunks: np.ndarray) -> None:
     staged = np.flatnonzero(cols.link != _LOCAL)
     if not staged.size:
         return
+    cap = data.staging_bytes // PIPELINE_DEPTH
     num_ranks = cols.ranks.size
-    ends = np.concatenate([cols.src_id[staged], cols.dst_id[staged]])
-    key = np.concatenate([chunks[staged], chunks[staged]]) * num_ranks + ends
-    nbytes = np.concatenate([cols.nbytes[staged], cols.nbytes[staged]]).astype(np.float64)
-    used = np.bincount(key, weights=nbytes)  # float64 sums are exact below 2**53 bytes
-    over = (used > data.staging_bytes // PIPELINE_DEPTH) & (np.bincount(key) > 1)
+    key = chunks[staged] * num_ranks
+    nbytes = cols.nbytes[staged].astype(np.float64)
+    # a rank's bytes in a chunk: what it sends plus what it receives (float64 sums are exact below 2**53 bytes)
+    used = np.bincount(key + cols.src_id[staged], weights=nbytes, minlength=int(key.max()) + num_ranks)
+    used += np.bincount(key + cols.dst_id[staged], weights=nbytes, minlength=used.size)
+    over = used > cap
     if over.any():
         c, r = divmod(int(np.argmax(over)), num_ranks)
         raise _invalid(f"rank {int(cols.ranks[r])} moves {int(used[c * num_ranks + r])} bytes in chunk {c}, over "
-                       f"staging_bytes // PIPELINE_DEPTH = {data.staging_bytes // PIPELINE_DEPTH}")
+                       f"staging_bytes // PIPELINE_DEPTH = {cap}")
 
 
 def _overlap(boxes: Sequence[Box]) -> bool:
@@ -945,14 +956,13 @@ def _overlap(boxes: Sequence[Box]) -> bool:
     return False
 
 
-def _validate(p: Plan, spans: Sequence[tuple[int, int, int, int]] | None = None) -> None:
+def _validate(p: Plan, spans: Sequence[UnitSpan] | None = None) -> None:
     """Checks from box arithmetic: boxes agree in shape and lie in bounds, every destination element is written
     exactly once, and with relays the network bytes meet the lower bound.
 
-    `spans`: `(first row, stop row, first forwarded part, stop part)` of the units planned from scratch; the others
-    replay one of them (same geometry, same boxes), so checking the planned ones checks all, and the byte total
-    (every unit's bytes sum to what the destinations need) catches a unit left out or added. None checks every
-    unit.
+    `spans`: where the units planned from scratch are; the others replay one of them (same geometry, same boxes),
+    so checking the planned ones checks all, and the byte total (every unit's bytes sum to what the destinations
+    need) catches a unit left out or added. None checks every unit.
     """
     s = p.stats
     if s.total_bytes != s.needed_bytes:
