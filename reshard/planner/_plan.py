@@ -25,6 +25,7 @@ from reshard.planner._chunks import (
     Members,
     Unit,
     _LOCAL,
+    _new_unit,
     _assign_chunks,
     _Columns,
     _Transfers,
@@ -156,7 +157,7 @@ class _Builder:
             nbytes *= s
         src_box = Box._make(tuple(map(operator.add, gbox.offsets, src_delta)), shape)
         dst_box = Box._make(tuple(map(operator.add, gbox.offsets, dst_delta)), shape)
-        self.raw.append(Unit(src, dst, src_box, dst_box, gbox, nbytes, link, stage, members, dep))
+        self.raw.append(_new_unit(Unit, (src, dst, src_box, dst_box, gbox, nbytes, link, stage, members, dep)))
         nbytes *= len(members)
         if link == "network":
             self.net_send[src] += nbytes
@@ -361,12 +362,12 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
     k = len(members)
     relayed = tuple(Member(i, dt, dt) for i, _, dt in members)  # a forward reads the relay's destination tensor
     for r, sbox, dbox, x in rc.local:
-        raw.append(Unit(r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, members, -1))
+        raw.append(_new_unit(Unit, (r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, members, -1)))
     nvl_send = b.nvl_send
     for r, ranks, part in rc.nvl:
         h = _least(ranks, nvl_send)
-        raw.append(Unit(ranks[h], r, part.src_boxes[h], part.dst_boxes[0], part.box, part.nbytes, "nvlink", 0,
-                        members, -1))
+        raw.append(_new_unit(Unit, (ranks[h], r, part.src_boxes[h], part.dst_boxes[0], part.box, part.nbytes,
+                                    "nvlink", 0, members, -1)))
         nvl_send[ranks[h]] += part.nbytes * k
     net_send, net_recv = b.net_send, b.net_recv
     arrivals: dict[tuple[Any, int], list[tuple[Box, int, tuple[int, ...], int]]] = defaultdict(list)
@@ -375,8 +376,8 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
             for n, r in enumerate(needers):
                 for part in parts:
                     h = _least(holders, net_send)
-                    raw.append(Unit(holders[h], r, part.src_boxes[h], part.dst_boxes[n], part.box, part.nbytes,
-                                    "network", 0, members, -1))
+                    raw.append(_new_unit(Unit, (holders[h], r, part.src_boxes[h], part.dst_boxes[n], part.box,
+                                                part.nbytes, "network", 0, members, -1)))
                     net_send[holders[h]] += part.nbytes * k
                     net_recv[r] += part.nbytes * k
             continue
@@ -400,8 +401,8 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
             h = _least(holders, net_send)
             recv, recv_box = needers[n], part.dst_boxes[n]
             a_idx = len(raw)
-            raw.append(Unit(holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes, "network", 0,
-                            members, -1))
+            raw.append(_new_unit(Unit, (holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes,
+                                        "network", 0, members, -1)))
             net_send[holders[h]] += part.nbytes * k
             net_recv[recv] += part.nbytes * k
             if rc.check_arrivals:
