@@ -20,10 +20,13 @@ on chunks >= `c`, and only after posting every chunk <= the one it blocks on, so
 message in chunk `c`; both sides are posted, and the transport (gloo's threads, NCCL's kernels, which see groups
 in the same chunk order on every rank) completes it. Hence no cycle of waits, for any plan.
 
-Staging. Two slots, each one buffer of the rank's largest chunk send + receive bytes, which the planner keeps
-within half the budget: a chunk's packed sends at its start, its receives right after. Reserved before the
-handshake, cached on the group and reused by later calls. The steady-state loop allocates nothing (except
-checksums with `verify=True`).
+The program. `Plan.for_rank` gives the rank's whole program (`RankPlan`): per chunk its messages, local copies and
+the box lists of its one pack and one unpack call, and the staging sizes. The executor runs it as it is.
+
+Staging. `NUM_SLOTS` slots, each one buffer of the rank's largest chunk send + receive bytes, which the planner
+keeps within `staging_bytes // PIPELINE_DEPTH`: a chunk's packed sends at its start, its receives right after.
+Reserved before the handshake, cached on the group and reused by later calls. The steady-state loop allocates
+nothing (except checksums with `verify=True`).
 
 On CUDA the stages run on three streams, ordered by events named for each hand-off, with no host synchronization
 in the steady state; on CPU the same order runs on the host, with gloo progressing transfers in the background.
@@ -34,7 +37,6 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,12 +48,12 @@ from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import EXACT_SUFFIX, agree
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
 from reshard.kernels import PreparedCopy, prepare_pack, prepare_unpack
-from reshard.planner import Box, Plan, Transfer
+from reshard.planner import PIPELINE_DEPTH, BoxList, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
 
-NUM_SLOTS = 2
-"""Pipeline slots: chunk i and chunk i+1 are in flight together."""
+NUM_SLOTS = PIPELINE_DEPTH
+"""Pipeline slots: chunk i and chunk i+1 are in flight together (the plan's `PIPELINE_DEPTH`)."""
 
 _PREPARED_PLANS = 2
 """Plans whose prepared copies a group keeps (each pins the tensors it was prepared for)."""
@@ -64,123 +66,6 @@ class ChecksumError(CommError):
 
 
 # -------------------------------------------------------------------------------------------------------------
-# The program: one rank's chunks as flat lists ready for pack / post / unpack, built once per (plan, rank)
-# -------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Copies:
-    """The boxes of one `pack` or `unpack` call, in buffer order.
-
-    `from_dst[i]` says box `i` is read from the destination tensor `tensors[i]` (a relay forward) instead of the
-    source tensor. `offsets[i]` is the box's byte offset in the chunk's staging buffer. `wire[i]` is the dtype box
-    `i` is cast to while packing (a `precision="cast"` item at stage 0), or None for a raw copy; `groups` lists the
-    boxes of each distinct `wire` value, one prepared copy each.
-    """
-
-    transfers: tuple[Transfer, ...]
-    from_dst: tuple[bool, ...]
-    tensors: tuple[int, ...]
-    boxes: tuple[Box, ...]
-    offsets: tuple[int, ...]
-    wire: tuple[torch.dtype | None, ...]
-    groups: tuple[tuple[torch.dtype | None, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """One chunk of one rank.
-
-    Attributes:
-        index: the chunk index (equal on every rank that takes part in the chunk).
-        dep: the latest chunk whose unpack must finish before this one is packed (relay), or -1.
-        sends, recvs: `(peer, buffer_offset, nbytes, first_box, num_boxes)` per message, by peer.
-        pack, unpack: the boxes of the chunk's one pack call and one unpack call.
-        local: local copies (never a message).
-    """
-
-    index: int
-    dep: int
-    sends: tuple[tuple[int, int, int, int, int], ...]
-    recvs: tuple[tuple[int, int, int, int, int], ...]
-    pack: _Copies
-    unpack: _Copies
-    local: tuple[Transfer, ...]
-    send_bytes: int
-    recv_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Program:
-    rank: int
-    steps: tuple[_Step, ...]
-    max_chunk_bytes: int
-    max_send_boxes: int
-    max_recv_boxes: int
-    local_bytes: int
-
-
-def _copies(plan: Plan, messages: Sequence[Any], *,
-            sending: bool) -> tuple[_Copies, tuple[tuple[int, int, int, int, int], ...]]:
-    transfers: list[Transfer] = []
-    offsets: list[int] = []
-    msgs = []
-    for m in messages:
-        if m.nbytes == 0:
-            continue
-        msgs.append((m.peer, m.buffer_offset, m.nbytes, len(transfers), len(m.transfers)))
-        transfers.extend(m.transfers)
-        offsets.extend(m.buffer_offset + o for o in m.offsets)
-    if sending:
-        from_dst = tuple(t.stage > 0 for t in transfers)
-        tensors = tuple(t.src_tensor for t in transfers)
-        boxes = tuple(t.src_box for t in transfers)
-        wire = tuple(_wire_dtype(plan, t) for t in transfers)
-    else:
-        from_dst = (True,) * len(transfers)
-        tensors = tuple(t.dst_tensor for t in transfers)
-        boxes = tuple(t.dst_box for t in transfers)
-        wire = (None,) * len(transfers)  # the wire already carries the destination dtype
-    groups: dict[torch.dtype | None, list[int]] = {}
-    for i, w in enumerate(wire):
-        groups.setdefault(w, []).append(i)
-    return (_Copies(tuple(transfers), from_dst, tensors, boxes, tuple(offsets), wire,
-                    tuple((w, tuple(ix)) for w, ix in groups.items())), tuple(msgs))
-
-
-def _wire_dtype(plan: Plan, t: Transfer) -> torch.dtype | None:
-    """The dtype a stage-0 box of a casting item is packed as (its destination dtype); None for a raw copy."""
-    item = plan.items[t.item]
-    return item.dst.dtype if t.stage == 0 and item.src.dtype != item.dst.dtype else None
-
-
-_PROGRAMS: weakref.WeakKeyDictionary[Plan, dict[int, _Program]] = weakref.WeakKeyDictionary()
-
-
-def _program(plan: Plan, rank: int) -> _Program:
-    per_plan = _PROGRAMS.setdefault(plan, {})
-    prog = per_plan.get(rank)
-    if prog is not None:
-        return prog
-    rp = plan.for_rank(rank)
-    steps = []
-    for c in rp.chunks:
-        pk, sends = _copies(plan, c.sends, sending=True)
-        up, recvs = _copies(plan, c.recvs, sending=False)
-        steps.append(_Step(c.index, c.unpack_before_pack, sends, recvs, pk, up, c.local, c.send_bytes, c.recv_bytes))
-    prog = _Program(
-        rank,
-        tuple(steps),
-        max((s.send_bytes + s.recv_bytes for s in steps), default=0),
-        max((len(s.pack.boxes) for s in steps), default=0),
-        max((len(s.unpack.boxes) for s in steps), default=0),
-        sum(t.nbytes for s in steps for t in s.local),
-    )
-    per_plan[rank] = prog
-    return prog
-
-
-# -------------------------------------------------------------------------------------------------------------
 # Staging
 # -------------------------------------------------------------------------------------------------------------
 
@@ -189,10 +74,10 @@ class Staging:
     """Staging memory of one rank: `NUM_SLOTS` slots, each one `uint8` buffer for one chunk's sends and receives.
 
     A chunk with `send_bytes` and `recv_bytes` packs its sends into `slot[:send_bytes]` and receives into
-    `slot[send_bytes:send_bytes + recv_bytes]`; the planner keeps their sum within half the budget, so all slots
-    together stay within `staging_bytes`. Reserved once per plan and reused for every chunk; `execute` keeps it
-    on the group so later calls with the same (or a smaller) plan reuse it too. On CUDA it also holds the
-    pipeline's streams and events.
+    `slot[send_bytes:send_bytes + recv_bytes]`; the planner keeps their sum within `staging_bytes // PIPELINE_DEPTH`
+    (`NUM_SLOTS == PIPELINE_DEPTH`), so all slots together stay within `staging_bytes`. Reserved once per plan and
+    reused for every chunk; `execute` keeps it on the group so later calls with the same (or a smaller) plan reuse
+    it too. On CUDA it also holds the pipeline's streams and events.
 
     Attributes:
         device: where the buffers live.
@@ -213,11 +98,11 @@ class Staging:
         return (self.device == device and self.slot_bytes >= slot_bytes and self.send_boxes >= send_boxes
                 and self.recv_boxes >= recv_boxes)
 
-    def send(self, slot: int, step: _Step) -> torch.Tensor:
+    def send(self, slot: int, step: RankChunk) -> torch.Tensor:
         """The slot's send area for `step`: `step.send_bytes` bytes."""
         return self.slots[slot].narrow(0, 0, step.send_bytes)
 
-    def recv(self, slot: int, step: _Step) -> torch.Tensor:
+    def recv(self, slot: int, step: RankChunk) -> torch.Tensor:
         """The slot's receive area for `step`: `step.recv_bytes` bytes after its send area."""
         return self.slots[slot].narrow(0, step.send_bytes, step.recv_bytes)
 
@@ -247,7 +132,7 @@ class _Streams:
         self.done = [torch.cuda.Event() for _ in range(3)]
 
 
-def _staging_for(group: Group | None, prog: _Program, device: torch.device, verify: bool) -> Staging:
+def _staging_for(group: Group | None, prog: RankPlan, device: torch.device, verify: bool) -> Staging:
     need = (prog.max_chunk_bytes, prog.max_send_boxes if verify else 0, prog.max_recv_boxes if verify else 0)
     cached = group.cache.get("staging") if group is not None else None
     if isinstance(cached, Staging) and cached.fits(device, *need):
@@ -414,7 +299,7 @@ def _prepared_for(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tenso
 
 @dataclass
 class _InFlight:
-    step: _Step
+    step: RankChunk
     slot: int
     handle: TransferHandle
 
@@ -422,7 +307,7 @@ class _InFlight:
 class _Run:
     """One `execute` call on one rank: the pipeline's state. See the module docstring for the order of work."""
 
-    def __init__(self, prog: _Program, plan: Plan, group: Group, src: Sequence[torch.Tensor],
+    def __init__(self, prog: RankPlan, plan: Plan, group: Group, src: Sequence[torch.Tensor],
                  dst: Sequence[torch.Tensor], staging: Staging, verify: bool, timeout: datetime.timedelta,
                  report: ExecutionReport, prepared: _Prepared) -> None:
         self.prog = prog
@@ -439,13 +324,13 @@ class _Run:
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
 
-    def _tensors(self, copies: _Copies) -> list[torch.Tensor]:
+    def _tensors(self, copies: BoxList) -> list[torch.Tensor]:
         src, dst = self.src, self.dst
         return [dst[i] if d else src[i] for d, i in zip(copies.from_dst, copies.tensors)]
 
     # -- stages ---------------------------------------------------------------------------------------------
 
-    def pack(self, step: _Step, slot: int, reused: bool, relay_ready: Any) -> None:
+    def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
         if not step.pack.boxes:
             return
         s = self.streams
@@ -477,14 +362,14 @@ class _Run:
                 s.packed[slot].record(s.pack)
         self.report.seconds_pack += time.perf_counter() - t0
 
-    def post(self, step: _Step, slot: int, reused: bool) -> TransferHandle:
+    def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
         st = self.staging
         send_area, recv_area = st.send(slot, step), st.recv(slot, step)
-        sends = [(peer, send_area.narrow(0, off, n)) for peer, off, n, _, _ in step.sends]
-        recvs = [(peer, recv_area.narrow(0, off, n)) for peer, off, n, _, _ in step.recvs]
+        sends = [(m.peer, send_area.narrow(0, m.buffer_offset, m.nbytes)) for m in step.sends]
+        recvs = [(m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes)) for m in step.recvs]
         if self.debug:
             logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
-                         [(p, n) for p, _, n, _, _ in step.sends], [(p, n) for p, _, n, _, _ in step.recvs],
+                         [(m.peer, m.nbytes) for m in step.sends], [(m.peer, m.nbytes) for m in step.recvs],
                          len(step.local))
         s = self.streams
         with _on(s and s.comm):
@@ -494,8 +379,8 @@ class _Run:
                     s.comm.wait_event(s.unpacked[slot])  # unpack -> comm: chunk i-2's receive area is read
             what = f"chunk {step.index}"
             if self.verify:
-                sends += [(peer, st.send_sums[slot].narrow(0, first, num)) for peer, _, _, first, num in step.sends]
-                recvs += [(peer, st.recv_sums[slot].narrow(0, first, num)) for peer, _, _, first, num in step.recvs]
+                sends += [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
+                recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
             handle = _post_tagged(sends, recvs, self.group, len(step.sends), len(step.recvs), self.verify,
                                   self.timeout, what)
             if s is not None:
@@ -507,7 +392,7 @@ class _Run:
         self.report.bytes_received += step.recv_bytes
         return handle
 
-    def local(self, step: _Step) -> None:
+    def local(self, step: RankChunk) -> None:
         if not step.local:
             return
         with _on(self.streams and self.streams.unpack):
@@ -550,7 +435,7 @@ class _Run:
                 s.unpacked[slot].record(s.unpack)
         self.report.seconds_unpack += time.perf_counter() - t1
 
-    def _check_sums(self, step: _Step, slot: int, tensors: list[torch.Tensor]) -> None:
+    def _check_sums(self, step: RankChunk, slot: int, tensors: list[torch.Tensor]) -> None:
         n = len(step.unpack.boxes)
         got = torch.empty(n, dtype=torch.int64, device=self.staging.device)
         for k, (t, box) in enumerate(zip(tensors, step.unpack.boxes)):
@@ -586,11 +471,11 @@ class _Run:
             last_unpacked["event"] = s.unpacked[flight.slot] if s is not None else None
 
         try:
-            for k, step in enumerate(self.prog.steps):
+            for k, step in enumerate(self.prog.chunks):
                 slot = k % NUM_SLOTS
-                while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.dep):
+                while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.unpack_before_pack):
                     finish_oldest()
-                relay_ready = last_unpacked["event"] if step.dep >= 0 else None
+                relay_ready = last_unpacked["event"] if step.unpack_before_pack >= 0 else None
                 self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
                 handle = self.post(step, slot, k >= NUM_SLOTS)
                 pending.append(_InFlight(step, slot, handle))
@@ -709,10 +594,10 @@ def execute(
         raise ValueError(f"execute: the plan spans ranks up to {ranks[-1]} but {group} has {group.size} ranks")
     start = time.perf_counter()
     with group.exclusive("execute"), torch.no_grad():  # one call at a time per group (see Group)
-        prog = _program(plan, rank)
+        prog = plan.for_rank(rank)
         errors, device = _check_tensors(plan, rank, src_tensors, dst_tensors)
         staging: Staging | None = None
-        if not errors and prog.steps:
+        if not errors and prog.chunks:
             device = device or torch.device("cpu")
             try:
                 if prog.max_chunk_bytes:

@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from reshard.cost._hardware import Hardware
-from reshard.planner import Plan
+from reshard.planner import PIPELINE_DEPTH, Plan
 
 DIRECTIONS = ("send", "recv")
 
@@ -137,7 +137,7 @@ def relay_fill_s(plan: Plan, hw: Hardware, *, chunk_lag: int) -> float:
     network transfers and is already in the NVLink links' load. Zero without forwards."""
     if not plan.stats.num_forwards:
         return 0.0
-    chunk = plan.staging_bytes // 2
+    chunk = plan.staging_bytes // PIPELINE_DEPTH  # the planner keeps a chunk within this share of the budget
     busiest = max((rb.nvlink_send for rb in plan.stats.per_rank.values()), default=0)
     return chunk_lag * min(chunk, busiest) / hw.nvlink_bytes_per_s
 

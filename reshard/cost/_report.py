@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from reshard.cost._baseline import gather_broadcast_bytes
 from reshard.planner import Topology, format_bytes, plan
-from reshard.planner._plan import format_stats
+from reshard.planner import format_stats
 
 
 def print_plan_report(src: Any, dst: Any, topology: Topology, *, relay: bool, describe: bool,

@@ -10,15 +10,20 @@ Exports:
     encode_layout, decode_layout: a layout as JSON values and back (checked).
     dtype_name, dtype_from_name: torch dtype <-> its name.
     Topology: ranks -> NVLink domains.
-    plan, plan_many, PlanItem, Plan, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES,
-        RELAY_CHUNK_LAG: planning.
-    Transfer, Message, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; format_bytes prints sizes.
+    plan, plan_many, PlanItem, Plan, PlanData, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES:
+        planning; `Plan` validates the `PlanData` it is built from.
+    PIPELINE_DEPTH, RELAY_CHUNK_LAG: chunks in flight, the contract between planner and executor, and the relay
+        lag derived from it.
+    Transfer, Message, BoxList, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; a rank's program
+        (`Plan.for_rank`) is a `RankPlan` of `RankChunk`s of `Message`s and `BoxList`s.
+    format_bytes, format_stats: the report formatting.
 """
 
 from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
+from reshard.planner._format import format_bytes, format_stats
 from reshard.planner._layout import Layout, Piece, placement_str
 from reshard.planner._mesh import Mesh
 from reshard.planner._notation import parse_layout
@@ -27,27 +32,39 @@ from reshard.planner._plan import (
     DEFAULT_STAGING_BYTES,
     RELAY_CHUNK_LAG,
     Plan,
+    PlanData,
     PlanItem,
     clear_plan_cache,
-    format_bytes,
     plan,
     plan_many,
 )
 from reshard.planner._topology import Topology
-from reshard.planner._types import Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
+from reshard.planner._types import (
+    PIPELINE_DEPTH,
+    BoxList,
+    Message,
+    PlanStats,
+    RankBytes,
+    RankChunk,
+    RankPlan,
+    Transfer,
+)
 from reshard.planner._wire import decode_layout, encode_layout
 
 __all__ = [
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",
+    "PIPELINE_DEPTH",
     "RELAY_CHUNK_LAG",
     "Box",
+    "BoxList",
     "ExplicitLayout",
     "Layout",
     "Mesh",
     "Message",
     "Piece",
     "Plan",
+    "PlanData",
     "PlanItem",
     "PlanStats",
     "RankBytes",
@@ -62,6 +79,7 @@ __all__ = [
     "dtype_name",
     "encode_layout",
     "format_bytes",
+    "format_stats",
     "fuse",
     "intersect",
     "is_block_aligned",

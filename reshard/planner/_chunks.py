@@ -1,8 +1,8 @@
 """How a plan stores its transfers, and which chunk each goes in.
 
-`_Transfers` holds every transfer of a plan in plan order (rows, then relay forwards as columns); `_Columns` is
-their numeric fields as arrays; `_assign_chunks` places them in chunks within a staging budget. Pure Python and
-numpy on plain values, like the rest of the planner.
+`_Transfers` holds every transfer unit (`Unit`) of a plan in plan order (rows, then relay forwards as columns);
+`_Columns` is their numeric fields as arrays; `_assign_chunks` places them in chunks within a staging budget. Pure
+Python and numpy on plain values, like the rest of the planner.
 """
 
 from __future__ import annotations
@@ -11,26 +11,56 @@ import bisect
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from reshard.planner._box import Box
-from reshard.planner._types import LINKS
+from reshard.planner._types import LINKS, PIPELINE_DEPTH, Link
 
-RELAY_CHUNK_LAG = 2
+RELAY_CHUNK_LAG = PIPELINE_DEPTH
 """A relay forwards a box at least this many chunks after the box arrives, so the executor can pack chunk i+1
-while chunk i is in flight without waiting for the arrival to be unpacked."""
+while chunk i is in flight without waiting for the arrival to be unpacked (see `PIPELINE_DEPTH`)."""
 
 
 _LINK_CODE = {link: code for code, link in enumerate(LINKS)}
 _LOCAL = _LINK_CODE["local"]
 
 
+class Member(NamedTuple):
+    """One tensor a transfer unit moves its boxes of."""
 
-Members = tuple[tuple[int, int, int], ...]
-"""The tensors a transfer unit moves the same boxes of: `(item, src_tensor, dst_tensor)` each (one for a lone item;
-several for items of equal geometry, batched so they move together)."""
+    item: int
+    src_tensor: int
+    dst_tensor: int
+
+
+Members = tuple[Member, ...]
+"""The tensors a transfer unit moves the same boxes of (one for a lone item; several for items of equal geometry,
+batched so they move together)."""
+
+
+class Unit(NamedTuple):
+    """The same boxes of each member tensor moving from `src` to `dst`: one `Transfer` per member once chunked.
+
+    `src_box`, `dst_box`, `global_box`, `nbytes`, `link` and `stage` mean what they mean on a `Transfer` (`nbytes`
+    per member); `dep` is the plan-order index of the arrival a relay forward waits for, or -1.
+    """
+
+    src: int
+    dst: int
+    src_box: Box
+    dst_box: Box
+    global_box: Box
+    nbytes: int
+    link: Link
+    stage: int
+    members: Members
+    dep: int = -1
+
+
+_FIELD = {name: i for i, name in enumerate(Unit._fields)}  # column extraction reads rows with itemgetter (fast)
+_new_unit = tuple.__new__  # `_new_unit(Unit, values)`: a Unit without `Unit.__new__`'s argument parsing (hot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +89,17 @@ class _Transfers:
     """Every transfer unit of one plan, in plan order: first the ones emitted one at a time (`rows`), then the
     relay forwards of network arrivals, which are emitted a part at a time and kept as columns.
 
-    A unit is `(src, dst, src_box, dst_box, global_box, nbytes, link, stage, members, dep)`: the same boxes of each
-    member tensor (`Members`), `nbytes` per member. A whole-model plan forwards each arrival to every other needer
-    of its domain (most of its transfers): keeping those as a few flat lists instead of a tuple each saves most of
-    the time and memory of building them, and leaves the cyclic GC almost nothing to scan.
+    A unit (`Unit`) moves the same boxes of each member tensor, `nbytes` per member. A whole-model plan forwards
+    each arrival to every other needer of its domain (most of its transfers): keeping those as a few flat lists
+    instead of a tuple each saves most of the time and memory of building them, and leaves the cyclic GC almost
+    nothing to scan.
     """
 
     __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count",
-                 "f_dst", "f_dst_box", "_f_start")
+                 "f_dst", "f_dst_box", "_f_start", "_columns")
 
     def __init__(self) -> None:
-        self.rows: list[tuple] = []
+        self.rows: list[Unit] = []
         # per forwarded part: the relay (sender), its box, the global box, bytes, members, arrival, forwards
         self.p_src: list[int] = []
         self.p_src_box: list[Box] = []
@@ -82,6 +112,7 @@ class _Transfers:
         self.f_dst: list[int] = []
         self.f_dst_box: list[Box] = []
         self._f_start: list[int] | None = None  # per part, its first forward (and the total at the end)
+        self._columns: tuple[int, _Columns] | None = None  # (units when extracted, columns)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.f_dst)
@@ -107,17 +138,17 @@ class _Transfers:
         self.p_count.append(len(others))
         return nbytes * len(members) * (len(others) - others.count(relay))
 
-    def _forward(self, k: int, j: int) -> tuple:
+    def _forward(self, k: int, j: int) -> Unit:
         src, dst = self.p_src[k], self.f_dst[j]
-        return (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
-                "local" if dst == src else "nvlink", 1, self.p_members[k], self.p_dep[k])
+        return _new_unit(Unit, (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
+                                "local" if dst == src else "nvlink", 1, self.p_members[k], self.p_dep[k]))
 
     def _starts(self) -> list[int]:
         if self._f_start is None:
             self._f_start = [0, *itertools.accumulate(self.p_count)]
         return self._f_start
 
-    def row(self, i: int) -> tuple:
+    def row(self, i: int) -> Unit:
         """Unit `i` in plan order."""
         n = len(self.rows)
         if i < n:
@@ -125,11 +156,11 @@ class _Transfers:
         j = i - n
         return self._forward(bisect.bisect_right(self._starts(), j) - 1, j)
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[Unit]:
         yield from self.rows
         yield from self.forwards(0, len(self.p_count))
 
-    def forwards(self, first: int, stop: int) -> Iterator[tuple]:
+    def forwards(self, first: int, stop: int) -> Iterator[Unit]:
         """The forward units of parts `first..stop-1`, in plan order."""
         starts = self._starts()
         for k in range(first, stop):
@@ -137,14 +168,20 @@ class _Transfers:
                 yield self._forward(k, j)
 
     def columns(self) -> _Columns:
+        """The numeric fields of every unit, extracted once (again only if units were added since)."""
+        if self._columns is None or self._columns[0] != len(self):
+            self._columns = (len(self), self._extract())
+        return self._columns[1]
+
+    def _extract(self) -> _Columns:
         rows = self.rows
         n = len(rows)
 
-        def col(i: int) -> np.ndarray:
-            return np.fromiter(map(operator.itemgetter(i), rows), np.int64, n)
+        def col(name: str) -> np.ndarray:
+            return np.fromiter(map(operator.itemgetter(_FIELD[name]), rows), np.int64, n)
 
-        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(6), rows)), np.int8, n)
-        row_count = np.fromiter(map(len, map(operator.itemgetter(8), rows)), np.int64, n)
+        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(_FIELD["link"]), rows)), np.int8, n)
+        row_count = np.fromiter(map(len, map(operator.itemgetter(_FIELD["members"]), rows)), np.int64, n)
         count = np.asarray(self.p_count, dtype=np.int64)
 
         def per_forward(values: list[int]) -> np.ndarray:
@@ -155,9 +192,10 @@ class _Transfers:
         f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
         f_count = per_forward(list(map(len, self.p_members)))
         units = np.concatenate([row_count, f_count])
-        return _Columns.make(np.concatenate([col(0), f_src]), np.concatenate([col(1), f_dst]),
-                        np.concatenate([col(5), per_forward(self.p_nbytes)]) * units,
-                        np.concatenate([link, f_link]), np.concatenate([col(9), per_forward(self.p_dep)]), units)
+        return _Columns.make(np.concatenate([col("src"), f_src]), np.concatenate([col("dst"), f_dst]),
+                             np.concatenate([col("nbytes"), per_forward(self.p_nbytes)]) * units,
+                             np.concatenate([link, f_link]), np.concatenate([col("dep"), per_forward(self.p_dep)]),
+                             units)
 
 
 def _dense_ids(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

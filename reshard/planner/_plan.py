@@ -13,29 +13,40 @@ import math
 import operator
 
 import numpy as np
+import torch
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._chunks import (
     RELAY_CHUNK_LAG,
+    Member,
+    Members,
+    Unit,
+    _LOCAL,
+    _new_unit,
     _assign_chunks,
     _Columns,
     _Transfers,
     _unique_triples,
-    Members,
 )
+from reshard.planner._format import describe_plan, format_bytes, format_stats
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._layout import _geometry_id
 from reshard.planner._topology import Topology
-from reshard.planner._types import LINKS, Message, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
+from reshard.planner._types import (LINKS, PIPELINE_DEPTH, BoxList, Message, PlanStats, RankBytes, RankChunk,
+                                    RankPlan, Transfer)
+
+__all__ = ["DEFAULT_MIN_SPLIT_BYTES", "DEFAULT_STAGING_BYTES", "PLAN_VERSION", "RELAY_CHUNK_LAG", "Plan", "PlanData",
+           "PlanItem", "clear_plan_cache", "format_bytes", "format_stats", "plan",
+           "plan_many"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 << 20
-"""Staging memory per rank. The executor keeps two chunks in flight, so one chunk's send plus receive bytes on a
-rank are at most half of this."""
+"""Staging memory per rank. The executor keeps `PIPELINE_DEPTH` chunks in flight, so one chunk's send plus receive
+bytes on a rank are at most `staging_bytes // PIPELINE_DEPTH`."""
 
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
 """A box is split across several senders (or relay receivers) only into parts of at least this many bytes."""
@@ -116,8 +127,7 @@ class _Builder:
         self.net_recv: dict[int, int] = defaultdict(int)
         self.nvl_send: dict[int, int] = defaultdict(int)
         self.transfers = _Transfers()
-        # a row: (src, dst, src_box, dst_box, global_box, nbytes, link, stage, members, dep), see `_Transfers`
-        self.raw = self.transfers.rows
+        self.raw = self.transfers.rows  # the units emitted one at a time, see `_Transfers`
         self.fair_recv: dict[Any, float] = {}  # per destination domain: network bytes per destination rank
         self._domain_cache: dict[int, Any] = {}
 
@@ -147,7 +157,7 @@ class _Builder:
             nbytes *= s
         src_box = Box._make(tuple(map(operator.add, gbox.offsets, src_delta)), shape)
         dst_box = Box._make(tuple(map(operator.add, gbox.offsets, dst_delta)), shape)
-        self.raw.append((src, dst, src_box, dst_box, gbox, nbytes, link, stage, members, dep))
+        self.raw.append(_new_unit(Unit, (src, dst, src_box, dst_box, gbox, nbytes, link, stage, members, dep)))
         nbytes *= len(members)
         if link == "network":
             self.net_send[src] += nbytes
@@ -188,6 +198,37 @@ class _Part:
     src_boxes: tuple[Box, ...]  # per holder
 
 
+class _LocalCopy(NamedTuple):
+    """A box a destination rank already holds in its source tensor."""
+
+    rank: int
+    src_box: Box
+    dst_box: Box
+    global_box: Box
+
+
+class _NvlNeed(NamedTuple):
+    """A part a destination rank receives over NVLink from one of the holders in its domain."""
+
+    dst: int
+    holders: list[int]  # ascending
+    part: _Part
+
+
+class _NetNeed(NamedTuple):
+    """A box some ranks of one destination domain need from holders outside it, and how it is split."""
+
+    domain: Any
+    group: int  # index of the unique source box it is cut from
+    box: Box
+    needers: list[int]  # ascending
+    needer_deltas: list[tuple[int, ...]]  # per needer: local minus global offsets
+    holders: list[int]  # ascending
+    holder_deltas: list[tuple[int, ...]]  # per holder
+    parts: list[_Part]
+    spread: int  # how many parts the box was split for (before fitting chunks)
+
+
 @dataclass(slots=True)
 class _Recipe:
     """The geometry of an item's plan, independent of load: what each destination needs and who can send it.
@@ -197,11 +238,9 @@ class _Recipe:
     """
 
     itemsize: int
-    local: list[tuple[int, Box, Box, Box]]  # (rank, src_box, dst_box, global_box)
-    nvl: list[tuple[int, list[int], _Part]]  # (destination rank, holder ranks, part)
-    # (domain, group, box, needer ranks, needer deltas, holder ranks, holder deltas, parts, split count)
-    net: list[tuple[Any, int, Box, list[int], list[tuple[int, ...]], list[int], list[tuple[int, ...]],
-                    list[_Part], int]]
+    local: list[_LocalCopy]
+    nvl: list[_NvlNeed]
+    net: list[_NetNeed]
     check_arrivals: bool
     max_part_bytes: int  # the largest box that takes staging (0 when there is none)
 
@@ -242,7 +281,7 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
     src_ranks = set(src.ranks)
 
     # per destination piece: local copies, and what must come from elsewhere
-    local: list[tuple[int, Box, Box, Box]] = []
+    local: list[_LocalCopy] = []
     nvl_needs: list[tuple[Box, int, tuple[int, ...], list[tuple[int, tuple[int, ...]]]]] = []
     net_needs: dict[Any, dict[tuple[int, Box], list[tuple[int, tuple[int, ...]]]]] = {}
     for r in sorted(dst.ranks):
@@ -255,7 +294,8 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
                 x = intersect(sp.global_box, piece.global_box)
                 if x is None:
                     continue
-                local.append((r, _translate(x, _delta(sp.global_box, sp.local_box)), _translate(x, d_delta), x))
+                local.append(_LocalCopy(r, _translate(x, _delta(sp.global_box, sp.local_box)), _translate(x, d_delta),
+                                        x))
                 remaining = [y for rem in remaining for y in subtract(rem, x)]
             for rem in remaining:
                 for gid in index.query(rem):
@@ -274,19 +314,19 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
     nvl_demand: dict[int, int] = defaultdict(int)
     for x, r, d_delta, near in nvl_needs:
         nvl_demand[id(near)] += 1
-    nvl = []
+    nvl: list[_NvlNeed] = []
     for x, r, d_delta, near in nvl_needs:
         ranks = [h[0] for h in near]
         deltas = [h[1] for h in near]
         for box in b.parts(x, -(-len(near) // nvl_demand[id(near)]), itemsize):
-            nvl.append((r, ranks, _part(box, itemsize, [d_delta], deltas)))
+            nvl.append(_NvlNeed(r, ranks, _part(box, itemsize, [d_delta], deltas)))
 
     # network: per destination domain, each needed box crosses once (relay) or once per needer (no relay)
     net_demand: dict[int, int] = defaultdict(int)
     for needs in net_needs.values():
         for gid, _ in needs:
             net_demand[gid] += 1
-    net = []
+    net: list[_NetNeed] = []
     for dom in sorted(net_needs, key=repr):
         needs = net_needs[dom]
         for (gid, x) in sorted(needs, key=lambda k: (-k[1].numel, k[0], k[1].offsets)):
@@ -300,10 +340,10 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
                 boxes = b.parts(x, k, itemsize)
             n_deltas = [n[1] for n in needers]
             h_deltas = [h[1] for h in holders]
-            net.append((dom, gid, x, [n[0] for n in needers], n_deltas, [h[0] for h in holders], h_deltas,
-                        [_part(box, itemsize, n_deltas, h_deltas) for box in boxes], k))
+            net.append(_NetNeed(dom, gid, x, [n[0] for n in needers], n_deltas, [h[0] for h in holders], h_deltas,
+                                [_part(box, itemsize, n_deltas, h_deltas) for box in boxes], k))
     check = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
-    largest = max([p.nbytes for _, _, p in nvl] + [p.nbytes for n in net for p in n[7]], default=0)
+    largest = max([n.part.nbytes for n in nvl] + [p.nbytes for n in net for p in n.parts], default=0)
     return _Recipe(itemsize, local, nvl, net, check, largest)
 
 
@@ -316,18 +356,18 @@ def _least(ranks: list[int], load: dict[int, int]) -> int:
 def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
     """Phase two: choose senders and relay receivers against the running loads, and emit the transfers.
 
-    `members`: `(item, src_tensor, dst_tensor)` of the items (all of this recipe's geometry) that move together:
-    one choice for all, each box once per member, in one transfer unit."""
+    `members`: the items (all of this recipe's geometry) that move together: one choice for all, each box once
+    per member, in one transfer unit."""
     raw = b.raw
     k = len(members)
-    relayed = tuple((i, dt, dt) for i, _, dt in members)  # a forward reads the relay's destination tensor
+    relayed = tuple(Member(i, dt, dt) for i, _, dt in members)  # a forward reads the relay's destination tensor
     for r, sbox, dbox, x in rc.local:
-        raw.append((r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, members, -1))
+        raw.append(_new_unit(Unit, (r, r, sbox, dbox, x, x.numel * rc.itemsize, "local", 0, members, -1)))
     nvl_send = b.nvl_send
     for r, ranks, part in rc.nvl:
         h = _least(ranks, nvl_send)
-        raw.append((ranks[h], r, part.src_boxes[h], part.dst_boxes[0], part.box, part.nbytes, "nvlink", 0,
-                    members, -1))
+        raw.append(_new_unit(Unit, (ranks[h], r, part.src_boxes[h], part.dst_boxes[0], part.box, part.nbytes,
+                                    "nvlink", 0, members, -1)))
         nvl_send[ranks[h]] += part.nbytes * k
     net_send, net_recv = b.net_send, b.net_recv
     arrivals: dict[tuple[Any, int], list[tuple[Box, int, tuple[int, ...], int]]] = defaultdict(list)
@@ -336,8 +376,8 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
             for n, r in enumerate(needers):
                 for part in parts:
                     h = _least(holders, net_send)
-                    raw.append((holders[h], r, part.src_boxes[h], part.dst_boxes[n], part.box, part.nbytes,
-                                "network", 0, members, -1))
+                    raw.append(_new_unit(Unit, (holders[h], r, part.src_boxes[h], part.dst_boxes[n], part.box,
+                                                part.nbytes, "network", 0, members, -1)))
                     net_send[holders[h]] += part.nbytes * k
                     net_recv[r] += part.nbytes * k
             continue
@@ -361,8 +401,8 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
             h = _least(holders, net_send)
             recv, recv_box = needers[n], part.dst_boxes[n]
             a_idx = len(raw)
-            raw.append((holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes, "network", 0,
-                        members, -1))
+            raw.append(_new_unit(Unit, (holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes,
+                                        "network", 0, members, -1)))
             net_send[holders[h]] += part.nbytes * k
             net_recv[recv] += part.nbytes * k
             if rc.check_arrivals:
@@ -411,10 +451,10 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
     return out
 
 
-def _unit_transfers(t: tuple, chunk: int) -> list[Transfer]:
-    """The transfers of unit `t` in `chunk`: one per member tensor, same ranks and boxes."""
-    return [Transfer(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], chunk, item, src_t, dst_t)
-            for item, src_t, dst_t in t[8]]
+def _unit_transfers(u: Unit, chunk: int) -> list[Transfer]:
+    """The transfers of unit `u` in `chunk`: one per member tensor, same ranks and boxes."""
+    return [Transfer(u.src, u.dst, u.src_box, u.dst_box, u.global_box, u.nbytes, u.link, u.stage, chunk, item,
+                     src_t, dst_t) for item, src_t, dst_t in u.members]
 
 
 _PLAN_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
@@ -426,10 +466,53 @@ def clear_plan_cache() -> None:
     _PLAN_CACHE.clear()
 
 
+class UnitSpan(NamedTuple):
+    """Units `rows[first_row:stop_row]` and the forwards of parts `first_part..stop_part - 1` of a `_Transfers`."""
+
+    first_row: int
+    stop_row: int
+    first_part: int
+    stop_part: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity: it holds arrays
+class PlanData:
+    """What the planner built, as `Plan` takes it: the inputs, every transfer unit and its chunk.
+
+    `Plan(data)` checks all of it (see `Plan`), so a `PlanData` that disagrees with itself or with its layouts
+    never becomes a plan.
+
+    Attributes:
+        items, topology, relay, staging_bytes, min_split_bytes: the planner's inputs.
+        units: every transfer unit, in plan order (stage 0 before the forwards that depend on it).
+        chunks: `(N,)` int64, the chunk of each of the N units.
+        network_lower_bound: bytes that must cross into the destination domains (see `PlanStats`).
+        needed_bytes: bytes the destination ranks hold when done.
+        planned: the spans (`UnitSpan`) of the units planned from scratch, when
+            every other unit replays one of them (same geometry, same boxes): the box checks then look at these
+            only. None checks every unit.
+    """
+
+    items: tuple[PlanItem, ...]
+    topology: Topology
+    relay: bool
+    staging_bytes: int
+    min_split_bytes: int
+    units: _Transfers
+    chunks: np.ndarray
+    network_lower_bound: int
+    needed_bytes: int
+    planned: tuple[UnitSpan, ...] | None = None
+
+
 class Plan:
     """The full, deterministic list of transfers that turns the source layouts into the destination layouts.
 
-    Every rank builds the same plan from the same inputs; `fingerprint` lets ranks check that they agree.
+    Every rank builds the same plan from the same inputs (`plan`, `plan_many`); `fingerprint` lets ranks check that
+    they agree. The constructor validates what it is given and raises `ValueError` when it is inconsistent: a
+    transfer's boxes disagree in shape or leave the local tensor, a destination element is written other than
+    exactly once, a relay forward is not at least `RELAY_CHUNK_LAG` chunks after its arrival, a rank's chunk
+    exceeds `staging_bytes // PIPELINE_DEPTH`, or with relays the network bytes miss the lower bound.
 
     Attributes:
         items: the planned tensors.
@@ -441,31 +524,26 @@ class Plan:
         fingerprint: a stable hex digest of the inputs and the result.
     """
 
-    def __init__(
-        self,
-        items: tuple[PlanItem, ...],
-        topology: Topology,
-        relay: bool,
-        staging_bytes: int,
-        min_split_bytes: int,
-        raw: _Transfers,
-        cols: _Columns,
-        chunks: np.ndarray,
-        network_lower_bound: int,
-        needed_bytes: int,
-    ) -> None:
-        self.items = items
-        self.topology = topology
-        self.relay = relay
-        self.staging_bytes = staging_bytes
-        self.min_split_bytes = min_split_bytes
-        self._raw = raw
+    def __init__(self, data: PlanData) -> None:
+        if not isinstance(data, PlanData):
+            raise TypeError(f"Plan: expected a PlanData (plans come from plan / plan_many), got {type(data).__name__}")
+        self.items = data.items
+        self.topology = data.topology
+        self.relay = data.relay
+        self.staging_bytes = data.staging_bytes
+        self.min_split_bytes = data.min_split_bytes
+        self._data = data  # what it was built from (kept for `dataclasses.replace` in checks and tests)
+        self._raw = data.units
+        cols = data.units.columns()
+        chunks = np.asarray(data.chunks)
+        _check_chunks(data, cols, chunks)
         self._chunks = chunks.tolist()
         self._transfers: tuple[Transfer, ...] | None = None
         self._rank_cols = (cols.src, cols.dst)  # (N,) each: find a rank's transfers without building them all
         self._by_rank: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._rank_plans: dict[int, RankPlan] = {}
-        self.stats = self._compute_stats(cols, chunks, network_lower_bound, needed_bytes)
+        self.stats = self._compute_stats(cols, chunks, data.network_lower_bound, data.needed_bytes)
+        _validate(self, data.planned)
         self.fingerprint = self._compute_fingerprint()
 
     @property
@@ -574,10 +652,11 @@ class Plan:
         return idx[bounds[k]:bounds[k + 1]].tolist()
 
     def for_rank(self, rank: int) -> RankPlan:
-        """What `rank` sends, receives, forwards and copies, grouped into chunks in executable order.
+        """`rank`'s whole program: what it sends, receives, forwards and copies, chunk by chunk in executable order,
+        with the boxes of each chunk's pack and unpack call and the sizes of its staging.
 
         Within a chunk, messages are ordered by peer and their boxes by plan order, so the sender's packing and the
-        receiver's unpacking agree on every byte offset without talking.
+        receiver's unpacking agree on every byte offset without talking. Built once per rank and kept.
         """
         cached = self._rank_plans.get(rank)
         if cached is not None:
@@ -595,41 +674,34 @@ class Plan:
             if t.src_rank == rank and t.stage > 0:
                 deps[t.chunk] = max(deps.get(t.chunk, -1), t.chunk - RELAY_CHUNK_LAG)
         chunks = []
-        max_send = max_recv = 0
         peers: set[int] = set()
         for c in sorted(per_chunk):
             local, sends, recvs = per_chunk[c]
             send_msgs = _messages(sends)
             recv_msgs = _messages(recvs)
-            sb = sum(m.nbytes for m in send_msgs)
-            rb = sum(m.nbytes for m in recv_msgs)
-            max_send, max_recv = max(max_send, sb), max(max_recv, rb)
             peers.update(sends)
             peers.update(recvs)
-            chunks.append(RankChunk(c, send_msgs, recv_msgs, tuple(local), sb, rb, deps.get(c, -1)))
-        rp = RankPlan(rank, tuple(chunks), max_send, max_recv, tuple(sorted(peers)))
+            chunks.append(RankChunk(c, send_msgs, recv_msgs, tuple(local), sum(m.nbytes for m in send_msgs),
+                                    sum(m.nbytes for m in recv_msgs), deps.get(c, -1),
+                                    _box_list(self.items, send_msgs, sending=True),
+                                    _box_list(self.items, recv_msgs, sending=False)))
+        rp = RankPlan(
+            rank,
+            tuple(chunks),
+            max((c.send_bytes for c in chunks), default=0),
+            max((c.recv_bytes for c in chunks), default=0),
+            tuple(sorted(peers)),
+            max_chunk_bytes=max((c.send_bytes + c.recv_bytes for c in chunks), default=0),
+            max_send_boxes=max((len(c.pack.boxes) for c in chunks), default=0),
+            max_recv_boxes=max((len(c.unpack.boxes) for c in chunks), default=0),
+            local_bytes=sum(t.nbytes for c in chunks for t in c.local),
+        )
         self._rank_plans[rank] = rp
         return rp
 
     def describe(self, *, max_transfers: int = 200) -> str:
         """Readable text: the layouts, the statistics, then who sends what to whom, over which link."""
-        s = self.stats
-        lines = [f"Plan {self.fingerprint[:12]}: {len(self.items)} tensor(s), {self.topology}, relay={self.relay}"]
-        for i, it in enumerate(self.items[:20]):
-            lines.append(f"  item {i} {it.label!r}: {it.src!r} -> {it.dst!r}")
-        if len(self.items) > 20:
-            lines.append(f"  ... {len(self.items) - 20} more items")
-        lines.append(format_stats(s))
-        lines.append("transfers (chunk: src -> dst, link, bytes, item, global box, src box -> dst box):")
-        for t in self.transfers[:max_transfers]:
-            relay = f" relay-stage{t.stage}" if t.stage else ""
-            lines.append(
-                f"  [{t.chunk}] {t.src_rank:>4} -> {t.dst_rank:<4} {t.link:<7}{relay} {format_bytes(t.nbytes):>10} "
-                f"item {t.item} global {t.global_box} src {t.src_box} -> dst {t.dst_box}"
-            )
-        if len(self.transfers) > max_transfers:
-            lines.append(f"  ... {len(self.transfers) - max_transfers} more transfers")
-        return "\n".join(lines)
+        return describe_plan(self, max_transfers=max_transfers)
 
     def __repr__(self) -> str:
         s = self.stats
@@ -640,8 +712,9 @@ class Plan:
 
 
 def _messages(by_peer: dict[int, list[Transfer]]) -> tuple[Message, ...]:
+    """One message per peer with bytes to move, by peer, back to back in the staging area."""
     out = []
-    buf = 0
+    buf = boxes = 0
     for peer in sorted(by_peer):
         ts = by_peer[peer]
         offsets = []
@@ -649,32 +722,35 @@ def _messages(by_peer: dict[int, list[Transfer]]) -> tuple[Message, ...]:
         for t in ts:
             offsets.append(pos)
             pos += t.nbytes
-        out.append(Message(peer, tuple(ts), tuple(offsets), buf, pos))
+        if not pos:
+            continue
+        out.append(Message(peer, tuple(ts), tuple(offsets), buf, pos, boxes))
         buf += pos
+        boxes += len(ts)
     return tuple(out)
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def format_stats(s: PlanStats) -> str:
-    return "\n".join(
-        [
-            f"  needed by destinations {format_bytes(s.needed_bytes):>12}",
-            f"  network                {format_bytes(s.network_bytes):>12}   (lower bound "
-            f"{format_bytes(s.network_lower_bound)})",
-            f"  nvlink                 {format_bytes(s.nvlink_bytes):>12}",
-            f"  local copies           {format_bytes(s.local_bytes):>12}",
-            f"  transfers {s.num_transfers}, messages {s.messages}, chunks {s.num_chunks}",
-            f"  busiest rank: send {format_bytes(s.max_rank_send_bytes)} (imbalance {s.send_imbalance:.2f}), "
-            f"recv {format_bytes(s.max_rank_recv_bytes)} (imbalance {s.recv_imbalance:.2f})",
-        ]
-    )
+def _box_list(items: Sequence[PlanItem], messages: Sequence[Message], *, sending: bool) -> BoxList:
+    """The boxes of one chunk's pack (`sending`) or unpack call: `messages`' transfers in buffer order."""
+    transfers = tuple(t for m in messages for t in m.transfers)
+    offsets = tuple(m.buffer_offset + o for m in messages for o in m.offsets)
+    wire: tuple[torch.dtype | None, ...]
+    if sending:
+        from_dst = tuple(t.stage > 0 for t in transfers)  # a forward reads the box where it landed
+        tensors = tuple(t.src_tensor for t in transfers)
+        boxes = tuple(t.src_box for t in transfers)
+        # a stage-0 box of a casting item is packed as its destination dtype
+        wire = tuple(items[t.item].dst.dtype if t.stage == 0 and items[t.item].casts else None for t in transfers)
+    else:
+        from_dst = (True,) * len(transfers)
+        tensors = tuple(t.dst_tensor for t in transfers)
+        boxes = tuple(t.dst_box for t in transfers)
+        wire = (None,) * len(transfers)  # the wire already carries the destination dtype
+    groups: dict[torch.dtype | None, list[int]] = {}
+    for i, w in enumerate(wire):
+        groups.setdefault(w, []).append(i)
+    return BoxList(transfers, from_dst, tensors, boxes, offsets, wire,
+                   tuple((w, tuple(ix)) for w, ix in groups.items()))
 
 
 def _as_items(items: Iterable[Any]) -> tuple[PlanItem, ...]:
@@ -707,7 +783,8 @@ def plan_many(
         topology: NVLink domains; default: every rank its own domain.
         relay: when several ranks of one domain need a box held outside it, send it across the network once and
             forward it over NVLink (stage 1). Without relay every destination receives directly.
-        staging_bytes: staging memory per rank; one chunk's send + receive bytes per rank stay within half of it.
+        staging_bytes: staging memory per rank; one chunk's send + receive bytes per rank stay within
+            `staging_bytes // PIPELINE_DEPTH`.
         min_split_bytes: smallest part a box is split into to spread it over several senders or relay receivers.
 
     Returns:
@@ -735,8 +812,8 @@ def plan_many(
     """
     items = _as_items(items)
     topology = topology if topology is not None else Topology()
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 2:
-        raise ValueError(f"plan: staging_bytes must be an integer >= 2, got {staging_bytes!r}")
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < PIPELINE_DEPTH:
+        raise ValueError(f"plan: staging_bytes must be an integer >= {PIPELINE_DEPTH}, got {staging_bytes!r}")
     if isinstance(min_split_bytes, bool) or not isinstance(min_split_bytes, int) or min_split_bytes < 1:
         raise ValueError(f"plan: min_split_bytes must be a positive integer, got {min_split_bytes!r}")
     key = (tuple(it.key for it in items), topology.key, relay, staging_bytes, min_split_bytes)
@@ -746,12 +823,12 @@ def plan_many(
         return cached
     for i, it in enumerate(items):
         _check_item(it, i)
-    chunk_cap = staging_bytes // 2
+    chunk_cap = staging_bytes // PIPELINE_DEPTH
     for it in items:
         if it.dst.dtype.itemsize > chunk_cap:
             raise ValueError(
                 f"tensor {it.label!r}: staging_bytes={staging_bytes} cannot hold one element of {it.dst.dtype} "
-                "twice (two chunks in flight)"
+                f"{PIPELINE_DEPTH} times ({PIPELINE_DEPTH} chunks in flight)"
             )
     # planning allocates many small tuples and no cycles: the cyclic collector would only rescan them
     gc_was_enabled = gc.isenabled()
@@ -777,7 +854,7 @@ def plan_many(
         groups: dict[tuple[int, int], list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault((_geometry_id(it.src), _geometry_id(it.dst)), []).append(i)
-        templates: list[tuple[int, int, int, int]] = []  # rows and forwarded parts of each geometry's first unit
+        templates: list[UnitSpan] = []  # each geometry's first unit
         for members in groups.values():
             rc = _recipe(b, items[members[0]])
             if rc.check_arrivals:
@@ -785,16 +862,14 @@ def plan_many(
             else:
                 size = max(1, unit_cap // rc.max_part_bytes) if rc.max_part_bytes else len(members)
             for a in range(0, len(members), size):
-                unit = tuple((i, items[i].src_tensor, items[i].dst_tensor) for i in members[a:a + size])
+                unit = tuple(Member(i, items[i].src_tensor, items[i].dst_tensor) for i in members[a:a + size])
                 start, first_part = len(b.raw), b.transfers.num_parts
                 _emit_recipe(b, rc, unit)
                 if a == 0:
-                    templates.append((start, len(b.raw), first_part, b.transfers.num_parts))
-        cols = b.transfers.columns()
-        chunks = _assign_chunks(cols, chunk_cap)
-        result = Plan(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, cols, chunks,
-                      sum(lower_by_domain.values()), needed)
-        _validate(result, spans=templates)
+                    templates.append(UnitSpan(start, len(b.raw), first_part, b.transfers.num_parts))
+        chunks = _assign_chunks(b.transfers.columns(), chunk_cap)
+        result = Plan(PlanData(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, chunks,
+                               sum(lower_by_domain.values()), needed, tuple(templates)))
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -827,45 +902,107 @@ def plan(
     )
 
 
-def _validate(p: Plan, spans: Sequence[tuple[int, int, int, int]] | None = None) -> None:
-    """Cheap self-check from box arithmetic: every destination element is written exactly once, boxes are in
-    bounds, and with relays the network bytes meet the lower bound.
+def _invalid(message: str) -> ValueError:
+    """The one error of plan validation: a `PlanData` that contradicts itself or its layouts."""
+    return ValueError(f"inconsistent plan: {message}")
 
-    `spans`: `(first row, stop row, first forwarded part, stop part)` of the units planned from scratch; the others
-    replay one of them (same geometry, same boxes), so checking the planned ones checks all. None checks every
-    unit.
+
+def _check_chunks(data: PlanData, cols: _Columns, chunks: np.ndarray) -> None:
+    """One chunk per unit; forwards at least `RELAY_CHUNK_LAG` chunks after their arrival; each rank's send plus
+    receive bytes in a chunk within `staging_bytes // PIPELINE_DEPTH` (the planner cuts every box to fit)."""
+    n = cols.src.size
+    if chunks.shape != (n,) or (n and (chunks.dtype.kind not in "iu" or int(chunks.min()) < 0)):
+        raise _invalid(f"chunks must be {n} non-negative integers (one per unit), got shape {chunks.shape} of "
+                       f"{chunks.dtype}")
+    fwd = np.flatnonzero(cols.dep >= 0)
+    dep = cols.dep[fwd]
+    if (dep >= fwd).any():
+        i = int(fwd[np.argmax(dep >= fwd)])
+        raise _invalid(f"unit {i} forwards arrival {int(cols.dep[i])}, which is not an earlier unit")
+    early = chunks[fwd] < chunks[dep] + RELAY_CHUNK_LAG
+    if early.any():
+        i = int(fwd[np.argmax(early)])
+        raise _invalid(f"unit {i} forwards in chunk {chunks[i]} the arrival of chunk {chunks[cols.dep[i]]}; expected "
+                       f"at least {RELAY_CHUNK_LAG} chunks later (RELAY_CHUNK_LAG)")
+    staged = np.flatnonzero(cols.link != _LOCAL)
+    if not staged.size:
+        return
+    cap = data.staging_bytes // PIPELINE_DEPTH
+    num_ranks = cols.ranks.size
+    key = chunks[staged] * num_ranks
+    nbytes = cols.nbytes[staged].astype(np.float64)
+    # a rank's bytes in a chunk: what it sends plus what it receives (float64 sums are exact below 2**53 bytes)
+    used = np.bincount(key + cols.src_id[staged], weights=nbytes, minlength=int(key.max()) + num_ranks)
+    used += np.bincount(key + cols.dst_id[staged], weights=nbytes, minlength=used.size)
+    over = used > cap
+    if over.any():
+        c, r = divmod(int(np.argmax(over)), num_ranks)
+        raise _invalid(f"rank {int(cols.ranks[r])} moves {int(used[c * num_ranks + r])} bytes in chunk {c}, over "
+                       f"staging_bytes // PIPELINE_DEPTH = {cap}")
+
+
+def _overlap(boxes: Sequence[Box]) -> bool:
+    """Whether two of `boxes` share an element: a sweep along dim 0, comparing only boxes whose dim-0 ranges
+    overlap (a rank's boxes of one tensor are mostly slabs along dim 0)."""
+    if not boxes[0].offsets:  # 0-d: every box is the one element
+        return len(boxes) > 1
+    boxes = sorted(boxes, key=lambda b: b.offsets)
+    for i, a in enumerate(boxes):
+        end = a.offsets[0] + a.shape[0]
+        for b in boxes[i + 1:]:
+            if b.offsets[0] >= end:
+                break
+            if intersect(a, b) is not None:
+                return True
+    return False
+
+
+def _validate(p: Plan, spans: Sequence[UnitSpan] | None = None) -> None:
+    """Checks from box arithmetic: boxes agree in shape and lie in bounds, every destination element is written
+    exactly once, and with relays the network bytes meet the lower bound.
+
+    `spans`: where the units planned from scratch are; the others replay one of them (same geometry, same boxes),
+    so checking the planned ones checks all, and the byte total (every unit's bytes sum to what the destinations
+    need) catches a unit left out or added. None checks every unit.
     """
+    s = p.stats
+    if s.total_bytes != s.needed_bytes:
+        raise _invalid(f"the transfers write {s.total_bytes} bytes, but the destinations need {s.needed_bytes}")
     store = p._raw
     if spans is not None:
         # the members of a unit share its boxes and their geometry: the first member of each first unit stands
         # for all
-        units = [t for a, b, pa, pb in spans for t in (*store.rows[a:b], *store.forwards(pa, pb))]
-        planned: set[int] | None = {t[8][0][0] for t in units}
+        units = [u for a, b, pa, pb in spans for u in (*store.rows[a:b], *store.forwards(pa, pb))]
+        planned: set[int] | None = {u.members[0].item for u in units}
     else:
         units, planned = list(store), None
-    written: dict[tuple[int, int], int] = defaultdict(int)
-    local_shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for t in units:
-        dst_rank, src_box, dst_box, gbox = t[1], t[2], t[3], t[4]
-        if gbox.shape != src_box.shape or gbox.shape != dst_box.shape:
-            raise AssertionError(f"transfer shapes disagree: {t}")
-        for item, _, _ in t[8] if planned is None else t[8][:1]:
-            dst_local = local_shapes.get((item, dst_rank))
-            if dst_local is None:
-                dst_local = local_shapes[(item, dst_rank)] = p.items[item].dst.local_shape(dst_rank)
-            if any(o + s > n for o, s, n in zip(dst_box.offsets, dst_box.shape, dst_local)):
-                raise AssertionError(f"destination box out of bounds of local shape {dst_local}: {t}")
-            written[(item, dst_rank)] += gbox.numel
+    num_items = len(p.items)
+    written: dict[tuple[int, int], tuple[tuple[int, ...], list[Box]]] = {}  # (item, rank): (local shape, boxes)
+    for u in units:
+        _, dst_rank, src_box, dst_box, gbox, _, _, _, members, _ = u
+        shape = gbox.shape
+        if shape != src_box.shape or shape != dst_box.shape:
+            raise _invalid(f"transfer shapes disagree: {u}")
+        for item, _, _ in members if planned is None else members[:1]:
+            entry = written.get((item, dst_rank))
+            if entry is None:
+                if not 0 <= item < num_items:
+                    raise _invalid(f"unit names item {item}, but the plan has {num_items}: {u}")
+                entry = written[(item, dst_rank)] = (p.items[item].dst.local_shape(dst_rank), [])
+            dst_local, boxes = entry
+            if any(o < 0 or o + e > n for o, e, n in zip(dst_box.offsets, shape, dst_local)):
+                raise _invalid(f"destination box out of bounds of local shape {dst_local}: {u}")
+            boxes.append(dst_box)
     for i, it in enumerate(p.items):
         if planned is not None and i not in planned:
             continue
         for r in it.dst.ranks:
             expected = sum(piece.global_box.numel for piece in it.dst.pieces(r))
-            got = written.get((i, r), 0)
+            boxes = written.get((i, r), ((), []))[1]
+            got = sum(b.numel for b in boxes)
             if got != expected:
-                raise AssertionError(
-                    f"tensor {it.label!r}: rank {r} receives {got} elements, expected {expected}"
-                )
-    s = p.stats
+                raise _invalid(f"tensor {it.label!r}: rank {r} receives {got} elements, expected {expected}")
+            if len(boxes) > 1 and _overlap(boxes):
+                raise _invalid(f"tensor {it.label!r}: rank {r} receives some elements more than once")
     if p.relay and s.network_bytes != s.network_lower_bound:
-        raise AssertionError(f"network bytes {s.network_bytes} != lower bound {s.network_lower_bound} with relay")
+        raise _invalid(f"network bytes {s.network_bytes} != lower bound {s.network_lower_bound} with relay")

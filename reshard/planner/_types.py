@@ -1,6 +1,8 @@
-"""The plan's value types: `Transfer`, `Message`, `RankChunk`, `RankPlan`, `PlanStats`.
+"""The plan's value types: `Transfer`, `Message`, `BoxList`, `RankChunk`, `RankPlan`, `PlanStats`, and the
+pipeline depth the plan is built for (`PIPELINE_DEPTH`).
 
-All are frozen dataclasses of tuples, so a plan can be shared, hashed and cached.
+All are frozen dataclasses of tuples, so a plan can be shared, hashed and cached. `RankPlan` is one rank's whole
+program: the executor runs it as it is and decides nothing.
 """
 
 from __future__ import annotations
@@ -8,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+import torch
+
 from reshard.planner._box import Box
+
+PIPELINE_DEPTH = 2
+"""Chunks in flight per rank, the contract between planner and executor: the executor keeps this many staging slots
+(chunk i is in flight while chunk i+1 is packed and chunk i-1 unpacked), the planner keeps one chunk's send plus
+receive bytes within `staging_bytes // PIPELINE_DEPTH`, and a relay forwards a box at least this many chunks after
+the box arrives, so packing the next chunk never waits for the arrival still being unpacked."""
 
 Link = Literal["local", "nvlink", "network"]
 LINKS: tuple[Link, ...] = ("local", "nvlink", "network")
@@ -65,6 +75,8 @@ class Message:
         offsets: byte offset of each transfer inside the message.
         buffer_offset: where the message starts in the rank's send (or receive) staging buffer for the chunk.
         nbytes: total bytes.
+        first_box: index of the message's first transfer in the chunk's `pack` (or `unpack`) box list; its
+            transfers are entries `first_box .. first_box + len(transfers) - 1` there (and of the checksums).
     """
 
     peer: int
@@ -72,14 +84,47 @@ class Message:
     offsets: tuple[int, ...]
     buffer_offset: int
     nbytes: int
+    first_box: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BoxList:
+    """The boxes of one `pack` (or `unpack`) call of a chunk, in staging-buffer order: the chunk's messages back to
+    back, by peer.
+
+    Attributes:
+        transfers: the transfer of each box.
+        from_dst: box `i` is read from (or written to) the destination local tensor `tensors[i]`; False: the source
+            local tensor (stage-0 sends). A relay forward reads the destination tensor, where its box landed.
+        tensors: local tensor index of each box.
+        boxes: each box in its local tensor.
+        offsets: byte offset of each box in the chunk's send (or receive) area of a staging slot.
+        wire: the dtype box `i` is cast to while packing (a stage-0 box of a `precision="cast"` item), or None for a
+            raw copy (always None when unpacking: the wire carries the destination dtype).
+        groups: `(wire dtype, box indices)` per distinct `wire` value, in first-seen order: one pack call each.
+    """
+
+    transfers: tuple[Transfer, ...] = ()
+    from_dst: tuple[bool, ...] = ()
+    tensors: tuple[int, ...] = ()
+    boxes: tuple[Box, ...] = ()
+    offsets: tuple[int, ...] = ()
+    wire: tuple[torch.dtype | None, ...] = ()
+    groups: tuple[tuple[torch.dtype | None, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class RankChunk:
     """One rank's work in one chunk: messages to send, messages to receive, and local copies.
 
-    `unpack_before_pack` is the latest earlier chunk whose received bytes this chunk forwards (relay), or -1: the
-    executor must finish unpacking that chunk before packing this one.
+    Attributes:
+        index: the chunk index, equal on every rank that takes part in the chunk.
+        sends, recvs: the messages, by peer (none of zero bytes: every one is posted).
+        local: local copies (never a message); a stage >= 1 copy reads the destination tensor.
+        send_bytes, recv_bytes: the chunk's send area (packed sends) and receive area (right after it) in a slot.
+        unpack_before_pack: the latest earlier chunk whose received bytes this chunk forwards (relay), or -1: the
+            executor must finish unpacking that chunk before packing this one.
+        pack, unpack: the boxes of the chunk's pack call (all of `sends`) and unpack call (all of `recvs`).
     """
 
     index: int
@@ -89,17 +134,24 @@ class RankChunk:
     send_bytes: int
     recv_bytes: int
     unpack_before_pack: int = -1
+    pack: BoxList = field(default_factory=BoxList)
+    unpack: BoxList = field(default_factory=BoxList)
 
 
 @dataclass(frozen=True, slots=True)
 class RankPlan:
-    """What one rank does, in executable order: chunks in increasing index.
+    """What one rank does, in executable order: chunks in increasing index. This is the executor's whole program.
 
     Attributes:
         rank: the global rank.
         chunks: only the chunks in which this rank has work.
-        max_send_bytes, max_recv_bytes: the largest chunk's send and receive bytes, which size the staging buffers.
+        max_send_bytes, max_recv_bytes: the largest chunk's send and receive bytes.
         peers: every rank this one exchanges messages with.
+        max_chunk_bytes: the largest chunk's send + receive bytes: the size of each of the `PIPELINE_DEPTH` staging
+            slots.
+        max_send_boxes, max_recv_boxes: the most boxes one chunk packs (unpacks): the size of each slot's checksum
+            buffers.
+        local_bytes: bytes of all local copies.
     """
 
     rank: int
@@ -107,6 +159,10 @@ class RankPlan:
     max_send_bytes: int
     max_recv_bytes: int
     peers: tuple[int, ...]
+    max_chunk_bytes: int = 0
+    max_send_boxes: int = 0
+    max_recv_boxes: int = 0
+    local_bytes: int = 0
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
