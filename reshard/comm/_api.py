@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from reshard.comm._executor import execute
-from reshard.comm._group import Group, Timeout, as_timedelta
-from reshard.comm._group import CommError
+from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._dtypes import dtype_from_name, dtype_name

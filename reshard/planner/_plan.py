@@ -11,23 +11,23 @@ import hashlib
 import logging
 import math
 import operator
-
-import numpy as np
-import torch
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
 
+import numpy as np
+import torch
+
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._chunks import (
+    _LOCAL,
     RELAY_CHUNK_LAG,
     Member,
     Members,
     Unit,
-    _LOCAL,
-    _new_unit,
     _assign_chunks,
     _Columns,
+    _new_unit,
     _Transfers,
     _unique_triples,
 )
@@ -35,8 +35,17 @@ from reshard.planner._format import describe_plan, format_bytes, format_stats
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._layout import _geometry_id
 from reshard.planner._topology import Topology
-from reshard.planner._types import (LINKS, PIPELINE_DEPTH, BoxList, Message, PlanStats, RankBytes, RankChunk,
-                                    RankPlan, Transfer)
+from reshard.planner._types import (
+    LINKS,
+    PIPELINE_DEPTH,
+    BoxList,
+    Message,
+    PlanStats,
+    RankBytes,
+    RankChunk,
+    RankPlan,
+    Transfer,
+)
 
 __all__ = ["DEFAULT_MIN_SPLIT_BYTES", "DEFAULT_STAGING_BYTES", "PLAN_VERSION", "RELAY_CHUNK_LAG", "Plan", "PlanData",
            "PlanItem", "clear_plan_cache", "format_bytes", "format_stats", "plan",
