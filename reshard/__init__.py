@@ -2,7 +2,7 @@
 
 The public API:
 - layouts: `Box`, `Mesh`, `Layout`, `Topology`, and the placements `Shard`, `Replicate` (DTensor's own classes);
-- planning: `plan`, `plan_many`, `Plan`, `PlanItem`, `clear_plan_cache`, `gather_broadcast_bytes`;
+- planning: `plan`, `plan_many`, `Plan`, `PlanItem`, `PlanLimits`, `clear_plan_cache`, `gather_broadcast_bytes`;
 - the data-path primitives: `pack`, `unpack` (Triton kernels on CUDA, torch on CPU), `transfer`, and `Group`;
 - execution: `reshard` (a planned tensor), `reshard_dtensor` (DTensors on their own meshes);
 - model refit: `Refit`, `RefitReport`.
@@ -19,6 +19,7 @@ from reshard.planner import (
     Piece,
     Plan,
     PlanItem,
+    PlanLimits,
     Topology,
     Transfer,
     clear_plan_cache,
@@ -34,6 +35,7 @@ __all__ = [
     "Piece",
     "Plan",
     "PlanItem",
+    "PlanLimits",
     "Replicate",
     "Shard",
     "Topology",

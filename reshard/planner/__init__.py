@@ -1,10 +1,11 @@
 """The planner: layouts, box arithmetic and plans. Pure Python on plain values; no device, no process group.
 
-Exports `Box`, `Mesh`, `Layout`, `Piece`, `Topology`, `plan`, `plan_many`, `PlanItem`, `Plan`, the plan's value types,
-and `clear_plan_cache`.
+Exports `Box`, `Mesh`, `Layout`, `Piece`, `Topology`, `plan`, `plan_many`, `PlanItem`, `PlanLimits`, `Plan`, the
+plan's value types, and `clear_plan_cache`.
 """
 
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
+from reshard.planner._checks import PlanLimits
 from reshard.planner._layout import Layout, Piece, placement_str
 from reshard.planner._mesh import Mesh
 from reshard.planner._plan import (
@@ -33,6 +34,7 @@ __all__ = [
     "Piece",
     "Plan",
     "PlanItem",
+    "PlanLimits",
     "PlanStats",
     "RankBytes",
     "RankChunk",

@@ -13,12 +13,13 @@ from typing import Any, Callable
 import torch
 
 from reshard.planner._box import Box
+from reshard.planner._checks import bounded_cache
 from reshard.planner._explicit import ExplicitLayout, relabel
 from reshard.planner._layout import Piece, _geometry_id
 
 Block = tuple[int, int]
 
-_DERIVED: dict[tuple, ExplicitLayout] = {}
+_DERIVED = bounded_cache("derived block layouts", 1024)
 """Derived layouts per (kind, weight geometry, block, dtype): every layer of a model has the same geometry, so its
 scale and halo layouts are built (and checked) once and relabelled per weight."""
 
