@@ -24,11 +24,12 @@ from collections import defaultdict
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from reshard.planner._box import _as_int
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._layout import BoundedCache, Layout, _geometry_id, clear_caches
 from reshard.planner._topology import Topology
-from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["BoundedCache", "PlanLimits", "clear_caches"]
 
@@ -212,17 +213,20 @@ def _check_coverage(items: Sequence[Any]) -> None:
 
 def _check_size_bound(items: Sequence[Any], chunk_cap: int, staging_bytes: int, limits: PlanLimits) -> None:
     """Refuse a plan whose lower bound on chunks or transfers (see the module docstring) is over the limits."""
-    per_geometry: dict[tuple[int, int], dict[int, int]] = {}
-    recv: dict[int, int] = defaultdict(int)
-    transfers = 0
+    groups: dict[tuple[int, int], list[Any]] = {}  # per pair of geometries: [an item, how many]
     for it in items:
         key = (_geometry_id(it.src), _geometry_id(it.dst))
-        bytes_in = per_geometry.get(key)
-        if bytes_in is None:
-            bytes_in = per_geometry[key] = _bytes_to_receive(it)
-        for r, n in bytes_in.items():
-            recv[r] += n
-            transfers += -(-n // chunk_cap)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [it, 1]
+        else:
+            group[1] += 1
+    recv: dict[int, int] = defaultdict(int)
+    transfers = 0
+    for it, count in groups.values():
+        for r, n in _bytes_to_receive(it).items():
+            recv[r] += n * count
+            transfers += -(-n // chunk_cap) * count
     if not recv:
         return
     rank = max(recv, key=lambda r: (recv[r], -r))
@@ -249,16 +253,16 @@ def _bytes_to_receive(item: Any) -> dict[int, int]:
     src, dst = item.src, item.dst
     itemsize = dst.dtype.itemsize
     src_ranks = set(src.ranks)
+    tiled = isinstance(dst, Layout)  # a DTensor layout's pieces tile its local tensor: count them by its shape
     out: dict[int, int] = {}
     for r in dst.ranks:
-        need = dst.pieces(r)
-        if not need:
+        total = math.prod(dst.local_shape(r)) if tiled else sum(p.global_box.numel for p in dst.pieces(r))
+        if not total:
             continue
-        total = sum(p.global_box.numel for p in need)
         own = [p.global_box for p in src.pieces(r)] if r in src_ranks else []
         if own:
             index = BoxIndex(own)
-            for p in need:
+            for p in dst.pieces(r):
                 g = p.global_box
                 for j in index.query(g):
                     o = own[j]
@@ -274,7 +278,8 @@ def check_plan(plan: Any, limits: PlanLimits) -> None:
     s = plan.stats
     if s.num_chunks > limits.max_chunks:
         raise ValueError(f"plan: {s.num_chunks} chunks, over the limit PlanLimits.max_chunks={limits.max_chunks} "
-                         f"(expected a larger staging_bytes={plan.staging_bytes}, or limits=PlanLimits(max_chunks=...))")
+                         f"(expected a larger staging_bytes={plan.staging_bytes}, or "
+                         "limits=PlanLimits(max_chunks=...))")
     if s.num_transfers > limits.max_transfers:
         raise ValueError(f"plan: {s.num_transfers} transfers, over the limit PlanLimits.max_transfers="
                          f"{limits.max_transfers} (expected a larger staging_bytes={plan.staging_bytes}, or "
