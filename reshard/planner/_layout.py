@@ -201,7 +201,8 @@ class Layout:
         placements: one `Shard`, `Replicate` or `_StridedShard` per mesh axis. `Partial` is refused: reshard moves
             values, so reduce first. Each may also be written in DTensor notation as a string (`"S(0)"`, `"R"`,
             `"_S(0,2)"`), and the whole list as one string (`"R,S(0)"`); they are parsed as `parse_placements`
-            does.
+            does. torch's `_StridedShard` truncates a fractional `split_factor` (1.5 -> 1) when it is built, before
+            reshard sees it; the notation refuses one.
         dtype: the element type.
         name: the tensor's name, used in error messages.
 
