@@ -3,7 +3,7 @@
 The public API:
 - layouts: `Box`, `Mesh`, `Layout`, `Piece`, `Topology`, the placements `Shard` and `Replicate` (DTensor's own
   classes), and layouts given piece by piece: `ExplicitLayout`, `fuse`, `relabel`, `vocab_parallel_layout`;
-- planning: `plan`, `plan_many`, `Plan`, `PlanItem`, `PlanStats`, `Transfer`, `clear_plan_cache`,
+- planning: `plan`, `plan_many`, `Plan`, `PlanItem`, `PlanLimits`, `PlanStats`, `Transfer`, `clear_plan_cache`,
   `DEFAULT_STAGING_BYTES`, `DEFAULT_MIN_SPLIT_BYTES`; the baseline's bytes: `gather_broadcast_bytes`;
 - the data-path primitives: `pack`, `unpack` (Triton kernels on CUDA, torch on CPU), `transfer` and its
   `TransferHandle`, and `Group` (with `DEFAULT_TIMEOUT`);
@@ -44,6 +44,7 @@ from reshard.planner import (
     Piece,
     Plan,
     PlanItem,
+    PlanLimits,
     PlanStats,
     Topology,
     Transfer,
@@ -71,6 +72,7 @@ __all__ = [
     "Piece",
     "Plan",
     "PlanItem",
+    "PlanLimits",
     "PlanStats",
     "Refit",
     "RefitReport",

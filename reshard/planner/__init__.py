@@ -11,7 +11,7 @@ Exports:
     dtype_name, dtype_from_name: torch dtype <-> its name.
     Topology: ranks -> NVLink domains.
     plan, plan_many, PlanItem, Plan, PlanData, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES:
-        planning; `Plan` validates the `PlanData` it is built from.
+        planning; `Plan` validates the `PlanData` it is built from; `PlanLimits` bounds what a plan may cost.
     PIPELINE_DEPTH, RELAY_CHUNK_LAG: chunks in flight, the contract between planner and executor, and the relay
         lag derived from it.
     Transfer, Message, BoxList, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; a rank's program
@@ -21,6 +21,7 @@ Exports:
 
 from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
+from reshard.planner._checks import PlanLimits
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
 from reshard.planner._format import format_bytes, format_stats
@@ -66,6 +67,7 @@ __all__ = [
     "Plan",
     "PlanData",
     "PlanItem",
+    "PlanLimits",
     "PlanStats",
     "RankBytes",
     "RankChunk",

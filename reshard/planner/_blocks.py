@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from reshard.planner._box import Box
+from reshard.planner._checks import bounded_cache
 from reshard.planner._explicit import ExplicitLayout, relabel
 from reshard.planner._layout import Piece, _geometry_id
 
@@ -24,7 +25,7 @@ Block = tuple[int, int]
 DEFAULT_BLOCK: Block = (128, 128)
 """The block of DeepSeek-V3 style FP8 checkpoints: 128 rows by 128 columns."""
 
-_DERIVED: dict[tuple, ExplicitLayout] = {}
+_DERIVED = bounded_cache("derived block layouts", 1024)
 """Derived layouts per (kind, weight geometry, block, dtype): every layer of a model has the same geometry, so its
 scale and halo layouts are built (and checked) once and relabelled per weight."""
 

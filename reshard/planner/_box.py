@@ -12,11 +12,22 @@ import operator
 from dataclasses import dataclass
 
 
+def _as_int(value: object, what: str) -> int:
+    """`value` as an int; a `TypeError` naming `what` for anything else, `bool` included (`True` is not a size)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
 def _as_int_tuple(values: object, name: str) -> tuple[int, ...]:
     try:
-        out = tuple(operator.index(v) for v in values)  # type: ignore[union-attr]
+        items = tuple(values)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"Box: {name} must be a sequence of integers, got {values!r}") from None
+        raise TypeError(f"Box: {name} must be a sequence of integers, got {values!r}") from None
+    out = tuple(_as_int(v, f"Box: {name} {values!r}: each entry") for v in items)
     if any(v < 0 for v in out):
         raise ValueError(f"Box: {name} must be >= 0, got {out}")
     return out

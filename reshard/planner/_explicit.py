@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from reshard.planner._box import Box
+from reshard.planner._box import Box, _as_int
 from reshard.planner._dtypes import dtype_name
 from reshard.planner._index import _pairwise_disjoint
 from reshard.planner._layout import Layout, Piece, _shared_cache
@@ -47,11 +47,19 @@ class ExplicitLayout:
         name: str | None = None,
     ) -> None:
         who = f"tensor {name!r}" if name else "ExplicitLayout"
-        self.shape = tuple(int(s) for s in shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{who}: dtype must be a torch.dtype, got {dtype!r}")
+        self.shape = _sizes(shape, f"{who}: shape")
         self.dtype = dtype
         self.name = name
-        self._pieces = {int(r): tuple(p for p in ps if p.global_box.numel) for r, ps in pieces.items()}
-        self._local_shapes = {int(r): tuple(int(s) for s in ls) for r, ls in local_shapes.items()}
+        self._pieces = {_as_int(r, f"{who}: pieces: rank"): tuple(_piece(p, who) for p in ps)
+                        for r, ps in pieces.items()}
+        self._pieces = {r: tuple(p for p in ps if p.global_box.numel) for r, ps in self._pieces.items()}
+        self._local_shapes = {_as_int(r, f"{who}: local_shapes: rank"): _sizes(ls, f"{who}: rank {r} local shape")
+                              for r, ls in local_shapes.items()}
+        negative = sorted(r for r in self._local_shapes if r < 0)
+        if negative:
+            raise ValueError(f"{who}: ranks must be >= 0, got {negative}")
         missing = sorted(set(self._pieces) - set(self._local_shapes))
         if missing:
             raise ValueError(f"{who}: ranks {missing} have pieces but no local shape")
@@ -112,6 +120,22 @@ class ExplicitLayout:
         dt = dtype_name(self.dtype)
         nm = f"{self.name!r} " if self.name else ""
         return f"ExplicitLayout({nm}{list(self.shape)} {dt} ranks={_rank_ranges(self.ranks)})"
+
+
+def _sizes(values: Sequence[int], what: str) -> tuple[int, ...]:
+    """A shape as a tuple of ints >= 0: `TypeError` for anything but integers (`bool` included)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of integers, got {values!r}")
+    out = tuple(_as_int(v, f"{what} {tuple(values)!r}: each size") for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{what} must have sizes >= 0, got {out}")
+    return out
+
+
+def _piece(p: object, who: str) -> Piece:
+    if not isinstance(p, Piece):
+        raise TypeError(f"{who}: pieces must be reshard.Piece(global_box, local_box), got {p!r}")
+    return p
 
 
 def relabel(layout: Layout | ExplicitLayout, *, name: str | None = None,

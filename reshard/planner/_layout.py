@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -21,7 +22,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from reshard.planner._box import Box
+from reshard.planner._box import Box, _as_int
 from reshard.planner._dtypes import dtype_name
 from reshard.planner._mesh import Mesh, _rank_ranges
 
@@ -108,18 +109,59 @@ def _merge(intervals: list[Interval]) -> list[Interval]:
     return out
 
 
-_GEOMETRY: dict[tuple, tuple[int, dict, dict]] = {}
+class BoundedCache(OrderedDict):
+    """A dict that keeps only its `maxsize` most recently used entries (least recently used evicted first).
+
+    Every planner cache is one of these, so a process that plans many distinct shapes holds a bounded amount of
+    memory; `clear_caches()` (called by `clear_plan_cache()`) empties them all.
+    """
+
+    def __init__(self, name: str, maxsize: int) -> None:
+        super().__init__()
+        self.name = name
+        self.maxsize = maxsize
+        _CACHES.append(self)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+
+
+_CACHES: list[BoundedCache] = []
+
+
+def clear_caches() -> None:
+    """Empty every `BoundedCache` of the planner."""
+    for cache in _CACHES:
+        cache.clear()
+
+
+GEOMETRY_CACHE_SIZE = 2048
+"""Distinct layout geometries whose pieces are kept (a model has tens to hundreds)."""
+
+_GEOMETRY = BoundedCache("layout geometries", GEOMETRY_CACHE_SIZE)
+_GEOMETRY_IDS = itertools.count()
 
 
 def _shared_cache(key: tuple) -> tuple[int, dict, dict]:
     """One id and one pair of per-rank caches (pieces, local shapes) per distinct layout geometry.
 
     A model has hundreds of tensors with the same shape, mesh and placements; their pieces are computed once.
-    The id is a small int that the planner hashes instead of the long key.
+    The id is a small int that the planner hashes instead of the long key. Ids are never reused: a geometry
+    evicted from the bounded cache (or cleared) and seen again gets a new id, so equal ids always mean equal
+    geometry (equal geometry then need not mean equal ids, which only costs sharing).
     """
     entry = _GEOMETRY.get(key)
     if entry is None:
-        entry = (len(_GEOMETRY), {}, {})
+        entry = (next(_GEOMETRY_IDS), {}, {})
         _GEOMETRY[key] = entry
     return entry
 
@@ -131,14 +173,37 @@ def _geometry_id(layout: Any) -> int:
     return gid if gid is not None else _shared_cache(layout.key)[0]
 
 
+def _parse_placements(placements: Any, who: str) -> tuple[Any, ...]:
+    """`placements` as a tuple, with strings in DTensor notation parsed (`"R,S(0)"`, or `["R", "S(0)"]`)."""
+    from reshard.planner._notation import parse_placements
+
+    if isinstance(placements, str):
+        return tuple(parse_placements(placements))
+    if not hasattr(placements, "__iter__"):
+        raise TypeError(f"{who}: placements must be a sequence of placements, got {placements!r}")
+    out: list[Any] = []
+    for p in placements:
+        if isinstance(p, str):
+            parsed = parse_placements(p)
+            if len(parsed) != 1:
+                raise ValueError(f"{who}: placement string {p!r} in a list must name one placement, got "
+                                 f"{len(parsed)} (write the whole list as one string, or one string per axis)")
+            p = parsed[0]
+        out.append(p)
+    return tuple(out)
+
+
 class Layout:
     """Global shape + dtype + mesh + placements: which part of the global tensor each rank holds.
 
     Args:
-        shape: the global shape, `()` for a scalar.
+        shape: the global shape, `()` for a scalar: integers (`bool` is refused).
         mesh: the ranks holding the tensor.
         placements: one `Shard`, `Replicate` or `_StridedShard` per mesh axis. `Partial` is refused: reshard moves
-            values, so reduce first.
+            values, so reduce first. Each may also be written in DTensor notation as a string (`"S(0)"`, `"R"`,
+            `"_S(0,2)"`), and the whole list as one string (`"R,S(0)"`); they are parsed as `parse_placements`
+            does. torch's `_StridedShard` truncates a fractional `split_factor` (1.5 -> 1) when it is built, before
+            reshard sees it; the notation refuses one.
         dtype: the element type.
         name: the tensor's name, used in error messages.
 
@@ -158,19 +223,16 @@ class Layout:
         name: str | None = None,
     ) -> None:
         who = f"tensor {name!r}" if name else "Layout"
-        if isinstance(shape, torch.Size):
-            shape = tuple(shape)
-        try:
-            shape = tuple(operator.index(s) for s in shape)
-        except TypeError:
-            raise ValueError(f"{who}: shape must be a sequence of integers, got {shape!r}") from None
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise TypeError(f"{who}: shape must be a sequence of integers, got {shape!r}")
+        shape = tuple(_as_int(s, f"{who}: shape {tuple(shape)!r}: each size") for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"{who}: shape must have sizes >= 0, got {shape}")
         if not isinstance(mesh, Mesh):
             raise ValueError(f"{who}: mesh must be a reshard.Mesh, got {type(mesh).__name__}")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{who}: dtype must be a torch.dtype, got {dtype!r}")
-        placements = tuple(placements)
+        placements = _parse_placements(placements, who)
         if len(placements) != mesh.ndim:
             raise ValueError(
                 f"{who}: expected {mesh.ndim} placements, one per mesh axis of mesh shape {mesh.shape}, "
@@ -185,6 +247,7 @@ class Layout:
                     "reduce the tensor first (expected Shard, Replicate or _StridedShard)"
                 )
             if isinstance(p, (Shard, _StridedShard)):
+                _as_int(p.dim, f"{who}: {type(p).__name__} on mesh axis {axis}: dim")
                 if not -ndim <= p.dim < ndim:
                     raise ValueError(
                         f"{who}: {placement_str(p)} on mesh axis {axis} shards dim {p.dim}, out of range for a "
@@ -192,11 +255,19 @@ class Layout:
                     )
                 d = p.dim % ndim
                 if isinstance(p, _StridedShard):
-                    if int(p.split_factor) < 1:
-                        raise ValueError(f"{who}: {placement_str(p)} needs split_factor >= 1")
-                    p = _StridedShard(d, split_factor=int(p.split_factor))
+                    k = _as_int(p.split_factor, f"{who}: _StridedShard on mesh axis {axis}: split_factor")
+                    if k < 1:
+                        raise ValueError(f"{who}: {placement_str(p)} on mesh axis {axis} needs split_factor >= 1, "
+                                         f"got {k}")
+                    p = _StridedShard(d, split_factor=k)
                 else:
                     p = Shard(d)
+            elif not isinstance(p, Placement):
+                raise TypeError(
+                    f"{who}: placement {p!r} on mesh axis {axis} is a {type(p).__name__}, not a placement "
+                    "(expected Shard(d), Replicate(), _StridedShard(d, split_factor=k), or the same in DTensor "
+                    "notation as a string: 'S(0)', 'R', '_S(0,2)')"
+                )
             elif not isinstance(p, Replicate):
                 raise NotImplementedError(
                     f"{who}: placement {p!r} on mesh axis {axis} is not supported "
@@ -255,7 +326,7 @@ class Layout:
         shape = self._local_shapes.get(rank)
         if shape is None:
             self.pieces(rank)
-            shape = self._local_shapes[rank]
+            shape = self._local_shapes.get(rank, (0,))
         return shape
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
@@ -276,9 +347,7 @@ class Layout:
             except TypeError:
                 raise ValueError(f"rank must be an integer, got {rank!r}") from None
         per_dim = self._dim_intervals(rank)
-        if per_dim is None:
-            self._local_shapes[rank] = (0,)
-            self._pieces[rank] = ()
+        if per_dim is None:  # not cached: the caches stay bounded by the mesh size, whatever ranks are asked
             return ()
         self._local_shapes[rank] = tuple(sum(b - a for a, b in iv) for iv in per_dim)
         # local position of each global interval, per dim

@@ -50,7 +50,7 @@ class Mesh:
     """An n-D array of distinct global ranks, like `DeviceMesh.mesh`, with optional axis names.
 
     Args:
-        ranks: an n-D nested list, numpy array or integer tensor of distinct global ranks (`>= 0`).
+        ranks: an n-D nested list, numpy array or integer tensor of distinct global ranks (`>= 0`), at least one.
         axis_names: one name per mesh axis, or None.
 
     Example:
@@ -65,6 +65,8 @@ class Mesh:
         shape, flat = _flatten(ranks)
         if len(shape) == 0:
             raise ValueError(f"Mesh: ranks must have at least one axis, got the scalar {ranks!r}")
+        if not flat:
+            raise ValueError(f"Mesh: ranks must name at least one rank, got an empty mesh of shape {shape}: {ranks!r}")
         if any(r < 0 for r in flat):
             raise ValueError(f"Mesh: ranks must be >= 0, got {sorted(r for r in flat if r < 0)}")
         if len(set(flat)) != len(flat):

@@ -18,6 +18,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from reshard.planner import _checks
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._chunks import (
     _LOCAL,
@@ -93,6 +94,9 @@ class PlanItem:
     dst_tensor: int = 0
     name: str | None = None
     precision: str = "same"
+
+    def __post_init__(self) -> None:
+        _checks.check_item_fields(self)
 
     @property
     def label(self) -> str:
@@ -421,7 +425,7 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
                                                            part.nbytes, relayed, a_idx)
 
 
-_KEY_DIGESTS: dict[int, bytes] = {}
+_KEY_DIGESTS = _checks.bounded_cache("layout digests", 4096)
 
 
 def _layout_digest(layout: Any) -> bytes:
@@ -471,8 +475,9 @@ _PLAN_CACHE_SIZE = 128
 
 
 def clear_plan_cache() -> None:
-    """Forget every cached plan."""
+    """Forget every cached plan, and empty every other planner cache (layout geometries, digests)."""
     _PLAN_CACHE.clear()
+    _checks.clear_caches()
 
 
 class UnitSpan(NamedTuple):
@@ -783,6 +788,7 @@ def plan_many(
     relay: bool = True,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+    limits: _checks.PlanLimits | None = None,
 ) -> Plan:
     """Plan many tensors at once, so boxes bound for the same peer share messages.
 
@@ -795,6 +801,8 @@ def plan_many(
         staging_bytes: staging memory per rank; one chunk's send + receive bytes per rank stay within
             `staging_bytes // PIPELINE_DEPTH`.
         min_split_bytes: smallest part a box is split into to spread it over several senders or relay receivers.
+        limits: bounds on the inputs and the plan's size (`PlanLimits`; default `PlanLimits()`); inputs beyond
+            them are refused with a `ValueError` before planning.
 
     Returns:
         A `Plan`, cached on its inputs (see `clear_plan_cache`).
@@ -820,12 +828,14 @@ def plan_many(
     receiver) and are forwarded to rank 2. Network bytes = 64 = the lower bound; NVLink bytes = 64.
     """
     items = _as_items(items)
+    limits = _checks.check_call(topology, relay, limits)
     topology = topology if topology is not None else Topology()
     if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < PIPELINE_DEPTH:
         raise ValueError(f"plan: staging_bytes must be an integer >= {PIPELINE_DEPTH}, got {staging_bytes!r}")
     if isinstance(min_split_bytes, bool) or not isinstance(min_split_bytes, int) or min_split_bytes < 1:
         raise ValueError(f"plan: min_split_bytes must be a positive integer, got {min_split_bytes!r}")
     key = (tuple(it.key for it in items), topology.key, relay, staging_bytes, min_split_bytes)
+    key = (key, _checks.names_key(items), limits)
     cached = _PLAN_CACHE.get(key)
     if cached is not None:
         _PLAN_CACHE.move_to_end(key)
@@ -839,6 +849,7 @@ def plan_many(
                 f"tensor {it.label!r}: staging_bytes={staging_bytes} cannot hold one element of {it.dst.dtype} "
                 f"{PIPELINE_DEPTH} times ({PIPELINE_DEPTH} chunks in flight)"
             )
+    _checks.check_items(items, staging_bytes, limits)
     # planning allocates many small tuples and no cycles: the cyclic collector would only rescan them
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -879,6 +890,7 @@ def plan_many(
         chunks = _assign_chunks(b.transfers.columns(), chunk_cap)
         result = Plan(PlanData(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, chunks,
                                sum(lower_by_domain.values()), needed, tuple(templates)))
+        _checks.check_plan(result, limits)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -898,6 +910,7 @@ def plan(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
     precision: str = "same",
+    limits: _checks.PlanLimits | None = None,
 ) -> Plan:
     """Plan moving one tensor from layout `src` to layout `dst`. See `plan_many` for the arguments and algorithm.
 
@@ -907,7 +920,7 @@ def plan(
     """
     return plan_many(
         [PlanItem(src, dst, precision=precision)], topology, relay=relay, staging_bytes=staging_bytes,
-        min_split_bytes=min_split_bytes,
+        min_split_bytes=min_split_bytes, limits=limits,
     )
 
 
