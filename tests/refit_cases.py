@@ -234,8 +234,8 @@ def special_floats(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 def job_precision(w, case: str = "ok", seed: int = 11) -> dict:
     """Refit FP8 block weights (source- and destination-side quantization) and one cast weight; check them
     bit for bit against quantizing (casting) the full tensor in one process and slicing it by hand."""
-    from reshard.kernels import quantize_fp8_block_reference
     from reshard import Layout, Mesh, Replicate
+    from reshard.kernels import quantize_fp8_block_reference
     from reshard.planner._blocks import scale_layout
 
     rank = w.rank

@@ -16,11 +16,13 @@ import time
 import pytest
 import torch
 from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
-from mp_pool import RankPool
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
 from reshard.comm import CommError, Group
+from reshard.testing import RankPool
+
+pytestmark = pytest.mark.distributed
 
 WORLD = 4
 

@@ -239,7 +239,8 @@ def test_format_bytes(n: int, text: str) -> None:
 
 
 def test_formatting_names_stay_importable() -> None:
-    from reshard.planner._plan import format_bytes as old_bytes, format_stats as old_stats
+    from reshard.planner._plan import format_bytes as old_bytes
+    from reshard.planner._plan import format_stats as old_stats
     assert old_bytes is format_bytes and old_stats is format_stats
     assert "format_stats" in reshard.planner.__all__
 

@@ -15,11 +15,11 @@ from reshard.cost import (
     LinkLoads,
     chain_broadcast_s,
     gather_broadcast,
+    get_hardware,
     link_time,
     lower_bound,
     plan_loads,
     relay_fill_s,
-    get_hardware,
     ring_allgather_s,
 )
 

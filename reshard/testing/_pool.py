@@ -146,8 +146,6 @@ class Worker:
             ranks: the group's size (default: the pool's); rank: this process's rank in it (default: its own).
             timeout: the group's timeout, seconds.
         """
-
-
         return Group.rendezvous(self.host, self.port, self.rank if rank is None else rank,
                                 self.world_size if ranks is None else ranks, prefix=f"case/{tag}", timeout=timeout,
                                 is_master=False)
