@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from reshard.planner._box import Box, _as_int
 from reshard.planner._dtypes import dtype_name
 from reshard.planner._mesh import Mesh, _rank_ranges
+from reshard.planner._placements import parse_placements
 
 Interval = tuple[int, int]
 
@@ -175,8 +176,6 @@ def _geometry_id(layout: Any) -> int:
 
 def _parse_placements(placements: Any, who: str) -> tuple[Any, ...]:
     """`placements` as a tuple, with strings in DTensor notation parsed (`"R,S(0)"`, or `["R", "S(0)"]`)."""
-    from reshard.planner._notation import parse_placements
-
     if isinstance(placements, str):
         return tuple(parse_placements(placements))
     if not hasattr(placements, "__iter__"):
