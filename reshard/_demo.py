@@ -56,7 +56,7 @@ def refit_job(rank: int, world: int, model: str, system: str, policy: str, layer
     from reshard.comm import Group
     from reshard.models import PRESETS
     from reshard.refit import Refit
-    from reshard.refit._vllm import engine_tensors
+    from reshard.integrations.engine import engine_tensors
     from reshard.sim import System, model_layouts
 
     config = PRESETS[model] if layers is None else PRESETS[model].replace(num_hidden_layers=layers)

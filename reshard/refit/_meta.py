@@ -1,11 +1,13 @@
-"""Layout metadata as plain picklable values, so each side can declare only its own layouts and exchange them.
+"""Layout metadata as plain JSON values, so each side can declare only its own layouts and exchange them.
 
-A layout travels as a tuple of builtins (no torch objects but the dtype name), and is rebuilt identically on every
-rank. `Layout` keeps its mesh and DTensor placements; `ExplicitLayout` keeps its per-rank pieces.
+A layout travels as nested lists of strings and integers (no tuples, no torch objects: the dtype goes by name), and
+is rebuilt identically on every rank. `Layout` keeps its mesh and DTensor placements; `ExplicitLayout` keeps its
+per-rank pieces.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,10 +29,21 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
-def encode_layout(layout: LayoutLike) -> tuple:
-    """A picklable description of `layout` that `decode_layout` turns back into an equal layout."""
+def plain(value: Any) -> Any:
+    """`value` with every tuple turned into a list, recursively: the form JSON gives back, so values compare equal
+    whether they travelled as JSON or not."""
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def encode_layout(layout: LayoutLike) -> list:
+    """A JSON description of `layout` (lists, strings, integers) that `decode_layout` turns back into an equal
+    layout."""
     if isinstance(layout, Layout):
-        return (
+        return plain((
             "layout",
             layout.name,
             layout.shape,
@@ -39,9 +52,9 @@ def encode_layout(layout: LayoutLike) -> tuple:
             layout.mesh.ranks,
             layout.mesh.axis_names,
             tuple(placement_str(p) for p in layout.placements),
-        )
+        ))
     if isinstance(layout, ExplicitLayout):
-        return (
+        return plain((
             "explicit",
             layout.name,
             layout.shape,
@@ -51,23 +64,29 @@ def encode_layout(layout: LayoutLike) -> tuple:
                  tuple((p.global_box.offsets, p.global_box.shape, p.local_box.offsets) for p in layout.pieces(r)))
                 for r in layout.ranks
             ),
-        )
+        ))
     raise ValueError(f"cannot describe layout of type {type(layout).__name__}; expected Layout or ExplicitLayout")
 
 
-def decode_layout(spec: tuple) -> LayoutLike:
+def decode_layout(spec: list | tuple, *, ranks_map: Mapping[int, int] | None = None) -> LayoutLike:
+    """The layout `spec` describes (see `encode_layout`); with `ranks_map`, a `Layout`'s mesh ranks are replaced by
+    `ranks_map[rank]` (a DTensor's own numbering -> group ranks)."""
     kind = spec[0]
     if kind == "layout":
         _, name, shape, dt, mesh_shape, ranks, axis_names, placements = spec
-        mesh = Mesh(torch.tensor(ranks, dtype=torch.int64).reshape(mesh_shape) if ranks else [], axis_names)
-        return Layout(shape, mesh, parse_placements(",".join(placements)), dtype_from_name(dt), name=name)
+        if ranks_map is not None:
+            ranks = [ranks_map[r] for r in ranks]
+        mesh = Mesh(torch.tensor(ranks, dtype=torch.int64).reshape(tuple(mesh_shape)) if ranks else [],
+                    None if axis_names is None else tuple(axis_names))
+        return Layout(tuple(shape), mesh, parse_placements(",".join(placements)), dtype_from_name(dt), name=name)
     if kind == "explicit":
         _, name, shape, dt, per_rank = spec
         pieces = {
-            r: [Piece(Box(go, gs), Box(lo, gs), tensor=name) for go, gs, lo in ps] for r, ls, ps in per_rank
+            r: [Piece(Box(tuple(go), tuple(gs)), Box(tuple(lo), tuple(gs)), tensor=name) for go, gs, lo in ps]
+            for r, ls, ps in per_rank
         }
-        shapes = {r: ls for r, ls, _ in per_rank}
-        return ExplicitLayout(shape, dtype_from_name(dt), pieces, shapes, name=name)
+        shapes = {r: tuple(ls) for r, ls, _ in per_rank}
+        return ExplicitLayout(tuple(shape), dtype_from_name(dt), pieces, shapes, name=name)
     raise ValueError(f"unknown layout metadata kind {kind!r}")
 
 

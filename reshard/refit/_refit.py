@@ -36,6 +36,7 @@ from reshard.planner import (
 from reshard.planner._blocks import scale_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._meta import LayoutLike, check_local, decode_layout, encode_layout
+from reshard.refit._sources import flat_index, source_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class Refit:
         self._sources: dict[str, tuple[torch.Tensor, LayoutLike]] = {}
         self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
         self._scales: dict[str, torch.Tensor] = {}
+        self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
         self._built: _Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -163,7 +165,14 @@ class Refit:
         if layout is None:
             if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
                 raise ValueError(f"Refit.add_source: {name!r} is a plain tensor; pass its layout too")
+            coord = tensor.device_mesh.get_coordinate()
+            if coord is None:  # a process outside the DTensor's mesh holds nothing of it (as DTensor says)
+                logger.debug("Refit.add_source: %r: rank %d is outside its DTensor mesh; nothing to send", name,
+                             self.rank)
+                return
             layout = Layout.from_dtensor(tensor, name=name)
+            # the mesh is in this process's own world ranks; the exchange maps it to group ranks by coordinate
+            self._coords[name] = [int(c) for c in coord]
             tensor = tensor.to_local()
         self._sources[name] = (tensor, layout)
 
@@ -175,6 +184,7 @@ class Refit:
         *,
         dim: int = 0,
         scale: torch.Tensor | None = None,
+        placed: bool = False,
     ) -> None:
         """Register an inference-engine tensor that this rank holds, to be overwritten in place by `run()`.
 
@@ -184,6 +194,8 @@ class Refit:
             layout: its layout, when it holds one global tensor (named `name`, unless the layout has a name); or,
                 for a fused tensor, the `(global_name, layout)` components in concatenation order along `dim`
                 (vLLM's `qkv_proj`: q, k, v). Component layouts describe each global tensor's own sharding.
+            placed: the component layouts are already in this local tensor's coordinates (as
+                `reshard.integrations.engine.EngineTensor.fused()` gives them): registered as they are, not fused.
             scale: for an FP8 block-quantized weight (layout dtype `float8_e4m3fn`), this rank's local
                 `weight_scale_inv` (float32), whose layout is derived from the weight's (see `scale_layout`).
         """
@@ -198,7 +210,7 @@ class Refit:
                 raise ValueError(f"Refit.add_destination: {name!r}: layout must be a Layout or a list of "
                                  "(global_name, layout) components")
             renamed = [relabel(lay, name=gname) for gname, lay in parts]
-            fused = fuse(renamed, dim=dim) if len(renamed) > 1 else renamed
+            fused = fuse(renamed, dim=dim) if len(renamed) > 1 and not placed else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
         self._dests[name] = (tensor, _Dest(name, components))
         if scale is not None:
@@ -278,10 +290,12 @@ class Refit:
 
         errors = []
         for name, (tensor, layout) in self._sources.items():
-            if self.rank not in layout.ranks:
+            coord = self._coords.get(name)
+            own = self.rank if coord is None else layout.mesh.ranks[flat_index(coord, layout.mesh.shape)]
+            if own not in layout.ranks:
                 errors.append(f"source {name!r}: rank {self.rank} registered it but is not in its layout's ranks")
             else:
-                e = check_local(name, tensor, layout, self.rank)
+                e = check_local(name, tensor, layout, own)
                 if e:
                     errors.append("source " + e)
         for name, (tensor, d) in self._dests.items():
@@ -294,10 +308,11 @@ class Refit:
             if e:
                 errors.append("destination " + e)
             errors.extend(_check_scale(name, d, self._scales.get(name), self.rank))
-        mine = {
+        mine = {  # JSON values only (lists, dicts, strings, integers)
             "rank": self.rank,
-            "sources": {n: encode_layout(lay) for n, (_, lay) in sorted(self._sources.items())},
-            "dests": {n: tuple((g, encode_layout(lay)) for g, lay in d.components)
+            "sources": {n: {"layout": encode_layout(lay), "coord": self._coords.get(n)}
+                        for n, (_, lay) in sorted(self._sources.items())},
+            "dests": {n: [[g, encode_layout(lay)] for g, lay in d.components]
                       for n, (_, d) in sorted(self._dests.items())},
             "scaled": sorted(self._scales),
             "errors": errors,
@@ -360,28 +375,17 @@ def _map_name(name_map: NameMap, name: str) -> str | None:
 def _build(refit: Refit, meta: list[dict]) -> _Built:
     """Check the gathered metadata (the same on every rank, so every rank raises the same error) and plan."""
     errors = [e for m in sorted(meta, key=lambda m: m["rank"]) for e in m["errors"]]
-    sources: dict[str, tuple] = {}
-    holders: dict[str, set[int]] = {}
-    dests: dict[str, tuple] = {}
+    src_layouts, _, src_errors = source_layouts(meta)
+    errors.extend(src_errors)
+    dests: dict[str, list] = {}
     dest_holders: dict[str, set[int]] = {}
     for m in sorted(meta, key=lambda m: m["rank"]):
-        for n, spec in m["sources"].items():
-            if n in sources and sources[n] != spec:
-                errors.append(f"source {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
-                              f"{min(holders[n])})")
-            sources.setdefault(n, spec)
-            holders.setdefault(n, set()).add(m["rank"])
         for n, comps in m["dests"].items():
             if n in dests and dests[n] != comps:
                 errors.append(f"destination {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
                               f"{min(dest_holders[n])})")
             dests.setdefault(n, comps)
             dest_holders.setdefault(n, set()).add(m["rank"])
-    src_layouts = {n: decode_layout(s) for n, s in sorted(sources.items())}
-    for n, lay in src_layouts.items():
-        missing = sorted(set(lay.ranks) - holders[n])
-        if missing:
-            errors.append(f"source {n!r}: ranks {missing} hold part of it by its layout but did not register it")
     dst_components: dict[str, tuple[str, str, LayoutLike]] = {}  # global name -> (dest tensor, global, layout)
     for dn, comps in sorted(dests.items()):
         for gname, spec in comps:
