@@ -36,6 +36,7 @@ from reshard.planner import (
 from reshard.planner._blocks import scale_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._meta import LayoutLike, check_local, decode_layout, encode_layout
+from reshard.refit._replicas import replica_digests, replica_errors
 from reshard.refit._sources import flat_index, source_layouts
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class Refit:
             `"gather_broadcast"`; `policies` overrides it per trainer name.
         hardware: the cost model's link figures (`reshard.sim.Hardware`), default the H100 preset.
         verify: check every received box against its sender's checksum.
+        check_replicas: before every run, compare by hash the copies of each trainer box that its layout says are
+            equal (TP replicas of a norm, sub-mesh copies); a difference raises a `ValueError` on every rank naming
+            the weight, the box and the ranks, before data moves (see `reshard.refit._replicas`).
         timeout: seconds (or a timedelta) any wait for a peer may last.
         precision: per trainer name (a dict or a callable) or for all: `"same"` (dtypes must match), `"cast"`
             (cast to the engine's dtype while packing, bit-exact to torch) or `"fp8_block"` (the engine holds
@@ -123,6 +127,7 @@ class Refit:
         verify: bool = False,
         timeout: Any = None,
         precision: str | Mapping[str, str] | Callable[[str], str] = "same",
+        check_replicas: bool = False,
     ) -> None:
         from reshard.comm import Group
 
@@ -142,6 +147,7 @@ class Refit:
         self.policies = dict(policies or {})
         self.hardware = hardware
         self.verify = verify
+        self.check_replicas = check_replicas
         self.timeout = timeout
         self.precision = precision
         self._sources: dict[str, tuple[torch.Tensor, LayoutLike]] = {}
@@ -243,6 +249,8 @@ class Refit:
             seconds["plan"] = time.perf_counter() - t1
         b = self._built
         assert b is not None
+        if self.check_replicas:
+            self._check_replicas(b)
         t0 = time.perf_counter()
         src: list = [self._sources[n][0] if n in self._sources else None for n in b.source_names]
         dst: list = [self._dests[n][0] if n in self._dests else None for n in b.dest_names]
@@ -282,6 +290,19 @@ class Refit:
             lines.append(f"    ... {len(b.choices) - 50} more")
         lines.append(b.plan.describe(max_transfers=0))
         return "\n".join(lines)
+
+    def _check_replicas(self, b: _Built) -> None:
+        from reshard.comm._group import as_timedelta
+        from reshard.comm._handshake import all_gather_object
+
+        mine = [self.rank, replica_digests(self.rank, b.source_layouts,
+                                           {n: t for n, (t, _) in self._sources.items()})]
+        td = as_timedelta(self.timeout, default=self.group.timeout)
+        gathered = all_gather_object(self.group, mine, timeout=td, what="refit replica check")
+        errors = replica_errors([(r, d) for r, d in gathered])
+        if errors:
+            raise ValueError(f"Refit on rank {self.rank}: {len(errors)} replica mismatch(es), nothing was moved:\n  "
+                             + "\n  ".join(errors))
 
     # ---- metadata --------------------------------------------------------------------------------------------
     def _exchange_metadata(self) -> list[dict]:
@@ -323,6 +344,7 @@ class Refit:
 
 @dataclass
 class _Built:
+    source_layouts: dict[str, LayoutLike]
     source_names: list[str]
     dest_names: list[str]
     plan: Plan
@@ -488,7 +510,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
 
             gather_broadcast.append(GatherBroadcastWeight(item))
     p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    return _Built(source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
+    return _Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
 
 
 def _choose(refit: Refit, sname: str, item: PlanItem, memo: dict[tuple, str]) -> str:
