@@ -1,6 +1,6 @@
 """Jobs for `test_integrations_hf.py`: real `transformers` models sharded as trainers shard them, refit to engines.
 
-Trainer: group... world ranks 0-3 hold a tiny model built from a config with random weights:
+Trainer: world ranks 0-3 hold a tiny model built from a config with random weights:
 - `qwen3`: HF's own TP plan (`config.base_model_tp_plan`, `colwise` / `rowwise` as torch's `ColwiseParallel` /
   `RowwiseParallel` through `parallelize_module`), then FSDP2 (`fully_shard`) over the dp axis of a `(dp, tp)` mesh:
   norms and embeddings become 1-D DTensors on each TP rank's own dp sub-mesh. `q_norm` / `k_norm` gradients are
@@ -14,8 +14,6 @@ The jobs only move data and return it; the test process checks it with its own s
 """
 
 from __future__ import annotations
-
-import fnmatch
 
 import torch
 
@@ -171,7 +169,7 @@ def job_refit(worker, kind: str, numbering: str, shapes: dict, *, ep: int = 1, s
                 optimizer_step(worker, kind, run)
             bad = corrupt is not None and run > 0 and worker.rank == 1
             if bad:  # what a missing gradient all-reduce over TP does to one copy
-                local = dict(model.named_parameters())[corrupt].to_local().detach()
+                local = dict(model.named_parameters())[corrupt].to_local().data
                 saved = local.clone()
                 local.add_(1.0)
             try:

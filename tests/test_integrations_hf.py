@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_cases import ENGINE_RANKS, SENTINEL, build_model, configs, job_refit  # noqa: E402
+from hf_cases import SENTINEL, build_model, configs, job_refit  # noqa: E402
 from mp_pool import RankPool  # noqa: E402
 
 TP = 2

@@ -29,13 +29,14 @@ from reshard.planner import (
     PlanItem,
     Topology,
     fuse,
-    plan,
     plan_many,
     relabel,
 )
 from reshard.planner._blocks import scale_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
+from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._meta import LayoutLike, check_local, decode_layout, encode_layout
+from reshard.refit._policy import Choice, choose
 from reshard.refit._replicas import replica_digests, replica_errors
 from reshard.refit._sources import flat_index, source_layouts
 
@@ -58,6 +59,10 @@ class RefitReport:
         num_tensors: destination global tensors written.
         messages: messages of the reshard plan (all ranks).
         first_run: whether metadata was exchanged and the plan built in this run.
+        choices: trainer name -> its method: `"reshard"`, `"gather_broadcast"` or an FP8 note. Under
+            `policy="auto"` each is a `reshard.refit._policy.Choice` (a `str`) carrying the modelled seconds and
+            bytes of both methods (`.reshard_s`, `.gather_broadcast_s`, `.reshard_bytes`,
+            `.gather_broadcast_bytes`).
     """
 
     seconds: dict[str, float]
@@ -285,7 +290,7 @@ class Refit:
             counts[c] = counts.get(c, 0) + 1
         lines.append("  per-weight method: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         for name, choice in list(b.choices.items())[:50]:
-            lines.append(f"    {name}: {choice}")
+            lines.append(f"    {name}: {choice.describe() if isinstance(choice, Choice) else choice}")
         if len(b.choices) > 50:
             lines.append(f"    ... {len(b.choices) - 50} more")
         lines.append(b.plan.describe(max_transfers=0))
@@ -487,7 +492,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
     choices: dict[str, str] = {}
     gather_broadcast: list[Any] = []
     fp8: list[Fp8Weight] = []
-    memo: dict[tuple, str] = {}  # the cost model's choice per (source, destination) geometry
+    pending: list[tuple[str, PlanItem]] = []  # policy "auto": decided with the whole-model plan below
     for sname, gname in sorted(mapped.items(), key=lambda kv: (dst_components[kv[1]][0], kv[1])):
         dn, _, dlay = dst_components[gname]
         if modes[sname] == "fp8_block":
@@ -501,37 +506,39 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
             continue
         item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname,
                         precision="cast" if modes[sname] == "cast" else "same")
-        choice = _choose(refit, sname, item, memo)
-        choices[sname] = choice
-        if choice == "reshard":
+        method = _fixed_method(refit, sname, item)
+        choices[sname] = method or "auto"  # keeps the order; replaced below
+        if method is None:
+            pending.append((sname, item))
+        elif method == "reshard":
             items.append(item)
         else:
-            from reshard.refit._gather import GatherBroadcastWeight
-
             gather_broadcast.append(GatherBroadcastWeight(item))
-    p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    return _Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
+    p = plan_many(items + [it for _, it in pending], refit.topology, relay=refit.relay,
+                  staging_bytes=refit.staging_bytes)
+    if pending:
+        from reshard.sim import get_hardware
+
+        hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
+        decided = choose([it for _, it in pending], p, hw, refit.topology.domain, first=len(items))
+        for (sname, item), c in zip(pending, decided):
+            choices[sname] = c
+            if c == "gather_broadcast":
+                gather_broadcast.append(GatherBroadcastWeight(item))
+            else:
+                items.append(item)
+        if len(items) < len(p.items):  # some went by gather-and-broadcast: plan the rest without them
+            p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
+    return _Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src,
+                  extra_dst)
 
 
-def _choose(refit: Refit, sname: str, item: PlanItem, memo: dict[tuple, str]) -> str:
-    """Per-weight method: the override, the policy, or (auto) the cost model's faster one, computed once per
-    geometry (every layer of a model repeats a few)."""
+def _fixed_method(refit: Refit, sname: str, item: PlanItem) -> Choice | None:
+    """The method `policies` / `policy` fix for this weight, or None for `auto` (see `reshard.refit._policy`)."""
     policy = refit.policies.get(sname, refit.policy)
     if item.precision != "same":
         if policy == "gather_broadcast":
             raise ValueError(f"weight {sname!r}: gather_broadcast moves values as they are; use policy 'reshard' "
                              f"or 'auto' with precision {item.precision!r}")
-        return "reshard"
-    if policy != "auto":
-        return policy
-    key = (item.src.key, item.dst.key)
-    if key in memo:
-        return memo[key]
-    from reshard.sim import gather_broadcast, get_hardware, link_time, plan_loads
-
-    hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
-    alone = plan(item.src, item.dst, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    reshard_s = link_time(plan_loads(alone), hw).seconds
-    gb_s = gather_broadcast([(item.src, item.dst, 0)], hw, refit.topology.domain).seconds
-    memo[key] = "reshard" if reshard_s <= gb_s else "gather_broadcast"
-    return memo[key]
+        return Choice("reshard")
+    return None if policy == "auto" else Choice(policy)
