@@ -189,3 +189,19 @@ def job_refit(worker, kind: str, numbering: str, shapes: dict, *, ep: int = 1, s
     out["group_rank"] = group.rank
     return out
 
+
+
+def job_example(worker) -> dict:
+    """`examples/fsdp_tp_refit.py`'s `run` on this rank, its results in `job_refit`'s form (one run)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fsdp_tp_refit.py"
+    spec = importlib.util.spec_from_file_location("fsdp_tp_refit", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.run(worker.rank)
+    if worker.rank in TRAIN_RANKS:
+        return {"group_rank": worker.rank, "runs": [out.get("full")]}
+    return {"group_rank": worker.rank, "runs": [out["engine"]], "tp_index": (worker.rank - 4) % 2, "ep_index": 0}

@@ -38,7 +38,8 @@ def shapes():
 
 # ---- the test's own slicing rules (vLLM's layouts, written out) ---------------------------------------------------
 
-def expected(name: str, full: dict, cfg: dict, t: int, *, ep: int, e: int, like: torch.Tensor) -> torch.Tensor:
+def expected(name: str, full: dict, cfg: dict, t: int, *, ep: int, e: int, like: torch.Tensor,
+             pad: float = SENTINEL) -> torch.Tensor:
     """Engine tensor `name` on TP rank `t` (EP rank `e`), cut from the trainer's full tensors."""
     def rows(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         n = x.shape[dim] // TP
@@ -75,7 +76,7 @@ def expected(name: str, full: dict, cfg: dict, t: int, *, ep: int, e: int, like:
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         x = full[name]
         per = -(-x.shape[0] // 64) * 64 // TP  # vocabulary padded to 64, split evenly
-        out = like.clone().fill_(SENTINEL)
+        out = like.clone().fill_(pad)
         part = x[t * per:(t + 1) * per]
         out[: part.shape[0]] = part
         return out
@@ -137,7 +138,7 @@ def logits(kind: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
         return model.eval()(input_ids=ids).logits
 
 
-def mismatches(out: list[dict], run: int, kind: str, ep: int) -> list[str]:
+def mismatches(out: list[dict], run: int, kind: str, ep: int, pad: float = SENTINEL) -> list[str]:
     cfg = configs()[kind]
     full = next(o["runs"][run] for o in out if o["runs"][run] is not None and "tp_index" not in o)
     bad = []
@@ -145,7 +146,7 @@ def mismatches(out: list[dict], run: int, kind: str, ep: int) -> list[str]:
         if "tp_index" not in o:
             continue
         for name, local in o["runs"][run].items():
-            want = expected(name, full, cfg, o["tp_index"], ep=ep, e=o["ep_index"], like=local)
+            want = expected(name, full, cfg, o["tp_index"], ep=ep, e=o["ep_index"], like=local, pad=pad)
             if want.shape != local.shape or not torch.equal(want, local):
                 bad.append(f"group rank {o['group_rank']}: {name}")
     return bad
@@ -205,3 +206,14 @@ def test_replica_check_names_the_weight_and_ranks(pool, shapes) -> None:
         assert not o.ok and o.error_type == "ValueError", o
         assert re.search(rf"'{re.escape(name)}': copies that its layout says are equal differ in box \[0:8\]: "
                          r"ranks \[0(, 2)?\] vs ranks \[1\]", o.error), o.error[:1500]
+
+
+def test_quick_start_example_is_exact(pool) -> None:
+    """`examples/fsdp_tp_refit.py` (the README's FSDP2 + TP quick start) gives the engine the trainer's model."""
+    from hf_cases import job_example
+
+    out = pool.run_ok(job_example)
+    assert mismatches(out, 0, "qwen3", 1, pad=0.0) == []  # the example's engine starts from zeros
+    full = out[0]["runs"][0]
+    assert torch.equal(logits("qwen3", reassemble(engine_by_index(out, 0), configs()["qwen3"], ep=1)),
+                       logits("qwen3", full))
