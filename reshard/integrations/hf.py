@@ -2,19 +2,21 @@
 
 `engine_tensors(model, EngineParallel(ranks, tp=..., ep=...))` takes a `transformers` model (or its config, or a
 `{name: shape}` mapping with a config) and the engine's parallelism, and gives the engine's local tensors as
-vLLM lays them out:
+vLLM lays them out.
 
-| Hugging Face weight | engine tensor | layout per TP rank `t` of `tp` (replicas repeat it) |
-|---|---|---|
-| `self_attn.{q,k,v}_proj.*` | `self_attn.qkv_proj.*` | `[q rows t; k rows t; v rows t]`; with fewer KV heads than `tp`, KV head `t // (tp / kv_heads)` whole |
-| `self_attn.o_proj.weight` | same | columns `t` |
-| `mlp.{gate,up}_proj.weight` (also shared experts) | `mlp.gate_up_proj.weight` | `[gate rows t; up rows t]` |
-| `mlp.down_proj.weight` | same | columns `t` |
-| `mlp.experts.gate_up_proj` `[E, 2 I, H]` (transformers 5) | `mlp.experts.w13_weight` | TP: `[gate I-chunk t; up I-chunk t]` along dim 1, `_S(1, 2)`; EP: experts `S(0)` over `ep` ranks |
-| `mlp.experts.down_proj` `[E, H, I]` (transformers 5) | `mlp.experts.w2_weight` | TP: `S(2)`; EP: `S(0)` |
-| `mlp.experts.{e}.{gate,up,down}_proj.weight` (older checkpoints) | `w13_weight` / `w2_weight` | the same, expert `e` at its local index |
-| `embed_tokens.weight`, `lm_head.weight` | same | vocabulary padded to a multiple of 64, rows split evenly |
-| anything else (norms, routers, MLA down-projections) | same | replicated |
+Per Hugging Face weight, the engine tensor and what TP rank `t` of `tp` holds (replicas repeat it):
+- `self_attn.{q,k,v}_proj.*` -> `self_attn.qkv_proj.*`: `[q rows t; k rows t; v rows t]`; with fewer KV heads than
+  `tp`, KV head `t // (tp / kv_heads)` whole;
+- `self_attn.o_proj.weight`, `mlp.down_proj.weight` -> same names: columns `t`;
+- `mlp.{gate,up}_proj.weight` (also shared experts) -> `mlp.gate_up_proj.weight`: `[gate rows t; up rows t]`;
+- transformers 5's `mlp.experts.gate_up_proj` `[E, 2 I, H]` -> `mlp.experts.w13_weight`: TP `[gate I-chunk t; up
+  I-chunk t]` along dim 1 (`_S(1, 2)`), EP experts `S(0)` over the `ep` ranks; `mlp.experts.down_proj` `[E, H, I]`
+  -> `mlp.experts.w2_weight`: TP `S(2)`, EP `S(0)`;
+- older checkpoints' `mlp.experts.{e}.{gate,up,down}_proj.weight` -> the same `w13_weight` / `w2_weight`, expert
+  `e` at its local index;
+- `embed_tokens.weight`, `lm_head.weight` -> same names: the vocabulary padded to a multiple of 64, rows split
+  evenly;
+- anything else (norms, routers, MLA down-projections) -> same name, replicated.
 
 A tied `lm_head` (`tie_word_embeddings`) is the embedding on the engine too: it gets no tensor of its own. Every
 component keeps its Hugging Face name, so a trainer registering `model.named_parameters()` needs no name map;
