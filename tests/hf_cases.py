@@ -205,3 +205,44 @@ def job_example(worker) -> dict:
     if worker.rank in TRAIN_RANKS:
         return {"group_rank": worker.rank, "runs": [out.get("full")]}
     return {"group_rank": worker.rank, "runs": [out["engine"]], "tp_index": (worker.rank - 4) % 2, "ep_index": 0}
+
+
+def per_expert_state(fused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Older checkpoints' per-expert weights (`experts.{e}.gate_proj.weight` ...) cut from transformers 5's fused
+    `gate_up_proj` `[E, 2I, H]` (gate rows first) and `down_proj` `[E, H, I]`."""
+    out = {}
+    for n, t in fused.items():
+        m = n.removesuffix("gate_up_proj")
+        if n.endswith(".mlp.experts.gate_up_proj"):
+            i = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{m}{e}.gate_proj.weight"], out[f"{m}{e}.up_proj.weight"] = t[e, :i], t[e, i:]
+        elif n.endswith(".mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{n.removesuffix('down_proj')}{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def job_per_expert(worker, shapes: dict, ep: int) -> dict:
+    """Per-expert trainer weights (each `S(0)` over the trainer ranks) into the engine's fused w13 / w2."""
+    from reshard import Layout, Mesh, Shard
+    from reshard.comm import Group
+    from reshard.integrations import hf
+    from reshard.refit import Refit
+
+    refit = Refit(Group.world(), timeout=90)
+    if worker.rank in TRAIN_RANKS:
+        full = per_expert_state({n: p.detach() for n, p in build_model("qwen3_moe").named_parameters()})
+        for n, t in full.items():
+            lay = Layout(tuple(t.shape), Mesh(list(TRAIN_RANKS)), [Shard(0)], name=n)
+            refit.add_source(n, t.chunk(4)[worker.rank].clone(), lay)
+        refit.run()
+        return {"group_rank": worker.rank, "runs": [None]}
+    par = hf.EngineParallel(ENGINE_RANKS, tp=2, ep=ep)
+    locals_ = {}
+    for t in hf.engine_tensors(shapes, par, config=configs()["qwen3_moe"], dtype=torch.float32):
+        locals_[t.name] = torch.full(t.local_shape(worker.rank), SENTINEL)
+        t.register(refit, locals_[t.name])
+    refit.run()
+    i = ENGINE_RANKS.index(worker.rank)
+    return {"group_rank": worker.rank, "runs": [locals_], "tp_index": i % 2, "ep_index": i % ep}

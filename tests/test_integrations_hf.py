@@ -217,3 +217,18 @@ def test_quick_start_example_is_exact(pool) -> None:
     full = out[0]["runs"][0]
     assert torch.equal(logits("qwen3", reassemble(engine_by_index(out, 0), configs()["qwen3"], ep=1)),
                        logits("qwen3", full))
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_per_expert_checkpoint_names_fill_w13_and_w2(pool, shapes, ep: int) -> None:
+    """Older checkpoints' per-expert weights, plain tensors with a `Layout`, into the engine's fused experts."""
+    from hf_cases import job_per_expert, per_expert_state
+
+    fused = {n: p.detach() for n, p in build_model("qwen3_moe").named_parameters()}
+    per = {n: tuple(t.shape) for n, t in per_expert_state(fused).items()}
+    out = pool.run_ok(job_per_expert, per, ep)
+    out[0]["runs"][0] = fused  # the oracle slices the fused full tensors
+    engine = [o for o in out if "tp_index" in o]
+    assert sorted(engine[0]["runs"][0]) == [f"model.layers.{i}.mlp.experts.{w}_weight" for i in (0, 1)
+                                            for w in ("w13", "w2")]
+    assert mismatches(out, 0, "qwen3_moe", ep) == []
