@@ -246,3 +246,19 @@ def job_per_expert(worker, shapes: dict, ep: int) -> dict:
     refit.run()
     i = ENGINE_RANKS.index(worker.rank)
     return {"group_rank": worker.rank, "runs": [locals_], "tp_index": i % 2, "ep_index": i % ep}
+
+
+def job_conflict(worker) -> None:
+    """Trainer ranks 0 and 1 register one weight with different placements on the same two ranks."""
+    from reshard import Layout, Mesh, Shard
+    from reshard.comm import Group
+    from reshard.refit import Refit
+
+    refit = Refit(Group.world(), timeout=90)
+    if worker.rank in (0, 1):
+        lay = Layout((8, 4), Mesh([0, 1]), [Shard(worker.rank)], name="w")
+        refit.add_source("w", torch.zeros(lay.local_shape(worker.rank)), lay)
+    if worker.rank in ENGINE_RANKS:
+        lay = Layout((8, 4), Mesh(list(ENGINE_RANKS)), [Shard(0)], name="w")
+        refit.add_destination("w", torch.zeros(lay.local_shape(worker.rank)), lay)
+    refit.run()

@@ -183,6 +183,8 @@ def test_qwen3_moe_ep_fsdp_refit_is_exact(pool, shapes, numbering: str, ep: int)
     """transformers 5 fused experts `S(0)` over ep x FSDP2 over edp, to TP2 x 2 engines and to an EP4 engine."""
     out = pool.run_ok(job_refit, "qwen3_moe", numbering, shapes["qwen3_moe"], ep=ep)
     check(out, "qwen3_moe", ep)
+    # policy auto, decided with the whole-model plan: no expert goes by gather-and-broadcast for a 0.3% gain
+    assert set(out[0]["choices"].values()) == {"reshard"}
 
 
 def test_swapped_tp_halves_fail_both_checks(pool, shapes) -> None:
@@ -232,3 +234,13 @@ def test_per_expert_checkpoint_names_fill_w13_and_w2(pool, shapes, ep: int) -> N
     assert sorted(engine[0]["runs"][0]) == [f"model.layers.{i}.mlp.experts.{w}_weight" for i in (0, 1)
                                             for w in ("w13", "w2")]
     assert mismatches(out, 0, "qwen3_moe", ep) == []
+
+
+def test_conflicting_registrations_raise_on_every_rank_with_each_layout(pool) -> None:
+    from hf_cases import job_conflict
+
+    for o in pool.run(job_conflict):
+        assert not o.ok and o.error_type == "ValueError", o
+        assert re.search(r"source 'w': ranks disagree on its layout:\n    ranks \[0\]: Layout\('w' \[8, 4\] float32 "
+                         r"ranks=0-1 mesh=2 \[S\(0\)\]\)\n    ranks \[1\]: .*\[S\(1\)\]\)\n  rank 0 is in the layout",
+                         o.error), o.error[:1500]

@@ -168,7 +168,18 @@ class Refit:
         Args:
             name: the trainer's name for it.
             tensor: a DTensor (its layout is read from it), or this rank's local tensor with `layout`.
-            layout: the global layout, needed for a plain local tensor.
+            layout: the global layout, in group ranks, needed for a plain local tensor.
+
+        A DTensor's mesh is in this process's own default-world ranks: every mesh position is mapped to the group
+        rank of the process holding it (its coordinate travels with the metadata), so the group may number the
+        trainer anywhere. DTensors of one weight on different sub-meshes (FSDP2 over each TP rank's own dp
+        sub-mesh, HSDP, FSDP over `edp` for experts) are merged into one layout when they are disjoint whole
+        copies; see `reshard.refit._sources`. So the plain loop registers a whole FSDP2 + TP model:
+
+            for name, p in model.named_parameters():
+                refit.add_source(name, p)
+
+        A process outside a DTensor's mesh holds nothing of it and registers nothing.
         """
         self._check_open(name)
         if name in self._sources:
