@@ -1,9 +1,11 @@
 """Model refit: whole-model weight sync from a trainer to an inference engine.
 
-Exports `Refit` and `RefitReport`. Each side registers only its own tensors and layouts; `Refit.run()` exchanges
-the metadata once, plans the whole model once, and moves every weight on each call.
+Exports `Refit`, `RefitReport` and `Choice` (a weight's method in `RefitReport.choices`, with the modelled times).
+Each side registers only its own tensors and layouts; `Refit.run()` exchanges the metadata once, plans the whole
+model once, and moves every weight on each call.
 """
 
+from reshard.refit._policy import Choice
 from reshard.refit._refit import POLICIES, Refit, RefitReport
 
-__all__ = ["POLICIES", "Refit", "RefitReport"]
+__all__ = ["POLICIES", "Choice", "Refit", "RefitReport"]

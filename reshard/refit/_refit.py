@@ -60,7 +60,7 @@ class RefitReport:
         messages: messages of the reshard plan (all ranks).
         first_run: whether metadata was exchanged and the plan built in this run.
         choices: trainer name -> its method: `"reshard"`, `"gather_broadcast"` or an FP8 note. Under
-            `policy="auto"` each is a `reshard.refit._policy.Choice` (a `str`) carrying the modelled seconds and
+            `policy="auto"` each is a `reshard.refit.Choice` (a `str`) carrying the modelled seconds and
             bytes of both methods (`.reshard_s`, `.gather_broadcast_s`, `.reshard_bytes`,
             `.gather_broadcast_bytes`).
     """
