@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from reshard import Group, Layout, Mesh, Refit, Replicate, Shard, Topology
 from reshard.cost import print_plan_report
+from reshard.integrations.engine import engine_tensors
 from reshard.models import PRESETS
 from reshard.planner import format_bytes
-from reshard.refit import engine_tensors
 from reshard.sim import System, model_layouts
 from reshard.testing import RankPool
 

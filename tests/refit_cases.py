@@ -15,10 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from reshard.comm import Group
+from reshard.integrations.engine import engine_tensors
 from reshard.models import PRESETS, param_specs
 from reshard.planner import Topology
 from reshard.refit import Refit
-from reshard.refit._vllm import engine_tensors
 from reshard.sim import System, model_layouts
 
 SENTINEL = 0x5A5A  # fills inference tensors before a refit; padding rows must keep it

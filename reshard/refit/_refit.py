@@ -24,7 +24,7 @@ import torch
 from reshard.comm import CommError, Group, execute
 from reshard.comm._group import as_timedelta
 from reshard.comm._handshake import all_gather_json
-from reshard.cost import gather_broadcast, get_hardware, link_time, plan_loads
+from reshard.cost import get_hardware
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     ExplicitLayout,
@@ -33,7 +33,6 @@ from reshard.planner import (
     PlanItem,
     Topology,
     fuse,
-    plan,
     plan_many,
     relabel,
 )
@@ -42,6 +41,9 @@ from reshard.planner._wire import decode_layout, encode_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._meta import LayoutLike, check_local
+from reshard.refit._policy import Choice, choose
+from reshard.refit._replicas import replica_digests, replica_errors
+from reshard.refit._sources import flat_index, source_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class RefitReport:
         num_tensors: destination global tensors written.
         messages: messages of the reshard plan (all ranks).
         first_run: whether metadata was exchanged and the plan built in this run.
+        choices: trainer name -> its method: `"reshard"`, `"gather_broadcast"` or an FP8 note. Under
+            `policy="auto"` each is a `reshard.refit.Choice` (a `str`) carrying the modelled seconds and
+            bytes of both methods (`.reshard_s`, `.gather_broadcast_s`, `.reshard_bytes`,
+            `.gather_broadcast_bytes`).
     """
 
     seconds: dict[str, float]
@@ -97,8 +103,11 @@ class Refit:
         relay: forward boxes over NVLink inside a destination domain (see `plan_many`).
         policy: `"auto"` (per weight, whichever the cost model says is faster), `"reshard"` or
             `"gather_broadcast"`; `policies` overrides it per trainer name.
-        hardware: the cost model's link figures (`reshard.sim.Hardware`), default the H100 preset.
+        hardware: the cost model's link figures (`reshard.cost.Hardware`), default the H100 preset.
         verify: check every received box against its sender's checksum.
+        check_replicas: before every run, compare by hash the copies of each trainer box that its layout says are
+            equal (TP replicas of a norm, sub-mesh copies); a difference raises a `ValueError` on every rank naming
+            the weight, the box and the ranks, before data moves (see `reshard.refit._replicas`).
         timeout: seconds (or a timedelta) any wait for a peer may last.
         precision: per trainer name (a dict or a callable) or for all: `"same"` (dtypes must match), `"cast"`
             (cast to the engine's dtype while packing, bit-exact to torch) or `"fp8_block"` (the engine holds
@@ -128,6 +137,7 @@ class Refit:
         verify: bool = False,
         timeout: Any = None,
         precision: str | Mapping[str, str] | Callable[[str], str] = "same",
+        check_replicas: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")
@@ -145,11 +155,13 @@ class Refit:
         self.policies = dict(policies or {})
         self.hardware = hardware
         self.verify = verify
+        self.check_replicas = check_replicas
         self.timeout = timeout
         self.precision = precision
         self._sources: dict[str, tuple[torch.Tensor, LayoutLike]] = {}
         self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
         self._scales: dict[str, torch.Tensor] = {}
+        self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
         self._built: _Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -159,7 +171,18 @@ class Refit:
         Args:
             name: the trainer's name for it.
             tensor: a DTensor (its layout is read from it), or this rank's local tensor with `layout`.
-            layout: the global layout, needed for a plain local tensor.
+            layout: the global layout, in group ranks, needed for a plain local tensor.
+
+        A DTensor's mesh is in this process's own default-world ranks: every mesh position is mapped to the group
+        rank of the process holding it (its coordinate travels with the metadata), so the group may number the
+        trainer anywhere. DTensors of one weight on different sub-meshes (FSDP2 over each TP rank's own dp
+        sub-mesh, HSDP, FSDP over `edp` for experts) are merged into one layout when they are disjoint whole
+        copies; see `reshard.refit._sources`. So the plain loop registers a whole FSDP2 + TP model:
+
+            for name, p in model.named_parameters():
+                refit.add_source(name, p)
+
+        A process outside a DTensor's mesh holds nothing of it and registers nothing.
         """
         self._check_open(name)
         if name in self._sources:
@@ -167,7 +190,14 @@ class Refit:
         if layout is None:
             if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
                 raise ValueError(f"Refit.add_source: {name!r} is a plain tensor; pass its layout too")
+            coord = tensor.device_mesh.get_coordinate()
+            if coord is None:  # a process outside the DTensor's mesh holds nothing of it (as DTensor says)
+                logger.debug("Refit.add_source: %r: rank %d is outside its DTensor mesh; nothing to send", name,
+                             self.rank)
+                return
             layout = Layout.from_dtensor(tensor, name=name)
+            # the mesh is in this process's own world ranks; the exchange maps it to group ranks by coordinate
+            self._coords[name] = [int(c) for c in coord]
             tensor = tensor.to_local()
         self._sources[name] = (tensor, layout)
 
@@ -179,6 +209,7 @@ class Refit:
         *,
         dim: int = 0,
         scale: torch.Tensor | None = None,
+        placed: bool = False,
     ) -> None:
         """Register an inference-engine tensor that this rank holds, to be overwritten in place by `run()`.
 
@@ -188,6 +219,8 @@ class Refit:
             layout: its layout, when it holds one global tensor (named `name`, unless the layout has a name); or,
                 for a fused tensor, the `(global_name, layout)` components in concatenation order along `dim`
                 (vLLM's `qkv_proj`: q, k, v). Component layouts describe each global tensor's own sharding.
+            placed: the component layouts are already in this local tensor's coordinates (as
+                `reshard.integrations.engine.EngineTensor.fused()` gives them): registered as they are, not fused.
             scale: for an FP8 block-quantized weight (layout dtype `float8_e4m3fn`), this rank's local
                 `weight_scale_inv` (float32), whose layout is derived from the weight's (see `scale_layout`).
         """
@@ -202,7 +235,7 @@ class Refit:
                 raise ValueError(f"Refit.add_destination: {name!r}: layout must be a Layout or a list of "
                                  "(global_name, layout) components")
             renamed = [relabel(lay, name=gname) for gname, lay in parts]
-            fused = fuse(renamed, dim=dim) if len(renamed) > 1 else renamed
+            fused = fuse(renamed, dim=dim) if len(renamed) > 1 and not placed else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
         self._dests[name] = (tensor, _Dest(name, components))
         if scale is not None:
@@ -233,6 +266,8 @@ class Refit:
             seconds["plan"] = time.perf_counter() - t1
         b = self._built
         assert b is not None
+        if self.check_replicas:
+            self._check_replicas(b)
         t0 = time.perf_counter()
         src: list = [self._sources[n][0] if n in self._sources else None for n in b.source_names]
         dst: list = [self._dests[n][0] if n in self._dests else None for n in b.dest_names]
@@ -267,20 +302,36 @@ class Refit:
             counts[c] = counts.get(c, 0) + 1
         lines.append("  per-weight method: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         for name, choice in list(b.choices.items())[:50]:
-            lines.append(f"    {name}: {choice}")
+            lines.append(f"    {name}: {choice.describe() if isinstance(choice, Choice) else choice}")
         if len(b.choices) > 50:
             lines.append(f"    ... {len(b.choices) - 50} more")
         lines.append(b.plan.describe(max_transfers=0))
         return "\n".join(lines)
 
+    def _check_replicas(self, b: _Built) -> None:
+        mine = [self.rank, replica_digests(self.rank, b.source_layouts,
+                                           {n: t for n, (t, _) in self._sources.items()})]
+        td = as_timedelta(self.timeout, default=self.group.timeout)
+        gathered = all_gather_json(self.group, mine, timeout=td, what="refit replica check")
+        for r, m in enumerate(gathered):
+            if not (isinstance(m, list) and len(m) == 2 and m[0] == r and isinstance(m[1], list)
+                    and all(isinstance(d, list) and len(d) == 4 and isinstance(d[0], str) for d in m[1])):
+                raise CommError(f"refit replica check: rank {r} sent malformed digests: {str(m)[:200]}")
+        errors = replica_errors([(r, d) for r, d in gathered])
+        if errors:
+            raise ValueError(f"Refit on rank {self.rank}: {len(errors)} replica mismatch(es), nothing was moved:\n  "
+                             + "\n  ".join(errors))
+
     # ---- metadata --------------------------------------------------------------------------------------------
     def _exchange_metadata(self) -> list[dict]:
         errors = []
         for name, (tensor, layout) in self._sources.items():
-            if self.rank not in layout.ranks:
+            coord = self._coords.get(name)
+            own = self.rank if coord is None else layout.mesh.ranks[flat_index(coord, layout.mesh.shape)]
+            if own not in layout.ranks:
                 errors.append(f"source {name!r}: rank {self.rank} registered it but is not in its layout's ranks")
             else:
-                e = check_local(name, tensor, layout, self.rank)
+                e = check_local(name, tensor, layout, own)
                 if e:
                     errors.append("source " + e)
         for name, (tensor, d) in self._dests.items():
@@ -293,10 +344,11 @@ class Refit:
             if e:
                 errors.append("destination " + e)
             errors.extend(_check_scale(name, d, self._scales.get(name), self.rank))
-        mine = {
+        mine = {  # JSON values only (lists, dicts, strings, integers)
             "rank": self.rank,
-            "sources": {n: encode_layout(lay) for n, (_, lay) in sorted(self._sources.items())},
-            "dests": {n: tuple((g, encode_layout(lay)) for g, lay in d.components)
+            "sources": {n: {"layout": encode_layout(lay), "coord": self._coords.get(n)}
+                        for n, (_, lay) in sorted(self._sources.items())},
+            "dests": {n: [[g, encode_layout(lay)] for g, lay in d.components]
                       for n, (_, d) in sorted(self._dests.items())},
             "scaled": sorted(self._scales),
             "errors": errors,
@@ -312,6 +364,7 @@ class Refit:
 
 @dataclass
 class _Built:
+    source_layouts: dict[str, LayoutLike]
     source_names: list[str]
     dest_names: list[str]
     plan: Plan
@@ -364,28 +417,17 @@ def _map_name(name_map: NameMap, name: str) -> str | None:
 def _build(refit: Refit, meta: list[dict]) -> _Built:
     """Check the gathered metadata (the same on every rank, so every rank raises the same error) and plan."""
     errors = [e for m in sorted(meta, key=lambda m: m["rank"]) for e in m["errors"]]
-    sources: dict[str, tuple] = {}
-    holders: dict[str, set[int]] = {}
-    dests: dict[str, tuple] = {}
+    src_layouts, _, src_errors = source_layouts(meta)
+    errors.extend(src_errors)
+    dests: dict[str, list] = {}
     dest_holders: dict[str, set[int]] = {}
     for m in sorted(meta, key=lambda m: m["rank"]):
-        for n, spec in m["sources"].items():
-            if n in sources and sources[n] != spec:
-                errors.append(f"source {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
-                              f"{min(holders[n])})")
-            sources.setdefault(n, spec)
-            holders.setdefault(n, set()).add(m["rank"])
         for n, comps in m["dests"].items():
             if n in dests and dests[n] != comps:
                 errors.append(f"destination {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
                               f"{min(dest_holders[n])})")
             dests.setdefault(n, comps)
             dest_holders.setdefault(n, set()).add(m["rank"])
-    src_layouts = {n: decode_layout(s) for n, s in sorted(sources.items())}
-    for n, lay in src_layouts.items():
-        missing = sorted(set(lay.ranks) - holders[n])
-        if missing:
-            errors.append(f"source {n!r}: ranks {missing} hold part of it by its layout but did not register it")
     dst_components: dict[str, tuple[str, str, LayoutLike]] = {}  # global name -> (dest tensor, global, layout)
     for dn, comps in sorted(dests.items()):
         for gname, spec in comps:
@@ -465,7 +507,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
     choices: dict[str, str] = {}
     gather_broadcast: list[Any] = []
     fp8: list[Fp8Weight] = []
-    memo: dict[tuple, str] = {}  # the cost model's choice per (source, destination) geometry
+    pending: list[tuple[str, PlanItem]] = []  # policy "auto": decided with the whole-model plan below
     for sname, gname in sorted(mapped.items(), key=lambda kv: (dst_components[kv[1]][0], kv[1])):
         dn, _, dlay = dst_components[gname]
         if modes[sname] == "fp8_block":
@@ -479,33 +521,37 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
             continue
         item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname,
                         precision="cast" if modes[sname] == "cast" else "same")
-        choice = _choose(refit, sname, item, memo)
-        choices[sname] = choice
-        if choice == "reshard":
+        method = _fixed_method(refit, sname, item)
+        choices[sname] = method or "auto"  # keeps the order; replaced below
+        if method is None:
+            pending.append((sname, item))
+        elif method == "reshard":
             items.append(item)
         else:
             gather_broadcast.append(GatherBroadcastWeight(item))
-    p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    return _Built(source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src, extra_dst)
+    p = plan_many(items + [it for _, it in pending], refit.topology, relay=refit.relay,
+                  staging_bytes=refit.staging_bytes)
+    if pending:
+        hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
+        decided = choose([it for _, it in pending], p, hw, refit.topology.domain, first=len(items))
+        for (sname, item), c in zip(pending, decided):
+            choices[sname] = c
+            if c == "gather_broadcast":
+                gather_broadcast.append(GatherBroadcastWeight(item))
+            else:
+                items.append(item)
+        if len(items) < len(p.items):  # some went by gather-and-broadcast: plan the rest without them
+            p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
+    return _Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src,
+                  extra_dst)
 
 
-def _choose(refit: Refit, sname: str, item: PlanItem, memo: dict[tuple, str]) -> str:
-    """Per-weight method: the override, the policy, or (auto) the cost model's faster one, computed once per
-    geometry (every layer of a model repeats a few)."""
+def _fixed_method(refit: Refit, sname: str, item: PlanItem) -> Choice | None:
+    """The method `policies` / `policy` fix for this weight, or None for `auto` (see `reshard.refit._policy`)."""
     policy = refit.policies.get(sname, refit.policy)
     if item.precision != "same":
         if policy == "gather_broadcast":
             raise ValueError(f"weight {sname!r}: gather_broadcast moves values as they are; use policy 'reshard' "
                              f"or 'auto' with precision {item.precision!r}")
-        return "reshard"
-    if policy != "auto":
-        return policy
-    key = (item.src.key, item.dst.key)
-    if key in memo:
-        return memo[key]
-    hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
-    alone = plan(item.src, item.dst, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    reshard_s = link_time(plan_loads(alone), hw).seconds
-    gb_s = gather_broadcast([(item.src, item.dst, 0)], hw, refit.topology.domain).seconds
-    memo[key] = "reshard" if reshard_s <= gb_s else "gather_broadcast"
-    return memo[key]
+        return Choice("reshard")
+    return None if policy == "auto" else Choice(policy)

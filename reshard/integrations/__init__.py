@@ -1,0 +1,13 @@
+"""Real trainers and engines: Hugging Face naming and vLLM-style engine layouts.
+
+- `reshard.integrations.engine`: `EngineTensor` and `engine_tensors` (per-weight inference layouts -> the engine's
+  fused local tensors: `qkv_proj`, `gate_up_proj`, `w13_weight` / `w2_weight`, padded vocabularies).
+- `reshard.integrations.hf`: `EngineParallel` and `engine_tensors(model, parallel)`, every engine tensor of a
+  `transformers` model (transformers 5 fused experts and older per-expert names), `name_map`, `trainer_name`.
+"""
+
+from reshard.integrations import engine, hf
+from reshard.integrations.engine import EngineTensor
+from reshard.integrations.hf import EngineParallel
+
+__all__ = ["EngineParallel", "EngineTensor", "engine", "hf"]
