@@ -128,10 +128,11 @@ def _group(worker, numbering: str):
 
     if numbering == "world":
         return Group.world()
+    n = worker.scratch["hf_groups"] = worker.scratch.get("hf_groups", 0) + 1  # a fresh tag per group
     if numbering == "trainer_first":
-        return worker.new_group(f"hf/{numbering}/{worker._groups}", rank=worker.rank)
+        return worker.new_group(f"hf/{numbering}/{n}", rank=worker.rank)
     # the engine's processes take group ranks 0-3, the trainer's 4-7: DTensor ranks 0-3 are group ranks 4-7
-    return worker.new_group(f"hf/{numbering}/{worker._groups}", rank=(worker.rank + 4) % 8)
+    return worker.new_group(f"hf/{numbering}/{n}", rank=(worker.rank + 4) % 8)
 
 
 def job_refit(worker, kind: str, numbering: str, shapes: dict, *, ep: int = 1, steps: int = 1,

@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard.planner import Layout, Mesh, PlanItem, Topology, decode_layout, encode_layout, plan_many
 from reshard.refit._policy import GB_MARGIN, decide
-from reshard.refit._sources import source_layouts
+from reshard.refit._sources import remap_ranks, source_layouts
 
 
 def _meta(rank: int, sources: dict) -> dict:
@@ -26,7 +26,7 @@ def test_layout_metadata_is_json_and_round_trips() -> None:
                                                                         Shard(0)], torch.bfloat16, name="w")
     spec = json.loads(json.dumps(encode_layout(lay)))
     assert decode_layout(spec) == lay
-    assert decode_layout(spec, ranks_map={0: 7, 1: 6, 2: 5, 3: 4}).mesh.ranks == (7, 6, 5, 4)
+    assert remap_ranks(decode_layout(spec), {0: 7, 1: 6, 2: 5, 3: 4}).mesh.ranks == (7, 6, 5, 4)
 
 
 def test_fsdp_sub_meshes_merge_into_one_replicated_layout_in_group_ranks() -> None:

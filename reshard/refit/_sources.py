@@ -37,7 +37,7 @@ def flat_index(coord: Sequence[int], mesh_shape: Sequence[int]) -> int:
     return flat
 
 
-def _remap(lay: Layout, mapping: Mapping[int, int]) -> Layout:
+def remap_ranks(lay: Layout, mapping: Mapping[int, int]) -> Layout:
     """`lay` with its mesh ranks (a DTensor's own numbering) replaced by `mapping[rank]` (group ranks)."""
     ranks = torch.tensor([mapping[r] for r in lay.mesh.ranks], dtype=torch.int64).reshape(lay.mesh.shape)
     return Layout(lay.shape, Mesh(ranks, lay.mesh.axis_names), list(lay.placements), lay.dtype, name=lay.name)
@@ -131,7 +131,7 @@ def source_layouts(metas: Sequence[dict]) -> tuple[dict[str, LayoutLike], dict[s
                                   f"{list(lay.mesh.ranks)}) are held by no process of the group that registered a "
                                   f"DTensor; DTensor rank -> group rank mapping found: {_map_text(mapping)}")
                     continue
-                lay = _remap(lay, mapping)
+                lay = remap_ranks(lay, mapping)
             regs.setdefault(n, []).append((m["rank"], lay))
     layouts: dict[str, LayoutLike] = {}
     holders: dict[str, set[int]] = {}
