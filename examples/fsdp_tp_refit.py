@@ -45,7 +45,7 @@ def run(rank: int) -> dict:
     config = tiny_qwen3()
     # every process of the world builds the trainer's mesh (creating its process groups is collective)
     mesh = DeviceMesh("cpu", torch.tensor(TRAINER).reshape(2, 2), mesh_dim_names=("dp", "tp"))
-    refit = Refit(Group.world())
+    refit = Refit(Group.world(), verify=True)  # every box checked against its sender's hash on arrival
     out: dict = {}
     if rank in TRAINER:
         torch.manual_seed(0)
@@ -87,6 +87,8 @@ def _process(rank: int, world_size: int, port: int) -> None:
     if rank == 4:
         print("engine rank 4 holds", {n: tuple(t.shape) for n, t in list(out["engine"].items())[:3]}, "...")
     dist.barrier()
+    if rank == 0:
+        print("fsdp_tp_refit verified: every engine box matched its sender's checksum")
     dist.destroy_process_group()
 
 

@@ -5,7 +5,8 @@ Each runs in a fresh subprocess from a temporary directory (not the repository r
 
 README blocks: a block whose first line is `# torchrun --nproc-per-node N` runs under torchrun with N ranks; a
 block that must not run says so on its first line, `# not run: <reason>`, and is reported as skipped with that
-reason. Every other block runs with `python`.
+reason. A block whose first line is `# excerpt of examples/NAME.py` shows part of an example (which runs here
+itself): each of its lines must be a line of that example, in order. Every other block runs with `python`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 TIMEOUT_S = 900  # generous: several ranks start on a loaded 2-core machine
 TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc-per-node[ =](\d+)\s*$")
 NOT_RUN = re.compile(r"^#\s*not run:\s*(\S.*)$")
+EXCERPT = re.compile(r"^#\s*excerpt of (examples/[\w.]+\.py)\s*$")
 
 # what each example prints when it checked its own result, and the arguments that keep it short
 EXPECTED = {
@@ -32,6 +34,7 @@ EXPECTED = {
     "dtensor_two_groups.py": r"^dtensor_two_groups verified on 4 ranks$",
     "refit_model.py": r"^refit_model verified: 4 weights",
     "refit_demo.py": r"^demo verified$",
+    "fsdp_tp_refit.py": r"^fsdp_tp_refit verified",
 }
 ARGS = {"refit_demo.py": ["--layers", "2"]}
 
@@ -82,12 +85,27 @@ def test_example_runs_and_verifies(path: Path, tmp_path: Path) -> None:
     assert re.search(EXPECTED[path.name], out, re.M), f"{path.name} did not print its verification:\n{out[-3000:]}"
 
 
+def excerpt_missing(code: str, source: str) -> str | None:
+    """The first line of an excerpt block (after its marker) that is not, in order, a line of `source`; None if
+    all are. Blank lines and `...` (elided code) are skipped; indentation is not compared."""
+    lines = iter(s.strip() for s in source.splitlines())
+    for want in (s.strip() for s in code.splitlines()[1:]):
+        if want and want != "..." and not any(want == have for have in lines):
+            return want
+    return None
+
+
 BLOCKS = readme_blocks()
 
 
 @pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
 def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
     first = code.splitlines()[0] if code.strip() else ""
+    excerpt = EXCERPT.match(first)
+    if excerpt:  # the example runs in test_example_runs_and_verifies; here its lines must be the example's
+        missing = excerpt_missing(code, (REPO / excerpt.group(1)).read_text())
+        assert missing is None, f"README.md:{line}: {missing!r} is not (in this order) in {excerpt.group(1)}"
+        return
     skip = NOT_RUN.match(first)
     if skip:
         pytest.skip(f"README.md:{line}: {skip.group(1)}")
@@ -109,3 +127,8 @@ def test_readme_markers_are_honoured(tmp_path: Path) -> None:
     assert TORCHRUN.match("# torchrun --nproc-per-node 4").group(1) == "4"
     assert NOT_RUN.match("# not run: needs 8 GPUs").group(1) == "needs 8 GPUs"
     assert NOT_RUN.match("# not run:") is None  # a reason is required
+    assert EXCERPT.match("# excerpt of examples/fsdp_tp_refit.py").group(1) == "examples/fsdp_tp_refit.py"
+    source = "a = 1\nb = 2\nc = 3\n"
+    assert excerpt_missing("# excerpt\na = 1\n...\nc = 3\n", source) is None
+    assert excerpt_missing("# excerpt\nc = 3\na = 1\n", source) == "a = 1"  # out of order
+    assert excerpt_missing("# excerpt\nd = 4\n", source) == "d = 4"
