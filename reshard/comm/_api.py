@@ -13,6 +13,7 @@ from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._dtypes import dtype_from_name, dtype_name
+from reshard.planner._layout import placement_str
 from reshard.planner._wire import decode_placements, encode_placements
 
 
@@ -130,7 +131,7 @@ def _check_side_meta(which: str, rank: int, m: Any) -> dict[str, Any] | None:
 
 
 def _meta_text(m: dict[str, Any]) -> str:
-    pl = ", ".join(m["placements"])
+    pl = ", ".join(placement_str(p) for p in m["placements"])
     return (f"{list(m['shape'])} {m['dtype']} mesh {'x'.join(map(str, m['mesh_shape']))} (own ranks "
             f"{list(m['mesh_ranks'])}) [{pl}]")
 
