@@ -1,0 +1,2 @@
+"""Integrations with real trainers and inference engines (`reshard.integrations.vllm`: a vLLM weight-transfer
+backend)."""
