@@ -83,8 +83,9 @@ def _update(llm, trainers: vc.Trainers, seed: int) -> list:
     return trainers.wait()
 
 
-def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int, vocab: int, tp: int, negative: bool = False):
-    cfg = vc.config(kv_heads, vocab)
+def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int, vocab: int, tp: int, negative: bool = False,
+             moe: bool = False):
+    cfg = vc.moe_config(kv_heads, vocab) if moe else vc.config(kv_heads, vocab)
     ck1, ck2 = str(tmp_path / "v1"), str(tmp_path / "v2")
     vc.write_checkpoint(ck1, cfg, V1)
     vc.write_checkpoint(ck2, cfg, V2)
@@ -142,3 +143,39 @@ def test_refit_tp2_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers) -> N
 
 def test_refit_tp2_1_kv_head_replicated(tmp_path, monkeypatch, trainers) -> None:
     _session(tmp_path, monkeypatch, trainers, kv_heads=1, vocab=1000, tp=2)
+
+
+def test_refit_tp2_moe(tmp_path, monkeypatch, trainers) -> None:
+    """Experts split over the trainer's ranks (`S(0)` of stacked `[E, I, H]`), TP over the intermediate dim in the
+    engine (`w13_weight` `[E, 2 I / 2, H]`, `w2_weight` `[E, H, I / 2]`), router `ReplicatedLinear`."""
+    _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=2, moe=True)
+
+
+def test_plugin_entry_point_registers_the_backend() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "reshard"]
+    ep.load()()
+    ep.load()()  # vLLM loads plugins in every process, some more than once
+    from reshard.integrations.vllm import ReshardTrainer, ReshardWeightTransferEngine
+
+    assert WeightTransferEngineFactory._registry["reshard"]() is ReshardWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["reshard"]() is ReshardTrainer
+
+
+def test_init_info_ranks_and_bad_values() -> None:
+    from reshard.integrations.vllm import ReshardInitInfo, ReshardTrainerInitInfo
+
+    last = ReshardTrainerInitInfo(rank=1, world_size=2, engine_world_size=4, trainer_ranks="last")
+    assert last.group_rank == 5  # after engine ranks 0..3
+    assert ReshardInitInfo(**last.engine_init_info()).rank_offset == 0
+    first = ReshardTrainerInitInfo(rank=1, world_size=2, engine_world_size=4)
+    assert first.group_rank == 1 and ReshardInitInfo(**first.engine_init_info()).rank_offset == 2
+    with pytest.raises(ValueError, match="trainer_ranks must be one of"):
+        ReshardTrainerInitInfo(rank=0, trainer_ranks="middle")
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\), got 2"):
+        ReshardTrainerInitInfo(rank=2, world_size=2)
+    with pytest.raises(ValueError, match="rank_offset 3 disagrees"):
+        ReshardInitInfo(master_address="h", master_port=1, trainer_world_size=2, rank_offset=3)

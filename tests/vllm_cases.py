@@ -25,8 +25,18 @@ def config(kv_heads: int, vocab: int) -> dict[str, Any]:
             "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1}
 
 
+def moe_config(kv_heads: int, vocab: int, num_experts: int = 4) -> dict[str, Any]:
+    """The same Qwen3 with a mixture-of-experts MLP in every layer (`num_experts` experts of 128, top 2)."""
+    cfg = config(kv_heads, vocab)
+    cfg.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": num_experts,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 128, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "norm_topk_prob": True})
+    return cfg
+
+
 def hf_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HuggingFace name -> shape of every weight of `cfg`'s Qwen3."""
+    """HuggingFace name -> shape of every weight of `cfg`'s Qwen3 (MoE experts stacked: `...mlp.experts.gate_proj
+    .weight` `[E, I, H]`, as a trainer holds them; `write_checkpoint` stores them per expert, as HuggingFace does)."""
     h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
@@ -39,6 +49,12 @@ def hf_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                     p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                     p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
                     p + "post_attention_layernorm.weight": (h,)})
+        if "num_experts" in cfg:
+            e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            for k in ("gate_proj", "up_proj", "down_proj"):
+                del out[p + f"mlp.{k}.weight"]
+            out.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj.weight": (e, mi, h),
+                        p + "mlp.experts.up_proj.weight": (e, mi, h), p + "mlp.experts.down_proj.weight": (e, h, mi)})
     return out
 
 
@@ -59,7 +75,14 @@ def write_checkpoint(path: str, cfg: dict[str, Any], seed: int) -> None:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    save_file(hf_weights(cfg, seed), os.path.join(path, "model.safetensors"))
+    weights = {}
+    for name, w in hf_weights(cfg, seed).items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if sep:  # per expert on disk: ...mlp.experts.{e}.gate_proj.weight
+            weights.update({f"{head}.mlp.experts.{e}.{tail}": w[e].clone() for e in range(w.shape[0])})
+        else:
+            weights[name] = w
+    save_file(weights, os.path.join(path, "model.safetensors"))
 
 
 def free_port() -> int:
@@ -72,7 +95,10 @@ def free_port() -> int:
 def trainer_layout(name: str, shape: tuple[int, ...], ranks: list[int]) -> Any:
     from reshard import Layout, Mesh, Shard
 
-    dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight")) else 0
+    if ".experts." in name:  # expert-parallel on the trainer: experts split over its ranks
+        dim = 0
+    else:
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight")) else 0
     return Layout(shape, Mesh(ranks), [Shard(dim)], torch.bfloat16, name=name)
 
 

@@ -104,7 +104,7 @@ def _vocab_layout(layer: Any, shape: Sequence[int], replicas: Sequence[Sequence[
     """Each TP rank's rows of the vocabulary, by the layer's own `_get_indices` (padding rows are never written)."""
     if layer.num_added_embeddings:
         raise NotImplementedError(f"{name}: added (LoRA) vocabulary rows are not supported by the reshard backend")
-    per, hidden = int(shape[0]) // layer.tp_size, int(shape[1])
+    per, hidden = int(shape[0]), int(shape[1])  # the local (padded) rows, the same on every TP rank
     vocab = layer.org_vocab_size
     pieces: dict[int, list[Piece]] = {}
     shapes: dict[int, tuple[int, int]] = {}
@@ -117,7 +117,7 @@ def _vocab_layout(layer: Any, shape: Sequence[int], replicas: Sequence[Sequence[
                                          layer.num_embeddings, layer.org_vocab_size, tp_rank, layer.tp_size)
                 lo, hi = idx.org_vocab_start_index, idx.org_vocab_end_index
             pieces[r] = [Piece(Box((lo, 0), (hi - lo, hidden)), Box((0, 0), (hi - lo, hidden)), tensor=name)]
-            shapes[r] = (per if layer.tp_size > 1 else int(shape[0]), hidden)
+            shapes[r] = (per, hidden)
     return ExplicitLayout((vocab, hidden), dtype, pieces, shapes, name=name)
 
 
