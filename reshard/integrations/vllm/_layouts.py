@@ -13,7 +13,8 @@ Where the layouts come from:
 - K/V replication: `QKVParallelLinear.num_kv_head_replicas` (TP ranks that share one KV head);
 - vocabulary padding: `VocabParallelEmbedding._get_indices`, evaluated for every TP rank;
 - experts: a layer with a `FusedMoEMethodBase` quant method (`RoutedExperts`), all experts on every rank (TP over
-  the intermediate dim), as stacked `[E, I, H]` globals `...experts.{gate,up,down}_proj.weight`;
+  the intermediate dim), as stacked `[E, I, H]` globals named by its checkpoint prefix and names
+  (`layer_name`, `ckpt_gate_proj_name`, ...): `...mlp.experts.{gate,up,down}_proj.weight`;
 - fused names: the model's `packed_modules_mapping` (`qkv_proj` -> q, k, v; `gate_up_proj` -> gate, up).
 
 A parameter none of these rules covers (an unknown layer class with its own `weight_loader`) is an error that names
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import Any
 
 import torch
@@ -67,6 +69,18 @@ def _loader_meta(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     params, _ = get_layerwise_info(module).restore_metadata
     return dict(params)
+
+
+def _loader_attrs(meta: torch.Tensor, layer: torch.nn.Module) -> dict[str, Any]:
+    """The attributes `create_weights` set on a parameter (`weight_loader`, `output_dim`, ...), with the layer's bound
+    methods bound to the layer again (vLLM's record replaces the layer by a sentinel to avoid a reference cycle)."""
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    attrs = dict(getattr(meta, "__dict__", {}))
+    for k, v in attrs.items():
+        if isinstance(v, MethodType) and v.__self__ is layer_ref_sentinel:
+            attrs[k] = v.__func__.__get__(layer)
+    return attrs
 
 
 def _mesh(replicas: Sequence[Sequence[int]], kv_replicas: int = 1) -> Mesh:
@@ -189,13 +203,15 @@ def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Ten
     if getattr(layer, "local_num_experts", num_experts) != num_experts or getattr(layer, "use_ep", False):
         return "expert parallelism (experts split over ranks)"
     tp = layer.moe_config.moe_parallel_config.tp_size
+    prefix = getattr(layer, "layer_name", module_name)  # the experts' checkpoint prefix (`...mlp.experts`)
+    gate, up, down = (getattr(layer, f"ckpt_{k}_proj_name", f"{k}_proj") for k in ("gate", "up", "down"))
     e, a, b = (int(s) for s in meta.shape)
     if pname == "w13_weight":
-        names = [f"{module_name}.gate_proj.weight", f"{module_name}.up_proj.weight"]
+        names = [f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight"]
         shape = (e, a // 2 * tp, b)
         return [(n, _sharded(shape, 1, tp, replicas, meta.dtype, n)) for n in names], 1
     if pname == "w2_weight":
-        n = f"{module_name}.down_proj.weight"
+        n = f"{prefix}.{down}.weight"
         return [(n, _sharded((e, a, b * tp), 2, tp, replicas, meta.dtype, n))], 0
     return f"expert parameter {pname!r} (only w13_weight and w2_weight are supported)"
 
@@ -234,7 +250,7 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
             if quant:
                 dtype = getattr(layer, "params_dtype", m.dtype) if pname == "bias" else m.dtype
                 buffer = torch.zeros(tuple(m.shape), dtype=dtype, device=param.device)
-                attrs = {k: v for k, v in getattr(m, "__dict__", {}).items()}
+                attrs = _loader_attrs(m, layer)
                 targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs))
             else:
                 if tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:

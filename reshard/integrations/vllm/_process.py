@@ -13,7 +13,8 @@ tensors directly would leave the forward on stale data, so for such a layer:
    on the layer: pointers captured by CUDA graphs stay valid. A kernel tensor whose shape or dtype changed is an
    error naming it.
 
-Non-tensor state that the method rebuilds (the CPU backend's GEMM closure) is the method's new one.
+Non-tensor state that the method rebuilds (the CPU backend's GEMM closure, an MoE method's kernel with its prepacked
+experts) is the method's new one.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def reprocess_layer(layer: torch.nn.Module, loader: dict[str, tuple[torch.Tensor
         layer.register_parameter(n, p)
     if hasattr(layer, "_already_called_process_weights_after_loading"):
         delattr(layer, "_already_called_process_weights_after_loading")
+    if getattr(layer.quant_method, "moe_kernel", None) is not None:
+        # vLLM's MoE methods treat a second call as a weight update and skip the experts' own post-processing (the
+        # CPU backend's grouped-GEMM prepack), which would leave the forward on the old experts: run it as a load
+        layer.quant_method.moe_kernel = None
     try:
         layer.quant_method.process_weights_after_loading(layer)
         if hasattr(layer, "update_param_tp_status"):
