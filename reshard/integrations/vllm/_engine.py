@@ -117,7 +117,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                                       backend="nccl" if self.device.type == "cuda" else "gloo",
                                       timeout=init_info.timeout_s)
         self._info = init_info
-        self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
+        try:
+            self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
+        except BaseException:
+            self.shutdown()
+            raise
 
     def start_weight_update(self) -> None:
         if self.group is None:
