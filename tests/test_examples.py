@@ -35,7 +35,10 @@ EXPECTED = {
     "refit_model.py": r"^refit_model verified: 4 weights",
     "refit_demo.py": r"^demo verified$",
     "fsdp_tp_refit.py": r"^fsdp_tp_refit verified",
+    "vllm_refit.py": r"^vllm_refit verified",
 }
+# examples that need an optional package; the vLLM one runs in `make test-vllm`'s environment (marker `vllm`)
+NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm"}
 ARGS = {"refit_demo.py": ["--layers", "2"]}
 
 
@@ -77,8 +80,11 @@ def test_every_example_declares_its_check() -> None:
     assert sorted(p.name for p in EXAMPLES) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.vllm] if NEEDS.get(p.name) == "vllm" else [])
+                                  for p in EXAMPLES], ids=[p.name for p in EXAMPLES])
 def test_example_runs_and_verifies(path: Path, tmp_path: Path) -> None:
+    if path.name in NEEDS:
+        pytest.importorskip(NEEDS[path.name], reason=f"{path.name} needs {NEEDS[path.name]}")
     text = path.read_text()
     assert 'if __name__ == "__main__":' in text, f"{path.name} needs a __main__ guard"
     out = run_script(path, tmp_path, nproc=torchrun_ranks(text), args=tuple(ARGS.get(path.name, ())))

@@ -1,9 +1,11 @@
-"""Real trainers and engines: Hugging Face naming and vLLM-style engine layouts.
+"""Real trainers and engines: Hugging Face naming, vLLM-style engine layouts, and a vLLM weight-transfer backend.
 
 - `reshard.integrations.engine`: `EngineTensor` and `engine_tensors` (per-weight inference layouts -> the engine's
   fused local tensors: `qkv_proj`, `gate_up_proj`, `w13_weight` / `w2_weight`, padded vocabularies).
 - `reshard.integrations.hf`: `EngineParallel` and `engine_tensors(model, parallel)`, every engine tensor of a
   `transformers` model (transformers 5 fused experts and older per-expert names), `name_map`, `trainer_name`.
+- `reshard.integrations.vllm`: the `reshard` backend of vLLM's weight transfer (engine side, layouts read from the
+  live model) and its trainer side; imported on its own (`import reshard.integrations.vllm`), vLLM only when used.
 """
 
 from reshard.integrations import engine, hf

@@ -1,0 +1,174 @@
+"""`ReshardWeightTransferEngine`: the engine side of the `reshard` vLLM weight-transfer backend.
+
+Runtime contract (vLLM drives it; see `docs/vllm.md`):
+- `init_transfer_engine(info)` runs on every worker: it joins the trainer's `Group.rendezvous` as group rank
+  `rank_offset + dp_index * world_size + rank` (vLLM's convention), the trainer's ranks coming first
+  (`rank_offset = trainer_world_size`) or after every engine rank (`rank_offset = 0`).
+- It then reads the live model's layouts (`engine_targets`) and registers every loaded parameter as a `Refit`
+  destination (the live parameter itself, or a loader-format buffer for a layer whose quantization method
+  post-processes its weights); a parameter no rule covers is a `ValueError` naming it, raised here. The first
+  `update_weights` plans the whole model once; every call then moves the trainer's current
+  weights, each byte once, and re-runs post-processing where the layer needs it, copying the result into the
+  storage the forward reads. `last_report` is that update's `RefitReport`, with `seconds["process"]` the time
+  spent re-processing.
+- Pausing generation around an update is the caller's (vLLM's `pause_generation` / `/pause`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from reshard.comm import Group
+from reshard.integrations.vllm._layouts import Target, engine_targets
+from reshard.integrations.vllm._process import reprocess_layer
+from reshard.refit import Refit, RefitReport
+
+logger = logging.getLogger(__name__)
+
+TRAINER_RANKS = ("first", "last")
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    """What every engine worker needs to join the trainer's group (`ReshardTrainerInitInfo.engine_init_info()`).
+
+    Attributes:
+        master_address, master_port: the group's TCP store (hosted by group rank 0).
+        trainer_world_size: the number of trainer ranks in the group.
+        trainer_ranks: `"first"` (trainer ranks `0 .. T-1`, engine ranks after) or `"last"`.
+        rank_offset: the first engine rank in the group; default from `trainer_ranks`. Given, it must agree.
+        timeout_s: seconds any wait for a peer may last.
+        precision: `Refit`'s precision (`"same"` or `"cast"`), the same on both sides.
+        verify: check every received box against its sender's checksum.
+    """
+
+    master_address: str
+    master_port: int
+    trainer_world_size: int
+    trainer_ranks: str = "first"
+    rank_offset: int | None = None
+    timeout_s: float = 300.0
+    precision: str = "same"
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if self.trainer_ranks not in TRAINER_RANKS:
+            raise ValueError(f"reshard init_info: trainer_ranks must be one of {TRAINER_RANKS}, got "
+                             f"{self.trainer_ranks!r}")
+        if not isinstance(self.trainer_world_size, int) or self.trainer_world_size < 1:
+            raise ValueError(f"reshard init_info: trainer_world_size must be an integer >= 1, got "
+                             f"{self.trainer_world_size!r}")
+        expected = self.trainer_world_size if self.trainer_ranks == "first" else 0
+        if self.rank_offset is not None and self.rank_offset != expected:
+            raise ValueError(f"reshard init_info: rank_offset {self.rank_offset} disagrees with trainer_ranks="
+                             f"{self.trainer_ranks!r} and trainer_world_size={self.trainer_world_size} "
+                             f"(expected {expected})")
+        self.rank_offset = expected
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """Per-update info: nothing is needed (the plan is built once); `version` is logged."""
+
+    version: str | None = None
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    """vLLM `WeightTransferEngine` that refits the live model in place with reshard (see the module docstring)."""
+
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001  (vLLM's signature)
+        super().__init__(config, vllm_config, device, model)
+        self.group: Group | None = None
+        self.refit: Refit | None = None
+        self.targets: list[Target] = []
+        self.last_report: RefitReport | None = None
+        self._info: ReshardInitInfo | None = None
+
+    # ---- vLLM's lifecycle --------------------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        pc = self.parallel_config
+        world = pc.world_size
+        rank = get_pp_group().rank_in_group * get_tp_group().world_size + get_tp_group().rank_in_group
+        if get_pp_group().world_size > 1:
+            raise NotImplementedError("reshard vLLM backend: pipeline parallelism is not supported yet")
+        dp_index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
+        size = init_info.trainer_world_size + pc.data_parallel_size * world
+        group_rank = init_info.rank_offset + dp_index * world + rank
+        self.engine_ranks = [init_info.rank_offset + i for i in range(pc.data_parallel_size * world)]
+        self.replicas = [self.engine_ranks[d * world:(d + 1) * world] for d in range(pc.data_parallel_size)]
+        logger.info("reshard: worker %d of replica %d joins %s:%d as group rank %d of %d", rank, dp_index,
+                    init_info.master_address, init_info.master_port, group_rank, size)
+        self.group = Group.rendezvous(init_info.master_address, init_info.master_port, group_rank, size,
+                                      backend="nccl" if self.device.type == "cuda" else "gloo",
+                                      timeout=init_info.timeout_s)
+        self._info = init_info
+        try:
+            self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def start_weight_update(self) -> None:
+        if self.group is None:
+            raise RuntimeError("reshard vLLM backend: call init_weight_transfer_engine before start_weight_update")
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        if self.group is None or self._info is None:
+            raise RuntimeError("reshard vLLM backend: call init_weight_transfer_engine before update_weights")
+        assert self.refit is not None
+        report = self.refit.run()
+        t0 = time.perf_counter()
+        self.reprocess()
+        report.seconds["process"] = time.perf_counter() - t0
+        self.last_report = report
+        logger.info("reshard: update %s on group rank %d: %s", update_info.version, self.group.rank, report)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.refit = None, None
+
+    # ---- reshard ------------------------------------------------------------------------------------------------
+    def _build_refit(self) -> Refit:
+        assert self.group is not None and self._info is not None
+        self.targets = engine_targets(self.model, self.replicas)
+        refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
+                      timeout=self._info.timeout_s)
+        for t in self.targets:
+            refit.add_destination(t.name, t.tensor, t.components, dim=t.dim)
+        logger.info("reshard: %d engine tensors registered (%d re-processed after each update)", len(self.targets),
+                    sum(t.processed for t in self.targets))
+        return refit
+
+    def reprocess(self) -> None:
+        """Re-run post-processing of every layer whose loader-format tensors were written."""
+        layers: dict[int, tuple[str, torch.nn.Module, dict]] = {}
+        for t in self.targets:
+            if t.processed:
+                entry = layers.setdefault(id(t.module), (t.module_name, t.module, {}))
+                entry[2][t.param_name] = (t.tensor, t.loader_attrs)
+        for name, module, loader in layers.values():
+            reprocess_layer(module, loader, name)

@@ -1,0 +1,265 @@
+"""The layouts of a live vLLM model's weights, read from its own modules (no preset).
+
+`engine_targets(model, replicas)` walks the model once and returns one `Target` per loaded parameter: the tensor
+reshard writes (the live parameter, or a loader-format buffer for a layer whose quantization method post-processes
+its weights), its global components in HuggingFace naming, and the layout of each over the group's engine ranks.
+
+Where the layouts come from:
+- the loader-format shape and dtype of each parameter: vLLM's own record of what `create_weights` made
+  (`record_metadata_for_reloading`, taken when the model was built, before any post-processing);
+- TP sharding: the layer's class (`QKVParallelLinear`, `MergedColumnParallelLinear`, `ColumnParallelLinear`,
+  `RowParallelLinear`, `ReplicatedLinear`), its `tp_size` (1 when `disable_tp`), and the parameter's `output_dim` /
+  `input_dim`;
+- K/V replication: `QKVParallelLinear.num_kv_head_replicas` (TP ranks that share one KV head);
+- vocabulary padding: `VocabParallelEmbedding._get_indices`, evaluated for every TP rank;
+- experts: a layer with a `FusedMoEMethodBase` quant method (`RoutedExperts`), all experts on every rank (TP over
+  the intermediate dim), as stacked `[E, I, H]` globals named by its checkpoint prefix and names
+  (`layer_name`, `ckpt_gate_proj_name`, ...): `...mlp.experts.{gate,up,down}_proj.weight`;
+- fused names: the model's `packed_modules_mapping` (`qkv_proj` -> q, k, v; `gate_up_proj` -> gate, up).
+
+A parameter none of these rules covers (an unknown layer class with its own `weight_loader`) is an error that names
+it: the refit never skips a weight silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece
+
+LayoutLike = Layout | ExplicitLayout
+
+
+@dataclass
+class Target:
+    """One engine parameter that a refit writes.
+
+    Attributes:
+        module_name, param_name: where it lives (`model.layers.0.self_attn.qkv_proj`, `weight`).
+        module: the live module.
+        tensor: what reshard writes: the live parameter (`processed=False`) or a zero-filled loader-format buffer.
+        components: `(global name, layout)` in concatenation order along `dim` (one entry when not fused).
+        dim: the fused dim of the local tensor.
+        processed: whether the layer's `quant_method.process_weights_after_loading` must run after the write.
+    """
+
+    module_name: str
+    param_name: str
+    module: torch.nn.Module
+    tensor: torch.Tensor
+    components: list[tuple[str, LayoutLike]]
+    dim: int = 0
+    processed: bool = False
+    loader_attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
+
+
+def _loader_meta(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The loader-format (pre-processing) parameters vLLM recorded for `module` when the model was built."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    params, _ = get_layerwise_info(module).restore_metadata
+    return dict(params)
+
+
+def _loader_attrs(meta: torch.Tensor, layer: torch.nn.Module) -> dict[str, Any]:
+    """The attributes `create_weights` set on a parameter (`weight_loader`, `output_dim`, ...), with the layer's bound
+    methods bound to the layer again (vLLM's record replaces the layer by a sentinel to avoid a reference cycle)."""
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    attrs = dict(getattr(meta, "__dict__", {}))
+    for k, v in attrs.items():
+        if isinstance(v, MethodType) and v.__self__ is layer_ref_sentinel:
+            attrs[k] = v.__func__.__get__(layer)
+    return attrs
+
+
+def _mesh(replicas: Sequence[Sequence[int]], kv_replicas: int = 1) -> Mesh:
+    """`(dp, tp)` mesh of group ranks, or `(dp, tp // kv_replicas, kv_replicas)` for replicated KV heads."""
+    if kv_replicas == 1:
+        return Mesh([list(r) for r in replicas])
+    return Mesh([[list(r[i:i + kv_replicas]) for i in range(0, len(r), kv_replicas)] for r in replicas])
+
+
+def _sharded(shape: Sequence[int], dim: int | None, tp_size: int, replicas: Sequence[Sequence[int]],
+             dtype: torch.dtype, name: str, kv_replicas: int = 1) -> Layout:
+    """`shape` split evenly along `dim` over the TP ranks of each replica (`dim=None` or `tp_size == 1`: every
+    rank holds it whole)."""
+    if dim is None or tp_size == 1:
+        return Layout(tuple(shape), _mesh(replicas), [Replicate(), Replicate()], dtype, name=name)
+    if kv_replicas == 1:
+        return Layout(tuple(shape), _mesh(replicas), [Replicate(), Shard(dim)], dtype, name=name)
+    return Layout(tuple(shape), _mesh(replicas, kv_replicas), [Replicate(), Shard(dim), Replicate()], dtype,
+                  name=name)
+
+
+def _unfused_names(model: torch.nn.Module, module_name: str, param_name: str) -> list[str] | None:
+    """`...qkv_proj.weight` -> `[...q_proj.weight, ...k_proj.weight, ...v_proj.weight]` by the model's
+    `packed_modules_mapping`; None when the module is not a packed one."""
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    head, _, last = module_name.rpartition(".")
+    parts = mapping.get(last)
+    if not parts:
+        return None
+    return [f"{head}.{p}.{param_name}" if head else f"{p}.{param_name}" for p in parts]
+
+
+def _vocab_layout(layer: Any, shape: Sequence[int], replicas: Sequence[Sequence[int]], dtype: torch.dtype,
+                  name: str) -> ExplicitLayout:
+    """Each TP rank's rows of the vocabulary, by the layer's own `_get_indices` (padding rows are never written)."""
+    if layer.num_added_embeddings:
+        raise NotImplementedError(f"{name}: added (LoRA) vocabulary rows are not supported by the reshard backend")
+    per, hidden = int(shape[0]), int(shape[1])  # the local (padded) rows, the same on every TP rank
+    vocab = layer.org_vocab_size
+    pieces: dict[int, list[Piece]] = {}
+    shapes: dict[int, tuple[int, int]] = {}
+    for group in replicas:
+        for tp_rank, r in enumerate(group):
+            if layer.tp_size == 1:
+                lo, hi = 0, vocab
+            else:
+                idx = layer._get_indices(layer.num_embeddings_padded, layer.org_vocab_size_padded,
+                                         layer.num_embeddings, layer.org_vocab_size, tp_rank, layer.tp_size)
+                lo, hi = idx.org_vocab_start_index, idx.org_vocab_end_index
+            pieces[r] = [Piece(Box((lo, 0), (hi - lo, hidden)), Box((0, 0), (hi - lo, hidden)), tensor=name)]
+            shapes[r] = (per, hidden)
+    return ExplicitLayout((vocab, hidden), dtype, pieces, shapes, name=name)
+
+
+def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str, meta: torch.Tensor,
+                replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
+    """The global components of one loader-format parameter, or a reason why it cannot be laid out."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    full = f"{module_name}.{pname}"
+    dtype = meta.dtype
+    tp = getattr(layer, "tp_size", 1)
+    out_dim = getattr(meta, "output_dim", None)
+    in_dim = getattr(meta, "input_dim", None)
+    if isinstance(layer, QKVParallelLinear):
+        names = _unfused_names(model, module_name, pname)
+        if names is None or len(names) != 3:
+            return f"{type(layer).__name__} without a 3-way packed_modules_mapping entry"
+        rest = tuple(meta.shape[1:])
+        q = (layer.total_num_heads * layer.head_size, *rest)
+        kv = (layer.total_num_kv_heads * layer.head_size, *rest)
+        v = (layer.total_num_kv_heads * layer.v_head_size, *rest)
+        rep = layer.num_kv_head_replicas
+        return ([(names[0], _sharded(q, 0, tp, replicas, dtype, names[0])),
+                 (names[1], _sharded(kv, 0, tp, replicas, dtype, names[1], rep)),
+                 (names[2], _sharded(v, 0, tp, replicas, dtype, names[2], rep))], 0)
+    if isinstance(layer, MergedColumnParallelLinear):
+        names = _unfused_names(model, module_name, pname)
+        if names is None or len(names) != len(layer.output_sizes):
+            return f"{type(layer).__name__} without a packed_modules_mapping entry of {len(layer.output_sizes)}"
+        rest = tuple(meta.shape[1:])
+        return ([(n, _sharded((size, *rest), 0, tp, replicas, dtype, n))
+                 for n, size in zip(names, layer.output_sizes)], 0)
+    if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+        shape = list(meta.shape)
+        if isinstance(layer, ReplicatedLinear):
+            dim = None
+        elif isinstance(layer, ColumnParallelLinear):
+            dim = out_dim if out_dim is not None else (0 if pname == "bias" else None)
+        else:
+            dim = in_dim if pname != "bias" else None
+        if dim is not None and tp > 1:
+            shape[dim] *= tp
+        return [(full, _sharded(shape, dim, tp, replicas, dtype, full))], 0
+    if isinstance(layer, VocabParallelEmbedding):
+        if pname != "weight":
+            return "a vocabulary-parallel parameter other than weight"
+        return [(full, _vocab_layout(layer, meta.shape, replicas, dtype, full))], 0
+    if isinstance(getattr(layer, "quant_method", None), FusedMoEMethodBase):
+        return _expert_components(module_name, layer, pname, meta, replicas)
+    loader = getattr(meta, "weight_loader", None)
+    if loader is not None and getattr(loader, "__name__", "") not in ("default_weight_loader",):
+        what = getattr(loader, "__qualname__", loader)
+        return f"a {type(layer).__name__} parameter with its own weight_loader ({what})"
+    return [(full, _sharded(meta.shape, None, 1, replicas, dtype, full))], 0
+
+
+def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Tensor,
+                       replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
+    """`w13_weight` `[E, 2 I_local, H]` = `[gate; up]` along dim 1, `w2_weight` `[E, H, I_local]`, TP over I."""
+    num_experts = getattr(layer, "global_num_experts", None)
+    if getattr(layer, "local_num_experts", num_experts) != num_experts or getattr(layer, "use_ep", False):
+        return "expert parallelism (experts split over ranks)"
+    tp = layer.moe_config.moe_parallel_config.tp_size
+    prefix = getattr(layer, "layer_name", module_name)  # the experts' checkpoint prefix (`...mlp.experts`)
+    gate, up, down = (getattr(layer, f"ckpt_{k}_proj_name", f"{k}_proj") for k in ("gate", "up", "down"))
+    e, a, b = (int(s) for s in meta.shape)
+    if pname == "w13_weight":
+        names = [f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight"]
+        shape = (e, a // 2 * tp, b)
+        return [(n, _sharded(shape, 1, tp, replicas, meta.dtype, n)) for n in names], 1
+    if pname == "w2_weight":
+        n = f"{prefix}.{down}.weight"
+        return [(n, _sharded((e, a, b * tp), 2, tp, replicas, meta.dtype, n))], 0
+    return f"expert parameter {pname!r} (only w13_weight and w2_weight are supported)"
+
+
+def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) -> list[Target]:
+    """One `Target` per loaded parameter of the live `model`, with layouts over the group ranks `replicas`
+    (one list of group ranks per engine replica, in TP order).
+
+    Raises:
+        ValueError: listing every parameter that cannot be laid out (nothing is written then).
+    """
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    targets: list[Target] = []
+    problems: list[str] = []
+    seen: set[int] = set()
+    for module_name, layer in model.named_modules():
+        if id(layer) in seen:  # tied modules (lm_head = embed_tokens) are written once
+            continue
+        seen.add(id(layer))
+        live = {n: p for n, p in layer._parameters.items() if p is not None}
+        if not live:
+            continue
+        meta = _loader_meta(layer)
+        quant = isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase)
+        for pname, param in live.items():
+            m = meta.get(pname)
+            if m is None:  # built after create_weights (bias): loader format is the live one
+                m = param
+            got = _components(model, module_name, layer, pname, m, replicas)
+            full = f"{module_name}.{pname}"
+            if isinstance(got, str):
+                problems.append(f"{full}: cannot lay out {got}")
+                continue
+            components, dim = got
+            if quant:
+                dtype = getattr(layer, "params_dtype", m.dtype) if pname == "bias" else m.dtype
+                buffer = torch.zeros(tuple(m.shape), dtype=dtype, device=param.device)
+                attrs = _loader_attrs(m, layer)
+                targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs))
+            else:
+                if tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:
+                    problems.append(f"{full}: the live parameter ({tuple(param.shape)}, {param.dtype}) differs from "
+                                    f"its loader format ({tuple(m.shape)}, {m.dtype}) but its layer has no "
+                                    "quant_method to re-run")
+                    continue
+                targets.append(Target(module_name, pname, layer, param.data, components, dim, False))
+    if problems:
+        raise ValueError(f"reshard vLLM backend: {len(problems)} engine parameter(s) the refit cannot reach:\n  "
+                         + "\n  ".join(problems))
+    return targets
