@@ -47,6 +47,7 @@ then the pure-torch references.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -547,7 +548,7 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
     headers = [DeltaHeader(f, s, n, n if f == DeltaFormat.DENSE else c, b, v)
                for f, s, n, c, b, v in zip(fmts, itemsizes, args.numels, count_list, base_versions, new_versions)]
     ranges = sorted((o, o + h.nbytes, i) for i, (o, h) in enumerate(zip(offs, headers)))
-    for (_, stop, i), (begin, _, j) in zip(ranges, ranges[1:]):
+    for (_, stop, i), (begin, _, j) in itertools.pairwise(ranges):
         if begin < stop:
             raise ValueError(f"{op}: encoded boxes {i} and {j} overlap in the buffer (box {i} ends at byte {stop}, "
                              f"box {j} starts at {begin})")
