@@ -478,19 +478,48 @@ def _slot(buffer: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> 
     return buffer.narrow(0, offset, numel * dtype.itemsize).view(dtype)
 
 
+_PACK_MUL = 0x0102040810204080  # eight 0/1 bytes of an int64 times this: bit i of the top byte is byte i
+_SPREAD_MUL = 0x0101010101010101  # a byte times this: the byte in all eight bytes
+_BIT_OF_BYTE = 0x8040201008040201 - 2**64  # byte i keeps bit i (as a signed int64)
+
+
 def _pack_bits(changed: torch.Tensor) -> torch.Tensor:
-    """Flat bool `[n]` -> `uint8 [ceil(n / 8)]`, bit `i % 8` of byte `i // 8` is element `i`."""
+    """Flat bool `[n]` -> `uint8 [ceil(n / 8)]`, bit `i % 8` of byte `i // 8` is element `i` (padding bits 0).
+
+    Eight bools are one little-endian int64 of 0/1 bytes; one multiply gathers them into its top byte.
+    """
     n = changed.numel()
-    padded = torch.zeros(((n + 7) // 8) * 8, dtype=torch.uint8, device=changed.device)
-    padded[:n] = changed
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=changed.device)
-    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    if n % 8:
+        padded = torch.zeros(n + 8 - n % 8, dtype=torch.bool, device=changed.device)
+        padded[:n] = changed
+        changed = padded
+    words = changed.view(torch.uint8).view(-1, 8).view(torch.int64).view(-1)
+    return ((words * _PACK_MUL) >> 56).to(torch.uint8)
 
 
-def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of `_pack_bits`: `uint8 [ceil(n / 8)]` -> flat bool `[8 * ceil(n / 8)]` (padding bits included)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return ((mask[:, None] >> shifts) & 1).view(-1).bool()
+def _unpack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_pack_bits`: `uint8 [m]` -> flat bool `[8 * m]` (padding bits included)."""
+    words = mask.to(torch.int64) * _SPREAD_MUL
+    words &= _BIT_OF_BYTE
+    return words.view(torch.uint8) != 0
+
+
+def _positions(view: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(flat, offsets)`: a 1-D view of all of `view`'s storage and the element offsets in it of the row-major
+    indices `idx` of `view`, so `flat[offsets]` gathers and `flat.index_put_((offsets,), v)` scatters."""
+    storage = view.untyped_storage()
+    flat = view.as_strided((storage.nbytes() // view.element_size(),), (1,), 0)
+    if view.is_contiguous():
+        if not view.storage_offset():
+            return flat, idx
+        wide = view.storage_offset() + view.numel() > _MAX_INDEX
+        return flat, (idx.to(torch.int64) if wide else idx) + view.storage_offset()
+    offsets = torch.full_like(idx, view.storage_offset(), dtype=torch.int64)
+    rest = idx.to(torch.int64)
+    for size, stride in zip(reversed(view.shape), reversed(view.stride())):
+        offsets += (rest % size) * stride
+        rest = rest // size
+    return flat, offsets
 
 
 @torch.no_grad()
@@ -506,7 +535,7 @@ def count_changed_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: 
             counts.append(torch.zeros((), dtype=torch.int64, device=snapshot.device))
             continue
         view = _box_view(t, box)
-        counts.append((view != _slot(snapshot, off, numel, view.dtype).view(view.shape)).sum())
+        counts.append(torch.count_nonzero(view != _slot(snapshot, off, numel, view.dtype).view(view.shape)))
     return torch.stack(counts).tolist() if counts else []
 
 
@@ -566,7 +595,7 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
             flat_changed.append(torch.zeros(0, dtype=torch.bool, device=buffer.device))
             continue
         changed = (view != _slot(snapshot, soff, numel, view.dtype).view(view.shape)).reshape(-1)
-        actual = int(changed.sum())
+        actual = int(torch.count_nonzero(changed))
         if actual != count_list[i]:
             raise ValueError(f"{op}: counts[{i}] = {count_list[i]} but box {i} {box!r} has {actual} changed elements "
                              "now: the tensor changed after count_changed; count again")
@@ -587,15 +616,17 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
             mask_bytes = (h.numel + 7) // 8
             _slot(buffer, pos, mask_bytes, torch.uint8).copy_(_pack_bits(changed))
             pos += _round8(mask_bytes)
-            idx = changed.nonzero().view(-1)
-        else:
-            idx = changed.nonzero().view(-1)
+        idx = changed.nonzero().view(-1)
+        if h.numel <= _MAX_INDEX:
+            idx = idx.to(torch.int32)
+        if h.format == DeltaFormat.INDICES:
             _slot(buffer, pos, h.count, torch.int32).copy_(idx)
             pos += _round8(4 * h.count)
-        values = view.reshape(-1)[idx] if view.is_contiguous() else view[changed.view(view.shape)]
-        _slot(buffer, pos, h.count, view.dtype).copy_(values)
+        flat, where = _positions(view, idx)
+        values = _slot(buffer, pos, h.count, view.dtype)
+        torch.index_select(flat, 0, where, out=values)
         if update_snapshot and h.count:
-            snap[idx] = values
+            snap.index_put_((idx,), values)
     return headers
 
 
@@ -605,8 +636,9 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
                            backend: str | None = None) -> list[DeltaHeader]:
     """Pure-torch `delta_decode`, same signature and semantics; `backend` must be None or "torch".
 
-    Sparse boxes scatter with `index_put_` into the strided box view: at row-major positions from the mask
-    (BITMASK) or from the indices, which are checked to be ascending and inside the box (INDICES).
+    Sparse boxes scatter with one `index_put_` into the destination's storage, at the storage offsets of the
+    row-major positions from the mask (BITMASK) or from the indices (INDICES; checked to lie inside the box, not to
+    be ascending: a corrupt buffer cannot write outside the box, but is not otherwise detected).
     """
     op = "delta_decode"
     if backend not in (None, "torch"):
@@ -638,15 +670,18 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
             positions.append(None)
         elif h.format == DeltaFormat.BITMASK:
             mask_bytes = (h.numel + 7) // 8
-            bits = _unpack_bits(_slot(buffer, pos, mask_bytes, torch.uint8), h.numel)
-            if int(bits.sum()) != h.count or bits[h.numel:].any():
-                raise ValueError(f"{op}: box {i}: the bitmask has {int(bits.sum())} bits set (padding included) but "
-                                 f"the header counts {h.count}: a corrupt box")
+            bits = _unpack_bits(_slot(buffer, pos, mask_bytes, torch.uint8))
+            num_set = int(torch.count_nonzero(bits))
+            if num_set != h.count or bits[h.numel:].any():
+                raise ValueError(f"{op}: box {i}: the bitmask has {num_set} bits set (padding included) but the header "
+                                 f"counts {h.count}: a corrupt box")
             positions.append(bits[: h.numel].nonzero().view(-1))
         else:
-            idx = _slot(buffer, pos, h.count, torch.int32).long()
-            if int(idx[0]) < 0 or int(idx[-1]) >= h.numel or (h.count > 1 and not bool((idx[1:] > idx[:-1]).all())):
-                raise ValueError(f"{op}: box {i}: indices must be ascending in [0, {h.numel}); a corrupt box")
+            idx = _slot(buffer, pos, h.count, torch.int32)
+            low, high = (int(v) for v in torch.aminmax(idx))
+            if low < 0 or high >= h.numel:
+                raise ValueError(f"{op}: box {i}: indices must lie in [0, {h.numel}), got [{low}, {high}]: a corrupt "
+                                 "box")
             positions.append(idx)
 
     for h, t, box, o, idx in zip(headers, dests, boxes, offs, positions):
@@ -659,8 +694,8 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
         if idx is None:
             continue
         pos += _round8((h.numel + 7) // 8) if h.format == DeltaFormat.BITMASK else _round8(4 * h.count)
-        values = _slot(buffer, pos, h.count, view.dtype)
-        view.index_put_(torch.unravel_index(idx, view.shape), values)
+        flat, where = _positions(view, idx)
+        flat.index_put_((where,), _slot(buffer, pos, h.count, view.dtype))
     return headers
 
 
