@@ -13,8 +13,9 @@ Three parts, all on this machine's CPU with the torch path of `reshard.kernels`:
     model      the same with a tiny `transformers` Llama (random init, fp32, 2 layers, hidden 256, vocab 4096)
                trained on random tokens, one box per parameter (skipped with a message if `transformers` is missing
                or with `--no-model`).
-    timing     a 64 MiB bf16 weight (`--time-mib`) with `--time-frac` of its elements changed: count + encode
-               (source) and decode (destination) next to a plain prepared pack + unpack of the whole weight.
+    timing     a 64 MiB bf16 weight (`--time-mib`) with `--time-frac` of its elements changed: scan + encode
+               (source; also count + encode, which compares twice) and decode (destination) next to a plain
+               prepared pack + unpack of the whole weight. The snapshot is restored (untimed) before each encode.
 
 For every step the encoded bytes of each format (DENSE, BITMASK, INDICES; `delta_nbytes`) and of the chosen one are
 reported next to the dense bytes; the chosen encoding is also really encoded and decoded (`delta_encode`,
@@ -36,9 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_info, write_csv  # noqa: E402
+from _common import machine_info, write_csv
 
-from reshard.kernels import (  # noqa: E402
+from reshard.kernels import (
     DeltaFormat,
     count_changed,
     delta_decode,
@@ -49,8 +50,9 @@ from reshard.kernels import (  # noqa: E402
     packed_offsets,
     prepare_pack,
     prepare_unpack,
+    scan_changes,
 )
-from reshard.planner._box import Box  # noqa: E402
+from reshard.planner._box import Box
 
 logger = logging.getLogger("bench_delta")
 MiB = 1 << 20
@@ -74,7 +76,7 @@ class DeltaLink:
 
     def step(self, tensors: list[torch.Tensor]) -> dict[str, object]:
         """Count, encode, decode and check one update; return counts and bytes per format."""
-        counts = count_changed(tensors, self.boxes, self.snapshot, self.snap_offsets)
+        counts = scan_changes(tensors, self.boxes, self.snapshot, self.snap_offsets)
         offsets, end = delta_offsets(self.boxes, torch.bfloat16, counts)
         buf = torch.empty(end, dtype=torch.uint8)
         headers = delta_encode(tensors, self.boxes, self.snapshot, self.snap_offsets, buf, offsets, counts=counts,
@@ -85,12 +87,12 @@ class DeltaLink:
             if not torch.equal(d.view(torch.int16), t.view(torch.int16)):
                 raise AssertionError("delta round trip is not bit-exact")
         numel = sum(b.numel for b in self.boxes)
-        changed = sum(counts)
+        changed = sum(counts.counts)
         row: dict[str, object] = {"numel": numel, "changed": changed, "changed_pct": round(100 * changed / numel, 4),
                                   "dense_bytes": 2 * numel}
         for fmt in FORMATS:
             row[f"{fmt.name.lower()}_bytes"] = sum(delta_nbytes(b.numel, c, 2, format=fmt)
-                                                   for b, c in zip(self.boxes, counts))
+                                                   for b, c in zip(self.boxes, counts.counts))
         row["encoded_bytes"] = end
         row["formats"] = "/".join(sorted({h.format.name for h in headers}))
         row["dense_over_encoded"] = round(2 * numel / end, 2)
@@ -180,9 +182,13 @@ def timing(mib: int, frac: float, repeat: int, seed: int) -> list[dict[str, obje
     state: dict[str, object] = {}
 
     def encode() -> None:
+        scan = scan_changes([new], box, snapshot, snap_offsets)
+        state["headers"] = delta_encode([new], box, snapshot, snap_offsets, buf, offsets, counts=scan,
+                                        base_version=0, version=1)
+
+    def encode_recount() -> None:  # counts only: delta_encode compares again
         c = count_changed([new], box, snapshot, snap_offsets)
-        state["headers"] = delta_encode([new], box, snapshot, snap_offsets, buf, offsets, counts=c, base_version=0,
-                                        version=1)
+        delta_encode([new], box, snapshot, snap_offsets, buf, offsets, counts=c, base_version=0, version=1)
 
     def decode() -> None:
         delta_decode(buf, offsets, [dest], box, versions=0)
@@ -191,6 +197,7 @@ def timing(mib: int, frac: float, repeat: int, seed: int) -> list[dict[str, obje
         snapshot.copy_(pristine)
 
     encode_s = timed(encode, repeat, restore)
+    recount_s = timed(encode_recount, repeat, restore)
     decode_s = timed(decode, repeat)
     assert torch.equal(dest.view(torch.int16), new.view(torch.int16))
 
@@ -201,7 +208,8 @@ def timing(mib: int, frac: float, repeat: int, seed: int) -> list[dict[str, obje
     unpack_s = timed(unpacker.run, repeat)
     h = state["headers"][0]
     rows = []
-    for op, samples, nbytes in [("delta_count_encode", encode_s, end), ("delta_decode", decode_s, end),
+    for op, samples, nbytes in [("delta_scan_encode", encode_s, end), ("delta_count_encode", recount_s, end),
+                                ("delta_decode", decode_s, end),
                                 ("pack", pack_s, numel * 2), ("unpack", unpack_s, numel * 2)]:
         rows.append({"part": "timing", "op": op, "numel": numel, "changed": counts[0],
                      "changed_pct": round(100 * counts[0] / numel, 3), "format": h.format.name, "bytes": nbytes,

@@ -29,6 +29,7 @@ from reshard.kernels import (
     pack_reference,
     packed_offsets,
     read_delta_headers,
+    scan_changes,
 )
 from reshard.planner._box import Box
 from reshard.testing import device_under_test
@@ -131,11 +132,15 @@ class Case:
         return out
 
 
-def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float = 0.5):
-    """count -> offsets -> encode (buffer filled with a sentinel) -> decode; checks everything; returns headers."""
+def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float = 0.5, scan: bool = False):
+    """count (or scan) -> offsets -> encode (buffer filled with a sentinel) -> decode; checks everything; returns
+    the headers."""
     before = case.dest_state()
     counts = count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets)
     assert counts == case.changed
+    if scan:
+        counts = scan_changes(case.sources, case.boxes, case.snapshot, case.snap_offsets)
+        assert list(counts.counts) == case.changed
     offsets, end = delta_offsets(case.boxes, case.dtypes, counts, formats, threshold=threshold, start=8)
     buf = torch.full((end + 16,), SENTINEL, dtype=torch.uint8, device=DEVICE)
     headers = delta_encode(case.sources, case.boxes, case.snapshot, case.snap_offsets, buf, offsets, counts=counts,
@@ -165,7 +170,8 @@ def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float =
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: "auto" if f is None else f.name)
 @pytest.mark.parametrize("frac", [0.0, 0.03, 1.0])
-def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, frac: float) -> None:
+@pytest.mark.parametrize("scan", [False, True], ids=["counts", "scan"])
+def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, frac: float, scan: bool) -> None:
     """Every dtype width, every format forced and chosen, 0%, a few and 100% changed, over odd geometry: a
     transposed 2-D box not at the origin, a strided 3-D box, a 1-element box, a prime-length box, an empty box."""
     case = Case([
@@ -175,7 +181,7 @@ def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, 
         ((131,), dtype, "contiguous", Box((0,), (131,)), frac),  # prime
         ((5, 4), dtype, "contiguous", Box((2, 0), (0, 4)), frac),  # empty
     ], seed=DTYPES.index(dtype) * 100 + int(frac * 100))
-    headers = round_trip(case, fmt)
+    headers = round_trip(case, fmt, scan=scan)
     for h, box, k in zip(headers, case.boxes, case.changed):
         assert h.numel == box.numel
         if fmt is not None:
@@ -414,3 +420,23 @@ def test_update_snapshot_false_keeps_it() -> None:
                  base_version=0, version=1, update_snapshot=False)
     assert torch.equal(case.snapshot, snap)
     assert count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets) == counts
+
+
+def test_scan_of_other_tensors_is_refused_and_a_late_change_is_sent_next_step() -> None:
+    case = Case([((50,), torch.bfloat16, "contiguous", Box((0,), (50,)), 0.1)])
+    scan = scan_changes(case.sources, case.boxes, case.snapshot, case.snap_offsets)
+    offsets, end = delta_offsets(case.boxes, case.dtypes, scan)
+    buf = torch.empty(end, dtype=torch.uint8, device=DEVICE)
+    other = [case.sources[0].clone()]
+    with pytest.raises(ValueError, match="ChangeScan of other tensors"):
+        delta_encode(other, case.boxes, case.snapshot, case.snap_offsets, buf, offsets, counts=scan, base_version=0,
+                     version=1)
+    # an element changed after the scan is not sent now; snapshot and destination stay equal, the next step sends it
+    unchanged = next(i for i in range(50) if i not in set(scan.positions[0].tolist()))
+    bits(case.sources[0])[unchanged] ^= 1
+    delta_encode(case.sources, case.boxes, case.snapshot, case.snap_offsets, buf, offsets, counts=scan,
+                 base_version=0, version=1)
+    delta_decode(buf, offsets, case.dests, case.boxes, versions=0)
+    assert torch.equal(case.snapshot.view(torch.int16), bits(case.dests[0]))
+    case.changed = [1]
+    round_trip(case, version=1, scan=True)

@@ -16,8 +16,9 @@ Exports:
         bfloat16 / float16 -> float8_e4m3fn `q` and one float32 `scale_inv` (amax / 448) per 128 x 128 block; one
         Triton launch per call, or the pure-torch reference (the CPU path), bit for bit the same.
     dequantize_fp8_block: `q.float() * scale_inv` over the blocks.
-    count_changed, delta_encode, delta_decode (and their `_reference` torch versions): delta encoding of boxes
-        against a snapshot (a pack buffer of what was last sent): count the elements whose bits changed, encode
+    count_changed, scan_changes, delta_encode, delta_decode (and their `_reference` torch versions), ChangeScan:
+        delta encoding of boxes against a snapshot (a pack buffer of what was last sent): count (and locate) the
+        elements whose bits changed, encode
         them per box as DENSE, BITMASK + values or INDICES + values behind a self-describing header
         (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers`.
     delta_nbytes, delta_max_nbytes, delta_offsets, choose_delta_format, resolve_delta_formats: exact encoded sizes
@@ -33,6 +34,7 @@ from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels._delta import (
     DELTA_DENSE_FRACTION,
     DELTA_HEADER_BYTES,
+    ChangeScan,
     DeltaFormat,
     DeltaHeader,
     DeltaVersionError,
@@ -48,6 +50,8 @@ from reshard.kernels._delta import (
     delta_offsets,
     read_delta_headers,
     resolve_delta_formats,
+    scan_changes,
+    scan_changes_reference,
 )
 from reshard.kernels._pack import (
     PreparedCopy,
@@ -69,6 +73,7 @@ __all__ = [
     "DELTA_DENSE_FRACTION",
     "DELTA_HEADER_BYTES",
     "Box",
+    "ChangeScan",
     "DeltaFormat",
     "DeltaHeader",
     "DeltaVersionError",
@@ -97,6 +102,8 @@ __all__ = [
     "read_delta_headers",
     "resolve_delta_formats",
     "scale_box",
+    "scan_changes",
+    "scan_changes_reference",
     "unpack",
     "unpack_reference",
 ]

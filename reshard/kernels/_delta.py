@@ -3,7 +3,7 @@
 A source keeps a *snapshot* of what it last sent for each box: a pack buffer (`packed_offsets` layout, raw bits of
 the tensor's dtype) holding each box row-major. Three steps move a box's changes:
 
-    counts  = count_changed(tensors, boxes, snapshot, snapshot_offsets)          # per box, on the source
+    counts  = scan_changes(tensors, boxes, snapshot, snapshot_offsets)           # per box, on the source
     offsets, end = delta_offsets(boxes, dtypes, counts)                          # sizes known from the counts
     headers = delta_encode(tensors, boxes, snapshot, snapshot_offsets, buffer, offsets, counts=counts,
                            base_version=v, version=v + 1)                        # writes buffer, updates snapshot
@@ -36,8 +36,10 @@ Versions: a DENSE box applies to any destination. A BITMASK or INDICES box is re
 it: a stale destination (reloaded engine, failed run) can never take a wrong delta. A sender that knows a
 destination is stale forces `formats=DeltaFormat.DENSE` for it.
 
-Every op has a pure-torch reference of the same signature (`count_changed_reference`, `delta_encode_reference`,
-`delta_decode_reference`): the production path on CPU and on CUDA. `backend="triton"` raises NotImplementedError:
+(`count_changed` returns only the counts; `delta_encode` then compares again and checks them.)
+
+Every op has a pure-torch reference of the same signature (`count_changed_reference`, `scan_changes_reference`,
+`delta_encode_reference`, `delta_decode_reference`): the production path on CPU and on CUDA. `backend="triton"` raises NotImplementedError:
 no Triton kernels yet (see `_backend.choose_backend` for `backend=None`).
 
 Layout of this file: constants and the header type, sizes and format choice, argument checks, the public functions,
@@ -218,14 +220,14 @@ def resolve_delta_formats(boxes: Sequence[Box], itemsizes: Sequence[int], counts
 
 
 def delta_offsets(boxes: Sequence[Box], dtype: torch.dtype | Sequence[torch.dtype],
-                  counts: Sequence[int] | torch.Tensor | None = None, formats: FormatArg = None, *,
+                  counts: Sequence[int] | torch.Tensor | ChangeScan | None = None, formats: FormatArg = None, *,
                   threshold: float = DELTA_DENSE_FRACTION, start: int = 0) -> tuple[list[int], int]:
     """Byte offsets laying the encoded boxes out back to back (each a multiple of 8 bytes), and the end.
 
     Args:
         boxes: the boxes, in buffer order.
         dtype: the tensors' dtype, one for all boxes or one per box.
-        counts: changed elements per box (`count_changed`); None reserves the worst case (`delta_max_nbytes`).
+        counts: changed elements per box (`count_changed`, or a `ChangeScan`); None reserves the worst case (`delta_max_nbytes`).
         formats: as in `resolve_delta_formats` (with `counts`).
         start: the first offset (rounded up to 8).
 
@@ -235,6 +237,8 @@ def delta_offsets(boxes: Sequence[Box], dtype: torch.dtype | Sequence[torch.dtyp
     """
     dtypes = _per_box(dtype, len(boxes), "dtype")
     sizes = [d.itemsize for d in dtypes]
+    if isinstance(counts, ChangeScan):
+        counts = list(counts.counts)
     if counts is None:
         nbytes = [delta_max_nbytes(b.numel, s) for b, s in zip(boxes, sizes)]
     else:
@@ -306,7 +310,9 @@ def _snapshot_args(op: str, tensors: TensorArg, boxes: Sequence[Box], snapshot: 
     return args
 
 
-def _as_counts(op: str, counts: Sequence[int] | torch.Tensor, num: int) -> list[int]:
+def _as_counts(op: str, counts: Sequence[int] | torch.Tensor | ChangeScan, num: int) -> list[int]:
+    if isinstance(counts, ChangeScan):
+        counts = counts.counts
     out = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
     if len(out) != num:
         raise ValueError(f"{op}: got {len(out)} counts for {num} boxes; pass count_changed's result")
@@ -330,6 +336,35 @@ def _resolve(op: str, backend: str | None, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ChangeScan:
+    """What `scan_changes` found: per box the changed count and, for boxes at most `keep_fraction` changed, the
+    changed row-major positions, so `delta_encode(counts=scan)` compares nothing again.
+
+    Attributes:
+        counts: changed elements per box (what `count_changed` returns); pass `scan.counts` to `delta_offsets`.
+        positions: per box an int32 (int64 above 2**31 elements) tensor of ascending row-major indices, or None
+            where the box had more than `keep_fraction` changed (`delta_encode` compares again if such a box is not
+            DENSE).
+        key: the tensors, boxes and snapshot it describes; `delta_encode` refuses a scan of others.
+
+    The tensors must not change between the scan and the encode: an element changed in between is not sent now
+    (the snapshot then still holds its old value, as the destination does, so the next step sends it).
+    """
+
+    counts: tuple[int, ...]
+    positions: tuple[torch.Tensor | None, ...]
+    key: tuple
+
+
+def scan_changes(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor, snapshot_offsets: OffsetArg, *,
+                 keep_fraction: float = DELTA_DENSE_FRACTION, backend: str | None = None) -> ChangeScan:
+    """`count_changed` that also keeps the changed positions of boxes at most `keep_fraction` changed, for
+    `delta_encode(..., counts=scan)`: one comparison per box instead of two. Arguments as in `count_changed`."""
+    _resolve("scan_changes", backend, snapshot.device if isinstance(snapshot, torch.Tensor) else torch.device("cpu"))
+    return scan_changes_reference(tensors, boxes, snapshot, snapshot_offsets, keep_fraction=keep_fraction)
 
 
 def count_changed(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor, snapshot_offsets: OffsetArg, *,
@@ -358,7 +393,7 @@ def count_changed(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tens
 
 
 def delta_encode(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor, snapshot_offsets: OffsetArg,
-                 buffer: torch.Tensor, offsets: OffsetArg, *, counts: Sequence[int] | torch.Tensor,
+                 buffer: torch.Tensor, offsets: OffsetArg, *, counts: Sequence[int] | torch.Tensor | ChangeScan,
                  base_version: int | Sequence[int], version: int | Sequence[int], formats: FormatArg = None,
                  threshold: float = DELTA_DENSE_FRACTION, update_snapshot: bool = True,
                  backend: str | None = None) -> list[DeltaHeader]:
@@ -369,8 +404,9 @@ def delta_encode(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tenso
         buffer: 1-D contiguous `uint8` on the tensors' device; box `i` takes `delta_nbytes(numel, counts[i],
             itemsize, format=formats[i])` bytes from `offsets[i]` (8-aligned address; `delta_offsets` gives them).
             Ranges must not overlap. Bytes outside them are not touched.
-        counts: `count_changed`'s result for these tensors and this snapshot; a box whose count differs (the tensor
-            changed in between) is a ValueError, raised before anything is written.
+        counts: `count_changed`'s result for these tensors and this snapshot (then each sparse box is compared
+            again, and a box whose count differs, the tensor having changed in between, is a ValueError raised
+            before anything is written), or `scan_changes`'s `ChangeScan` (no second comparison).
         base_version: the version the destination holds (what the snapshot holds), one or one per box.
         version: the version the destination holds after applying, one or one per box.
         formats: None (chosen per box, `choose_delta_format`), a `DeltaFormat` for all, or one per box (None
@@ -504,6 +540,13 @@ def _unpack_bits(mask: torch.Tensor) -> torch.Tensor:
     return words.view(torch.uint8) != 0
 
 
+def _changed_positions(view: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
+    """Row-major indices (int32 when they fit) of the elements of `view` whose bits differ from `snap` (its row-major
+    copy, 1-D)."""
+    idx = (view != snap.view(view.shape)).reshape(-1).nonzero().view(-1)
+    return idx.to(torch.int32) if view.numel() <= _MAX_INDEX else idx
+
+
 def _positions(view: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(flat, offsets)`: a 1-D view of all of `view`'s storage and the element offsets in it of the row-major
     indices `idx` of `view`, so `flat[offsets]` gathers and `flat.index_put_((offsets,), v)` scatters."""
@@ -520,6 +563,38 @@ def _positions(view: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, tor
         offsets += (rest % size) * stride
         rest = rest // size
     return flat, offsets
+
+
+def _scan_key(args) -> tuple:
+    """What a `ChangeScan` was computed from: every box's tensor (address, geometry, dtype), the boxes, the snapshot
+    and its offsets."""
+    return (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in args.tensors), tuple(args.boxes),
+            args.buffer.data_ptr(), tuple(args.offsets))
+
+
+@torch.no_grad()
+def scan_changes_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor,
+                           snapshot_offsets: OffsetArg, *, keep_fraction: float = DELTA_DENSE_FRACTION,
+                           backend: str | None = None) -> ChangeScan:
+    """Pure-torch `scan_changes`, same signature; `backend` must be None or "torch"."""
+    if backend not in (None, "torch"):
+        raise ValueError(f"scan_changes_reference: backend must be None or 'torch', got {backend!r}")
+    args = _snapshot_args("scan_changes", tensors, boxes, snapshot, snapshot_offsets)
+    counts, positions = [], []
+    for t, box, off, numel in zip(args.tensors, args.boxes, args.offsets, args.numels):
+        view = _box_view(t, box)
+        snap = _slot(snapshot, off, numel, view.dtype)
+        if not numel:
+            counts.append(0)
+            positions.append(torch.zeros(0, dtype=torch.int32, device=snapshot.device))
+            continue
+        changed = view != snap.view(view.shape)
+        count = int(torch.count_nonzero(changed))
+        counts.append(count)
+        keep = count <= keep_fraction * numel
+        positions.append(_changed_positions(view, snap) if keep and count else (
+            torch.zeros(0, dtype=torch.int32, device=snapshot.device) if keep else None))
+    return ChangeScan(tuple(counts), tuple(positions), _scan_key(args))
 
 
 @torch.no_grad()
@@ -542,7 +617,7 @@ def count_changed_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: 
 @torch.no_grad()
 def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor,
                            snapshot_offsets: OffsetArg, buffer: torch.Tensor, offsets: OffsetArg, *,
-                           counts: Sequence[int] | torch.Tensor, base_version: int | Sequence[int],
+                           counts: Sequence[int] | torch.Tensor | ChangeScan, base_version: int | Sequence[int],
                            version: int | Sequence[int], formats: FormatArg = None,
                            threshold: float = DELTA_DENSE_FRACTION, update_snapshot: bool = True,
                            backend: str | None = None) -> list[DeltaHeader]:
@@ -586,24 +661,28 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
             raise ValueError(f"{op}: box {i} {args.boxes[i]!r} needs bytes [{o}, {o + h.nbytes}) ({h.format.name}, "
                              f"{h.count} values) but the buffer has {buffer.numel()} bytes")
 
-    # Phase 1: every box's changed elements, checked against `counts` before anything is written.
-    views, flat_changed = [], []
-    for i, (t, box, soff, numel) in enumerate(zip(args.tensors, args.boxes, args.offsets, args.numels)):
+    # Phase 1: the changed positions of every sparse box, checked against `counts` before anything is written.
+    scan = counts if isinstance(counts, ChangeScan) else None
+    if scan is not None and scan.key != _scan_key(args):
+        raise ValueError(f"{op}: counts is a ChangeScan of other tensors, boxes or snapshot; scan these")
+    views, positions = [], []
+    for i, (t, box, soff, numel, h) in enumerate(zip(args.tensors, args.boxes, args.offsets, args.numels, headers)):
         view = _box_view(t, box)
         views.append(view)
-        if not numel:
-            flat_changed.append(torch.zeros(0, dtype=torch.bool, device=buffer.device))
-            continue
-        changed = (view != _slot(snapshot, soff, numel, view.dtype).view(view.shape)).reshape(-1)
-        actual = int(torch.count_nonzero(changed))
-        if actual != count_list[i]:
-            raise ValueError(f"{op}: counts[{i}] = {count_list[i]} but box {i} {box!r} has {actual} changed elements "
-                             "now: the tensor changed after count_changed; count again")
-        flat_changed.append(changed)
+        if h.format == DeltaFormat.DENSE:
+            positions.append(None)
+        elif scan is not None and scan.positions[i] is not None:
+            positions.append(scan.positions[i])
+        else:
+            idx = _changed_positions(view, _slot(snapshot, soff, numel, view.dtype))
+            if idx.numel() != count_list[i]:
+                raise ValueError(f"{op}: counts[{i}] = {count_list[i]} but box {i} {box!r} has {idx.numel()} changed "
+                                 "elements now: the tensor changed after count_changed; count again")
+            positions.append(idx)
 
     # Phase 2: headers, payloads, snapshot.
     header_words = torch.tensor([h.words() for h in headers], dtype=torch.int64, device=buffer.device) if num else None
-    for i, (view, changed, h, o, soff) in enumerate(zip(views, flat_changed, headers, offs, args.offsets)):
+    for i, (view, idx, h, o, soff) in enumerate(zip(views, positions, headers, offs, args.offsets)):
         _slot(buffer, o, _HEADER_WORDS, torch.int64).copy_(header_words[i])
         pos = o + DELTA_HEADER_BYTES
         snap = _slot(snapshot, soff, h.numel, view.dtype)
@@ -614,12 +693,11 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
             continue
         if h.format == DeltaFormat.BITMASK:
             mask_bytes = (h.numel + 7) // 8
-            _slot(buffer, pos, mask_bytes, torch.uint8).copy_(_pack_bits(changed))
+            flags = torch.zeros(h.numel, dtype=torch.bool, device=buffer.device)
+            flags[idx] = True
+            _slot(buffer, pos, mask_bytes, torch.uint8).copy_(_pack_bits(flags))
             pos += _round8(mask_bytes)
-        idx = changed.nonzero().view(-1)
-        if h.numel <= _MAX_INDEX:
-            idx = idx.to(torch.int32)
-        if h.format == DeltaFormat.INDICES:
+        else:
             _slot(buffer, pos, h.count, torch.int32).copy_(idx)
             pos += _round8(4 * h.count)
         flat, where = _positions(view, idx)
