@@ -759,7 +759,7 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
             if num_set != h.count or bits[h.numel:].any():
                 raise ValueError(f"{op}: box {i}: the bitmask has {num_set} bits set (padding included) but the header "
                                  f"counts {h.count}: a corrupt box")
-            positions.append(bits[: h.numel].nonzero().view(-1))
+            positions.append(_changed_positions(bits[: h.numel]))
         else:
             idx = _slot(buffer, pos, h.count, torch.int32)
             low, high = (int(v) for v in torch.aminmax(idx))
