@@ -241,6 +241,9 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
         for fmt, marker in (("bitmask", "^"), ("indices", "v")):
             ax1.plot(steps, [r["dense_bytes"] / r[f"{fmt}_bytes"] for r in sel], style[:-1] + marker,
                      label=f"{part} lr={lr:g} {fmt}")
+    steps_all = sorted({r["step"] for r in rows if r["part"] != "timing"})
+    ax0.set_xticks(steps_all)
+    ax1.set_xticks(steps_all)
     ax0.set(xlabel="step", ylabel="bf16 elements changed (%)", yscale="log", title="changed fraction per step")
     ax1.set(xlabel="step", ylabel="dense bytes / encoded bytes", yscale="log", title="bytes saved per format")
     ax0.grid(True, which="both", alpha=0.3)
