@@ -23,6 +23,7 @@ from reshard.kernels import (
     count_changed,
     delta_decode,
     delta_encode,
+    delta_encode_reference,
     delta_max_nbytes,
     delta_nbytes,
     delta_offsets,
@@ -132,19 +133,31 @@ class Case:
         return out
 
 
-def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float = 0.5, scan: bool = False):
+def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float = 0.5, scan: bool = False,
+               backend: str = "torch"):
     """count (or scan) -> offsets -> encode (buffer filled with a sentinel) -> decode; checks everything; returns
-    the headers."""
+    the headers. With `backend="triton"` the encode also runs on the torch reference, on copies of the snapshot
+    and buffer, and both must write the same bytes."""
     before = case.dest_state()
-    counts = count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets)
+    counts = count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets, backend=backend)
     assert counts == case.changed
     if scan:
-        counts = scan_changes(case.sources, case.boxes, case.snapshot, case.snap_offsets)
+        counts = scan_changes(case.sources, case.boxes, case.snapshot, case.snap_offsets, backend=backend)
         assert list(counts.counts) == case.changed
     offsets, end = delta_offsets(case.boxes, case.dtypes, counts, formats, threshold=threshold, start=8)
     buf = torch.full((end + 16,), SENTINEL, dtype=torch.uint8, device=DEVICE)
+    if backend != "torch":
+        ref_buf, ref_snap = buf.clone(), case.snapshot.clone()
+        ref_counts = counts.counts if scan else counts
+        delta_encode_reference(case.sources, case.boxes, ref_snap, case.snap_offsets, ref_buf, offsets,
+                               counts=ref_counts, base_version=version, version=version + 1, formats=formats,
+                               threshold=threshold)
     headers = delta_encode(case.sources, case.boxes, case.snapshot, case.snap_offsets, buf, offsets, counts=counts,
-                           base_version=version, version=version + 1, formats=formats, threshold=threshold)
+                           base_version=version, version=version + 1, formats=formats, threshold=threshold,
+                           backend=backend)
+    if backend != "torch":
+        assert torch.equal(buf, ref_buf)
+        assert torch.equal(case.snapshot, ref_snap)
     # the encoded boxes exactly fill [offsets[i], offsets[i] + nbytes); the rest is untouched
     assert [offsets[i] + h.nbytes for i, h in enumerate(headers)] == offsets[1:] + [end]
     assert (buf[:8] == SENTINEL).all() and (buf[end:] == SENTINEL).all()
@@ -170,8 +183,10 @@ def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float =
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: "auto" if f is None else f.name)
 @pytest.mark.parametrize("frac", [0.0, 0.03, 1.0])
-@pytest.mark.parametrize("scan", [False, True], ids=["counts", "scan"])
-def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, frac: float, scan: bool) -> None:
+@pytest.mark.parametrize(("scan", "backend"), [(False, "torch"), (True, "torch"), (False, "triton")],
+                         ids=["counts", "scan", "triton"])
+def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, frac: float, scan: bool,
+                                   backend: str) -> None:
     """Every dtype width, every format forced and chosen, 0%, a few and 100% changed, over odd geometry: a
     transposed 2-D box not at the origin, a strided 3-D box, a 1-element box, a prime-length box, an empty box."""
     case = Case([
@@ -181,7 +196,7 @@ def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, 
         ((131,), dtype, "contiguous", Box((0,), (131,)), frac),  # prime
         ((5, 4), dtype, "contiguous", Box((2, 0), (0, 4)), frac),  # empty
     ], seed=DTYPES.index(dtype) * 100 + int(frac * 100))
-    headers = round_trip(case, fmt, scan=scan)
+    headers = round_trip(case, fmt, scan=scan, backend=backend)
     for h, box, k in zip(headers, case.boxes, case.changed):
         assert h.numel == box.numel
         if fmt is not None:
@@ -367,7 +382,8 @@ def test_dense_box_applies_to_any_version() -> None:
         assert torch.equal(bits(d)[box.slices()], bits(s)[box.slices()])
 
 
-def test_counts_stale_after_a_change_raise_before_writing() -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_counts_stale_after_a_change_raise_before_writing(backend: str) -> None:
     case = Case([((40,), torch.float32, "contiguous", Box((0,), (40,)), 0.1)])
     counts = count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets)
     case.sources[0][0] = case.sources[0][0] + 1  # changes after counting (element 0 may already be changed)
@@ -378,7 +394,7 @@ def test_counts_stale_after_a_change_raise_before_writing() -> None:
     wrong = counts[0] if actual != counts[0] else counts[0] + 1
     with pytest.raises(ValueError, match=rf"counts\[0\] = {wrong} but box 0 .* has {actual} changed"):
         delta_encode(case.sources, case.boxes, case.snapshot, case.snap_offsets, buf, offsets, counts=[wrong],
-                     base_version=0, version=1)
+                     base_version=0, version=1, backend=backend)
     assert (buf == SENTINEL).all() and torch.equal(case.snapshot, snap_before)
 
 
@@ -404,8 +420,8 @@ def test_bad_input_errors() -> None:
     with pytest.raises(TypeError, match="int64 version"):
         delta_encode(case.sources, case.boxes, case.snapshot, case.snap_offsets, buf, offsets, counts=counts,
                      base_version=3.0, version=4)
-    with pytest.raises(NotImplementedError, match="no Triton kernel"):
-        count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets, backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        count_changed(case.sources, case.boxes, case.snapshot, case.snap_offsets, backend="cuda")
     with pytest.raises(ValueError, match="count <= numel"):
         choose_delta_format(10, 11, 2)
 

@@ -50,13 +50,17 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from reshard.kernels._backend import choose_backend
+from reshard.kernels._loader import load_device_module
+from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_table
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
 
@@ -328,10 +332,147 @@ def _versions(op: str, value: int | Sequence[int] | None, num: int, what: str) -
     return vals
 
 
-def _resolve(op: str, backend: str | None, device: torch.device) -> None:
-    backend, _ = choose_backend(op, device, backend)
-    if backend == "triton":
-        raise NotImplementedError(f"{op}: no Triton kernel for delta encoding yet; use backend='torch' (or None)")
+def _resolve(op: str, backend: str | None, device: torch.device) -> str:
+    """`"triton"` or `"torch"` (see `_backend.choose_backend`)."""
+    return choose_backend(op, device, backend)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton launcher (the device code is in `_delta_triton.py`)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _device_code(interpret: bool) -> ModuleType:
+    """`_delta_triton.py` loaded with Triton's interpreter on (CPU tensors) or off (CUDA tensors), once per process."""
+    name = f"reshard.kernels._delta_triton_{'interpreted' if interpret else 'compiled'}"
+    return load_device_module(os.path.join(os.path.dirname(__file__), "_delta_triton.py"), name, interpret)
+
+
+@dataclass
+class _TileGroup:
+    """Boxes of one element size, tiled as the pack kernels tile them (in elements), ready to launch."""
+
+    idx: list[int]  # box indices in the call
+    word: torch.dtype  # same-width int of the elements
+    tensor_ptr: torch.Tensor
+    snap_ptr: torch.Tensor
+    starts: torch.Tensor
+    table: torch.Tensor
+    num_tiles: int
+    box_of_tile: torch.Tensor  # [num_tiles] int64: position in `idx` of each tile's box
+    first_tile: torch.Tensor  # [len(idx)] int64: first tile of each box
+    num_dims: int
+    block: int
+    num_warps: int
+
+    def launch(self, kernel_name: str, *params: object, **constexprs: object) -> None:
+        from triton import knobs
+
+        interpret = self.tensor_ptr.device.type != "cuda"
+        kernel = getattr(_device_code(interpret), kernel_name)[(self.num_tiles,)]
+        args = (self.tensor_ptr, self.snap_ptr, self.starts, self.table, *params, len(self.idx),
+                max(len(self.idx) - 1, 0).bit_length())
+        kwargs = {"NUM_DIMS": self.num_dims, "BLOCK": self.block, "num_warps": self.num_warps, **constexprs}
+        if knobs.runtime.interpret == interpret:
+            kernel(*args, **kwargs)
+            return
+        with knobs.runtime.scope():  # the mode this module copy was loaded in, whatever TRITON_INTERPRET says
+            knobs.runtime.interpret = interpret
+            kernel(*args, **kwargs)
+
+    def tile_counts(self) -> torch.Tensor:
+        """Changed elements per tile (`int32 [num_tiles]`)."""
+        out = torch.empty(self.num_tiles, dtype=torch.int32, device=self.starts.device)
+        self.launch("_delta_count_kernel", out)
+        return out
+
+    def box_counts(self, tile_counts: torch.Tensor) -> torch.Tensor:
+        """Changed elements per box (`int64 [len(idx)]`) from the tile counts."""
+        out = torch.zeros(len(self.idx), dtype=torch.int64, device=tile_counts.device)
+        return out.index_add_(0, self.box_of_tile, tile_counts.to(torch.int64))
+
+
+def _tile_groups(args, which: list[int]) -> list[_TileGroup]:
+    """One `_TileGroup` per element size over the non-empty boxes `which` of a checked call."""
+    by_size: dict[int, list[int]] = {}
+    for i in which:
+        if args.numels[i]:
+            by_size.setdefault(args.tensors[i].element_size(), []).append(i)
+    groups = []
+    device = args.device
+    for itemsize, idx in by_size.items():
+        tensors = [args.tensors[i] for i in idx]
+        boxes = [args.boxes[i] for i in idx]
+        ndim = max(1, max(b.ndim for b in boxes))
+        sizes = np.ones((len(idx), ndim), dtype=np.int64)
+        strides = np.zeros((len(idx), ndim), dtype=np.int64)
+        start = np.zeros(len(idx), dtype=np.int64)
+        for k, (t, box) in enumerate(zip(tensors, boxes)):
+            if box.ndim:
+                sizes[k, ndim - box.ndim:] = box.shape
+                strides[k, ndim - box.ndim:] = t.stride()
+                start[k] = sum(o * st for o, st in zip(box.offsets, t.stride()))
+        tensor_abs = np.array([t.data_ptr() for t in tensors], dtype=np.int64) + start * itemsize
+        tensor_storage = tensors[0].untyped_storage().data_ptr()
+        snap_abs = args.buffer.data_ptr() + np.array([args.offsets[i] for i in idx], dtype=np.int64)
+        snap_storage = args.buffer.untyped_storage().data_ptr()
+        if ((tensor_abs - tensor_storage) % itemsize).any() or tensor_storage % itemsize or snap_storage % itemsize:
+            raise NotImplementedError("delta kernels: a tensor's storage is not aligned to its elements; the Triton "
+                                      "backend cannot address it, use backend='torch'")
+        sizes, strides = _merge_dims(sizes, strides)
+        block, num_warps = launch_config(itemsize, device.type)
+        starts, table, num_tiles, tiles = tile_table(sizes, strides, (tensor_abs - tensor_storage) // itemsize,
+                                                     (snap_abs - snap_storage) // itemsize, block, device)
+        word = INT_DTYPE_BY_SIZE[itemsize]
+        tiles_t = torch.from_numpy(tiles)
+        groups.append(_TileGroup(
+            idx=idx, word=word, tensor_ptr=_storage_view(tensors[0], word), snap_ptr=_storage_view(args.buffer, word),
+            starts=starts, table=table, num_tiles=num_tiles,
+            box_of_tile=torch.repeat_interleave(torch.arange(len(idx)), tiles_t).to(device),
+            first_tile=(torch.cumsum(tiles_t, 0) - tiles_t).to(device),
+            num_dims=sizes.shape[1], block=block, num_warps=num_warps))
+    return groups
+
+
+def _count_triton(args) -> list[int]:
+    counts = [0] * len(args.boxes)
+    for g in _tile_groups(args, list(range(len(args.boxes)))):
+        for i, c in zip(g.idx, g.box_counts(g.tile_counts()).tolist()):
+            counts[i] = c
+    return counts
+
+
+def _encode_triton(args, buffer: torch.Tensor, offs: list[int], headers: list[DeltaHeader], count_list: list[int],
+                   update_snapshot: bool) -> None:
+    """The Triton half of `delta_encode` after the shared checks: compare, check counts, then write."""
+    sparse = [i for i, h in enumerate(headers) if h.format != DeltaFormat.DENSE]
+    groups = _tile_groups(args, sparse)
+    tile_counts = [g.tile_counts() for g in groups]
+    for g, tc in zip(groups, tile_counts):
+        for i, actual in zip(g.idx, g.box_counts(tc).tolist()):
+            if actual != count_list[i]:
+                raise ValueError(f"delta_encode: counts[{i}] = {count_list[i]} but box {i} {args.boxes[i]!r} has "
+                                 f"{actual} changed elements now: the tensor changed after count_changed; count again")
+    _write_headers(buffer, offs, headers)
+    dense = [i for i, h in enumerate(headers) if h.format == DeltaFormat.DENSE and h.numel]
+    if dense:
+        tensors, boxes = [args.tensors[i] for i in dense], [args.boxes[i] for i in dense]
+        pack(tensors, boxes, buffer, [offs[i] + DELTA_HEADER_BYTES for i in dense], backend="triton")
+        if update_snapshot:
+            pack(tensors, boxes, args.buffer, [args.offsets[i] for i in dense], backend="triton")
+    storage = buffer.untyped_storage().data_ptr()
+    for g, tc in zip(groups, tile_counts):
+        itemsize = g.word.itemsize
+        out = np.zeros((len(g.idx), 4), dtype=np.int64)
+        for k, i in enumerate(g.idx):
+            h, start = headers[i], buffer.data_ptr() + offs[i] - storage
+            out[k] = (int(h.format), (start + encoded_values_offset(h)) // itemsize,
+                      (start + DELTA_HEADER_BYTES) // 4, (start + DELTA_HEADER_BYTES) // 4)
+        tc64 = tc.to(torch.int64)
+        before = torch.cumsum(tc64, 0) - tc64
+        tile_base = before - before[g.first_tile][g.box_of_tile]
+        g.launch("_delta_compact_kernel", tile_base, torch.from_numpy(out).to(buffer.device),
+                 _storage_view(buffer, g.word), _storage_view(buffer, torch.int32), UPDATE=update_snapshot)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,7 +505,10 @@ def scan_changes(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tenso
                  keep_fraction: float = DELTA_DENSE_FRACTION, backend: str | None = None) -> ChangeScan:
     """`count_changed` that also keeps the changed positions of boxes at most `keep_fraction` changed, for
     `delta_encode(..., counts=scan)`: one comparison per box instead of two. Arguments as in `count_changed`."""
-    _resolve("scan_changes", backend, snapshot.device if isinstance(snapshot, torch.Tensor) else torch.device("cpu"))
+    device = snapshot.device if isinstance(snapshot, torch.Tensor) else torch.device("cpu")
+    if _resolve("scan_changes", backend, device) == "triton":  # counts only: the Triton encode compares anyway
+        args = _snapshot_args("scan_changes", tensors, boxes, snapshot, snapshot_offsets)
+        return ChangeScan(tuple(_count_triton(args)), (None,) * len(args.boxes), _scan_key(args))
     return scan_changes_reference(tensors, boxes, snapshot, snapshot_offsets, keep_fraction=keep_fraction)
 
 
@@ -389,7 +533,9 @@ def count_changed(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tens
         >>> count_changed([t], [Box((0,), (3,))], snap, [0])
         [2]
     """
-    _resolve("count_changed", backend, snapshot.device if isinstance(snapshot, torch.Tensor) else torch.device("cpu"))
+    device = snapshot.device if isinstance(snapshot, torch.Tensor) else torch.device("cpu")
+    if _resolve("count_changed", backend, device) == "triton":
+        return _count_triton(_snapshot_args("count_changed", tensors, boxes, snapshot, snapshot_offsets))
     return count_changed_reference(tensors, boxes, snapshot, snapshot_offsets)
 
 
@@ -422,7 +568,15 @@ def delta_encode(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tenso
     Raises:
         ValueError: bad input (shapes, offsets, sizes, counts), naming the box; TypeError for non-int versions.
     """
-    _resolve("delta_encode", backend, buffer.device if isinstance(buffer, torch.Tensor) else torch.device("cpu"))
+    device = buffer.device if isinstance(buffer, torch.Tensor) else torch.device("cpu")
+    if _resolve("delta_encode", backend, device) == "triton":
+        args, buffer, offs, count_list, headers = _check_encode(tensors, boxes, snapshot, snapshot_offsets, buffer,
+                                                                offsets, counts, base_version, version, formats,
+                                                                threshold)
+        if isinstance(counts, ChangeScan) and counts.key != _scan_key(args):
+            raise ValueError("delta_encode: counts is a ChangeScan of other tensors, boxes or snapshot; scan these")
+        _encode_triton(args, buffer, offs, headers, count_list, update_snapshot)
+        return headers
     return delta_encode_reference(tensors, boxes, snapshot, snapshot_offsets, buffer, offsets, counts=counts,
                                   base_version=base_version, version=version, formats=formats, threshold=threshold,
                                   update_snapshot=update_snapshot)
@@ -492,6 +646,7 @@ def delta_decode(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, b
         DeltaVersionError: a BITMASK / INDICES box whose `base_version` is not `versions[i]` (a ValueError).
         ValueError: malformed or mismatched headers, buffers or boxes, naming the box.
     """
+    # the scatter is torch on every backend: checking the headers needs them on the host anyway
     _resolve("delta_decode", backend, buffer.device if isinstance(buffer, torch.Tensor) else torch.device("cpu"))
     return delta_decode_reference(buffer, offsets, tensors, boxes, versions=versions)
 
@@ -620,22 +775,10 @@ def count_changed_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: 
     return torch.stack(counts).tolist() if counts else []
 
 
-@torch.no_grad()
-def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor,
-                           snapshot_offsets: OffsetArg, buffer: torch.Tensor, offsets: OffsetArg, *,
-                           counts: Sequence[int] | torch.Tensor | ChangeScan, base_version: int | Sequence[int],
-                           version: int | Sequence[int], formats: FormatArg = None,
-                           threshold: float = DELTA_DENSE_FRACTION, update_snapshot: bool = True,
-                           backend: str | None = None) -> list[DeltaHeader]:
-    """Pure-torch `delta_encode`, same signature and semantics; `backend` must be None or "torch".
-
-    Per box: the changed mask is `box_view != snapshot_slot` on same-width ints (row-major, flattened); the
-    sparse payloads are `mask.nonzero()` (INDICES) or the packed mask (BITMASK), then the values gathered in
-    row-major order.
-    """
+def _check_encode(tensors, boxes, snapshot, snapshot_offsets, buffer, offsets, counts, base_version, version,
+                  formats, threshold):
+    """The checks of `delta_encode`, shared by both backends: `(args, buffer, offsets, counts, headers)`."""
     op = "delta_encode"
-    if backend not in (None, "torch"):
-        raise ValueError(f"delta_encode_reference: backend must be None or 'torch', got {backend!r}")
     args = _snapshot_args(op, tensors, boxes, snapshot, snapshot_offsets)
     buffer = _check_buffer(op, buffer)
     if buffer.device != args.device:
@@ -667,6 +810,47 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
             raise ValueError(f"{op}: box {i} {args.boxes[i]!r} needs bytes [{o}, {o + h.nbytes}) ({h.format.name}, "
                              f"{h.count} values) but the buffer has {buffer.numel()} bytes")
 
+    return args, buffer, offs, count_list, headers
+
+
+def _write_headers(buffer: torch.Tensor, offs: list[int], headers: list[DeltaHeader]) -> None:
+    """Every box's five header words (one host-to-device copy) and zeros in its padding bytes, so an encoded box's
+    bytes depend only on its contents. The mask of a BITMASK box is zeroed whole (the kernels OR bits into it)."""
+    if not headers:
+        return
+    words = torch.tensor([h.words() for h in headers], dtype=torch.int64, device=buffer.device)
+    for o, w, h in zip(offs, words, headers):
+        _slot(buffer, o, _HEADER_WORDS, torch.int64).copy_(w)
+        values_at = o + encoded_values_offset(h)
+        if h.format == DeltaFormat.BITMASK:
+            buffer.narrow(0, o + DELTA_HEADER_BYTES, values_at - o - DELTA_HEADER_BYTES).zero_()
+        elif h.format == DeltaFormat.INDICES and h.count % 2:
+            buffer.narrow(0, values_at - 4, 4).zero_()
+        values_end = values_at + h.count * h.itemsize
+        if values_end % 8:
+            buffer.narrow(0, values_end, 8 - values_end % 8).zero_()
+
+
+@torch.no_grad()
+def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor,
+                           snapshot_offsets: OffsetArg, buffer: torch.Tensor, offsets: OffsetArg, *,
+                           counts: Sequence[int] | torch.Tensor | ChangeScan, base_version: int | Sequence[int],
+                           version: int | Sequence[int], formats: FormatArg = None,
+                           threshold: float = DELTA_DENSE_FRACTION, update_snapshot: bool = True,
+                           backend: str | None = None) -> list[DeltaHeader]:
+    """Pure-torch `delta_encode`, same signature and semantics; `backend` must be None or "torch".
+
+    Per box: the changed mask is `box_view != snapshot_slot` on same-width ints (row-major, flattened); the
+    sparse payloads are `mask.nonzero()` (INDICES) or the packed mask (BITMASK), then the values gathered in
+    row-major order.
+    """
+    op = "delta_encode"
+    if backend not in (None, "torch"):
+        raise ValueError(f"delta_encode_reference: backend must be None or 'torch', got {backend!r}")
+    args, buffer, offs, count_list, headers = _check_encode(tensors, boxes, snapshot, snapshot_offsets, buffer,
+                                                            offsets, counts, base_version, version, formats,
+                                                            threshold)
+
     # Phase 1: the changed positions of every sparse box, checked against `counts` before anything is written.
     scan = counts if isinstance(counts, ChangeScan) else None
     if scan is not None and scan.key != _scan_key(args):
@@ -687,9 +871,8 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
             positions.append(idx)
 
     # Phase 2: headers, payloads, snapshot.
-    header_words = torch.tensor([h.words() for h in headers], dtype=torch.int64, device=buffer.device) if num else None
-    for i, (view, idx, h, o, soff) in enumerate(zip(views, positions, headers, offs, args.offsets)):
-        _slot(buffer, o, _HEADER_WORDS, torch.int64).copy_(header_words[i])
+    _write_headers(buffer, offs, headers)
+    for view, idx, h, o, soff in zip(views, positions, headers, offs, args.offsets):
         pos = o + DELTA_HEADER_BYTES
         snap = _slot(snapshot, soff, h.numel, view.dtype)
         if h.format == DeltaFormat.DENSE:
