@@ -456,3 +456,17 @@ def test_scan_of_other_tensors_is_refused_and_a_late_change_is_sent_next_step() 
     assert torch.equal(case.snapshot.view(torch.int16), bits(case.dests[0]))
     case.changed = [1]
     round_trip(case, version=1, scan=True)
+
+
+@pytest.mark.parametrize("fmt", [None, DeltaFormat.BITMASK, DeltaFormat.INDICES],
+                         ids=lambda f: "auto" if f is None else f.name)
+def test_triton_boxes_of_many_tiles(fmt: DeltaFormat | None) -> None:
+    """Boxes of several tiles (BLOCK is 4096 elements on CPU): a prime-length box (3 tiles of rows), a box whose rows
+    are longer than a tile (tiles along the row, from a transposed source) and one of many short rows (16-column
+    tiles of 256 rows): a changed element's rank crosses tiles, and bitmask words are shared by tiles."""
+    case = Case([
+        ((10007,), torch.bfloat16, "contiguous", Box((0,), (10007,)), 0.03),
+        ((3, 4099), torch.float32, "transposed", Box((0, 0), (3, 4099)), 0.2),
+        ((700, 13), torch.uint8, "strided", Box((1, 0), (699, 13)), 0.05),
+    ], seed=21)
+    round_trip(case, fmt, backend="triton")
