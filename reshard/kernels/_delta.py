@@ -39,11 +39,16 @@ destination is stale forces `formats=DeltaFormat.DENSE` for it.
 (`count_changed` returns only the counts; `delta_encode` then compares again and checks them.)
 
 Every op has a pure-torch reference of the same signature (`count_changed_reference`, `scan_changes_reference`,
-`delta_encode_reference`, `delta_decode_reference`): the production path on CPU and on CUDA. `backend="triton"` raises NotImplementedError:
-no Triton kernels yet (see `_backend.choose_backend` for `backend=None`).
+`delta_encode_reference`, `delta_decode_reference`): the CPU production path. `backend` picks as `pack` does
+(`_backend.choose_backend`: Triton for CUDA tensors, torch for CPU tensors, `$RESHARD_KERNEL_BACKEND` or an
+explicit argument otherwise; Triton on CPU tensors runs under its interpreter). The Triton kernels
+(`_delta_triton.py`) count (per-tile comparison) and encode (comparison, compaction by an exclusive scan over tiles
+and lanes, bitmask bits by atomic OR, snapshot update), bit for bit as the references; DENSE boxes go through the
+pack kernel. `scan_changes` on Triton returns counts only (the encode compares again). `delta_decode` is the torch
+scatter on every backend (its header checks read the headers on the host).
 
-Layout of this file: constants and the header type, sizes and format choice, argument checks, the public functions,
-then the pure-torch references.
+Layout of this file: constants and the header type, sizes and format choice, argument checks, the Triton launcher,
+the public functions, then the pure-torch references.
 """
 
 from __future__ import annotations
@@ -522,7 +527,7 @@ def count_changed(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tens
         snapshot: 1-D contiguous `uint8` on the tensors' device: box `i` row-major, raw bits of `tensors[i].dtype`,
             at byte `snapshot_offsets[i]` (aligned to the element size), as `pack` without `dtype` writes it.
         snapshot_offsets: byte offset of each box in `snapshot` (`packed_offsets(boxes, dtypes, align=8)`).
-        backend: "torch" or None (see the module docstring).
+        backend: "triton", "torch" or None (see the module docstring).
 
     Returns:
         One int per box, `0 <= count <= boxes[i].numel`.
@@ -560,7 +565,7 @@ def delta_encode(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tenso
             entries chosen). `DeltaFormat.DENSE` sends a full box, for a destination known to be stale.
         threshold: the DENSE fallback fraction of `choose_delta_format`.
         update_snapshot: copy each box's current values into its snapshot (only the changed elements move).
-        backend: "torch" or None.
+        backend: "triton", "torch" or None (see the module docstring).
 
     Returns:
         The header written for each box (its `nbytes` is the box's encoded size).
@@ -637,7 +642,7 @@ def delta_decode(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, b
         boxes: `Box` per tensor, inside its shape; `numel` must match the header's.
         versions: the version each destination box holds now (one for all or one per box); None (or a None entry)
             for unknown, which accepts only DENSE boxes.
-        backend: "torch" or None.
+        backend: accepted as elsewhere; the scatter is torch on every backend.
 
     Returns:
         The header of each box; the caller records `header.version` as the destination's new version.
