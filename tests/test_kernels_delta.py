@@ -77,13 +77,13 @@ def change_bits(t: torch.Tensor, frac: float, gen: torch.Generator) -> int:
     if not k:
         return 0
     pick = torch.randperm(n, generator=gen)[:k]
-    flat = bits(t).clone().reshape(-1)
+    flat = bits(t).cpu().reshape(-1).clone()
     if t.dtype == torch.bool:
         flat[pick] ^= 1
     else:
         flat[pick] ^= torch.tensor(1, dtype=flat.dtype) << torch.randint(0, 8 * t.element_size() - 1, (k,),
                                                                           generator=gen).to(flat.dtype)
-    bits(t).copy_(flat.view(t.shape))
+    bits(t).copy_(flat.view(t.shape).to(t.device))
     return k
 
 
