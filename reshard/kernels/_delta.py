@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from reshard.kernels._backend import choose_backend
-from reshard.kernels._loader import load_device_module
+from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_table
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
@@ -371,19 +371,12 @@ class _TileGroup:
     num_warps: int
 
     def launch(self, kernel_name: str, *params: object, **constexprs: object) -> None:
-        from triton import knobs
-
         interpret = self.tensor_ptr.device.type != "cuda"
         kernel = getattr(_device_code(interpret), kernel_name)[(self.num_tiles,)]
         args = (self.tensor_ptr, self.snap_ptr, self.starts, self.table, *params, len(self.idx),
                 max(len(self.idx) - 1, 0).bit_length())
         kwargs = {"NUM_DIMS": self.num_dims, "BLOCK": self.block, "num_warps": self.num_warps, **constexprs}
-        if knobs.runtime.interpret == interpret:
-            kernel(*args, **kwargs)
-            return
-        with knobs.runtime.scope():  # the mode this module copy was loaded in, whatever TRITON_INTERPRET says
-            knobs.runtime.interpret = interpret
-            kernel(*args, **kwargs)
+        launch_in_mode(kernel, interpret, *args, **kwargs)
 
     def tile_counts(self) -> torch.Tensor:
         """Changed elements per tile (`int32 [num_tiles]`)."""

@@ -19,7 +19,7 @@ import torch
 
 from reshard.kernels._backend import choose_backend
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
-from reshard.kernels._loader import load_device_module
+from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
 
@@ -118,8 +118,6 @@ class _Launch:
     num_warps: int
 
     def run(self) -> None:
-        from triton import knobs
-
         interpret = self.tensor_ptr.device.type != "cuda"
         kernel = getattr(_kernels(interpret), "_pack_kernel" if self.op == "pack" else "_unpack_kernel")
         launch = kernel[(self.num_tiles,)]
@@ -128,12 +126,7 @@ class _Launch:
         constexprs = {"NUM_DIMS": self.num_dims, "CAST": int(self.cast), "BUFFER_BYTES": self.buffer_bytes,
                       "VEC": self.vec, "BLOCK": self.block, "num_warps": self.num_warps,
                       "enable_fp_fusion": False}  # no fused multiply-adds: casts stay bit-exact
-        if knobs.runtime.interpret == interpret:
-            launch(*params, **constexprs)
-            return
-        with knobs.runtime.scope():  # the mode this module copy was loaded in, whatever TRITON_INTERPRET says
-            knobs.runtime.interpret = interpret
-            launch(*params, **constexprs)
+        launch_in_mode(launch, interpret, *params, **constexprs)
 
 
 def tile_table(sizes: np.ndarray, strides: np.ndarray, tensor_base: np.ndarray, buffer_base: np.ndarray, block: int,
