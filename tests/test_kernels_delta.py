@@ -31,6 +31,7 @@ from reshard.kernels import (
     packed_offsets,
     read_delta_headers,
     scan_changes,
+    walk_delta_offsets,
 )
 from reshard.planner._box import Box
 from reshard.testing import device_under_test
@@ -165,6 +166,7 @@ def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float =
     fresh = torch.zeros_like(case.snapshot)
     pack_reference(case.sources, case.boxes, fresh, case.snap_offsets)
     assert torch.equal(fresh, case.snapshot)
+    assert walk_delta_offsets(buf, len(case.boxes), start=8) == (offsets, end)  # the receiver's view
     got = delta_decode(buf, offsets, case.dests, case.boxes, versions=version)
     assert got == headers
     for after, want in zip(case.dest_state(), case.expected_dest_state(before)):
@@ -410,6 +412,8 @@ def test_bad_input_errors() -> None:
         delta_decode(buf, offsets, [case.dests[0].double(), case.dests[1]], case.boxes, versions=3)
     with pytest.raises(ValueError, match="needs bytes"):
         delta_decode(buf[: offsets[1] + 48], offsets, case.dests, case.boxes, versions=3)
+    with pytest.raises(ValueError, match=r"walk_delta_offsets: box 1 at byte \d+ .* but the buffer has"):
+        walk_delta_offsets(buf[: offsets[1] + 48], 2)
     counts = [h.count for h in headers]
     with pytest.raises(ValueError, match="needs bytes"):
         delta_encode(case.sources, case.boxes, case.snapshot, case.snap_offsets, buf[:-8], offsets, counts=counts,

@@ -20,7 +20,8 @@ Exports:
         delta encoding of boxes against a snapshot (a pack buffer of what was last sent): count (and locate) the
         elements whose bits changed, encode
         them per box as DENSE, BITMASK + values or INDICES + values behind a self-describing header
-        (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers`.
+        (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers`,
+        `walk_delta_offsets` (a receiver's offsets, from the headers).
     delta_nbytes, delta_max_nbytes, delta_offsets, choose_delta_format, resolve_delta_formats: exact encoded sizes
         from changed counts, the worst case, buffer offsets and the per-box format choice.
     DeltaFormat, DeltaHeader, DeltaVersionError, DELTA_HEADER_BYTES, DELTA_DENSE_FRACTION: the formats, the header,
@@ -52,6 +53,7 @@ from reshard.kernels._delta import (
     resolve_delta_formats,
     scan_changes,
     scan_changes_reference,
+    walk_delta_offsets,
 )
 from reshard.kernels._pack import (
     PreparedCopy,
@@ -106,4 +108,5 @@ __all__ = [
     "scan_changes_reference",
     "unpack",
     "unpack_reference",
+    "walk_delta_offsets",
 ]

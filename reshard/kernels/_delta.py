@@ -620,6 +620,31 @@ def read_delta_headers(buffer: torch.Tensor, offsets: OffsetArg) -> list[DeltaHe
     return out
 
 
+def walk_delta_offsets(buffer: torch.Tensor, num_boxes: int, *, start: int = 0) -> tuple[list[int], int]:
+    """Offsets of `num_boxes` encoded boxes laid back to back in `buffer` from byte `start` (as `delta_offsets`
+    lays them out), found by reading each header: a receiver needs no sizes from the sender.
+
+    One device-to-host read per box; with many boxes on a GPU, send the counts and use `delta_offsets` instead.
+
+    Returns:
+        `(offsets, end)`.
+
+    Raises:
+        ValueError: a malformed header (see `read_delta_headers`) or a box that ends past the buffer.
+    """
+    if num_boxes < 0:
+        raise ValueError(f"walk_delta_offsets: num_boxes must be >= 0, got {num_boxes}")
+    offsets, pos = [], _round8(start)
+    for i in range(num_boxes):
+        (h,) = read_delta_headers(buffer, [pos])
+        if pos + h.nbytes > buffer.numel():
+            raise ValueError(f"walk_delta_offsets: box {i} at byte {pos} ({h.format.name}, {h.count} values) needs "
+                             f"{h.nbytes} bytes but the buffer has {buffer.numel()}")
+        offsets.append(pos)
+        pos += h.nbytes
+    return offsets, pos
+
+
 def delta_decode(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, boxes: Sequence[Box], *,
                  versions: int | Sequence[int | None] | None, backend: str | None = None) -> list[DeltaHeader]:
     """Apply the encoded boxes of `buffer` to box `i` of `tensors[i]`: the inverse of `delta_encode`.
