@@ -76,6 +76,12 @@ section quant_tests 60 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p n
     tests/test_kernels_quant.py
 # --- end fp8 block quantization ----------------------------------------------------------------------------------
 
+# --- delta encoding (issue 16): tests/test_kernels_delta.py on the device: the compiled Triton count / encode kernels
+# bit-exact against the torch reference (which also runs on CUDA), round trips, versions. Writes only its log.
+section delta_tests 60 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+    tests/test_kernels_delta.py
+# --- end delta encoding ------------------------------------------------------------------------------------------
+
 # --- comm (issue 4) begin: the executor's CUDA streams pipeline on one GPU ---------------------------------------
 # Two ranks as threads over a loopback link on one device; the real executor with its pack/comm/unpack streams.
 # Passes when results are bit-exact and two chunks in flight beat one slot by >= 1.25x (see the script's docstring).

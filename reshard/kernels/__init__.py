@@ -16,12 +16,45 @@ Exports:
         bfloat16 / float16 -> float8_e4m3fn `q` and one float32 `scale_inv` (amax / 448) per 128 x 128 block; one
         Triton launch per call, or the pure-torch reference (the CPU path), bit for bit the same.
     dequantize_fp8_block: `q.float() * scale_inv` over the blocks.
+    count_changed, scan_changes, delta_encode, delta_decode (and their `_reference` torch versions), ChangeScan:
+        delta encoding of boxes against a snapshot (a pack buffer of what was last sent): count (and locate) the
+        elements whose bits changed, encode
+        them per box as DENSE, BITMASK + values or INDICES + values behind a self-describing header
+        (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers`,
+        `walk_delta_offsets` (a receiver's offsets, from the headers).
+    delta_nbytes, delta_max_nbytes, delta_offsets, choose_delta_format, resolve_delta_formats: exact encoded sizes
+        from changed counts, the worst case, buffer offsets and the per-box format choice.
+    DeltaFormat, DeltaHeader, DeltaVersionError, DELTA_HEADER_BYTES, DELTA_DENSE_FRACTION: the formats, the header,
+        the error a stale destination raises, the header size and the default dense fallback fraction.
     block_aligned, scale_box: whether a box of a weight covers whole blocks (then it quantizes to its own slice of
         the full quantization), and the box of `scale_inv` that a box of the weight touches (the planner's block
         geometry, re-exported).
 """
 
 from reshard.kernels._backend import BACKEND_ENV
+from reshard.kernels._delta import (
+    DELTA_DENSE_FRACTION,
+    DELTA_HEADER_BYTES,
+    ChangeScan,
+    DeltaFormat,
+    DeltaHeader,
+    DeltaVersionError,
+    choose_delta_format,
+    count_changed,
+    count_changed_reference,
+    delta_decode,
+    delta_decode_reference,
+    delta_encode,
+    delta_encode_reference,
+    delta_max_nbytes,
+    delta_nbytes,
+    delta_offsets,
+    read_delta_headers,
+    resolve_delta_formats,
+    scan_changes,
+    scan_changes_reference,
+    walk_delta_offsets,
+)
 from reshard.kernels._pack import (
     PreparedCopy,
     launch_config,
@@ -39,9 +72,25 @@ from reshard.planner._blocks import block_aligned, scale_box
 
 __all__ = [
     "BACKEND_ENV",
+    "DELTA_DENSE_FRACTION",
+    "DELTA_HEADER_BYTES",
     "Box",
+    "ChangeScan",
+    "DeltaFormat",
+    "DeltaHeader",
+    "DeltaVersionError",
     "PreparedCopy",
     "block_aligned",
+    "choose_delta_format",
+    "count_changed",
+    "count_changed_reference",
+    "delta_decode",
+    "delta_decode_reference",
+    "delta_encode",
+    "delta_encode_reference",
+    "delta_max_nbytes",
+    "delta_nbytes",
+    "delta_offsets",
     "dequantize_fp8_block",
     "launch_config",
     "pack",
@@ -52,7 +101,12 @@ __all__ = [
     "prepare_unpack",
     "quantize_fp8_block",
     "quantize_fp8_block_reference",
+    "read_delta_headers",
+    "resolve_delta_formats",
     "scale_box",
+    "scan_changes",
+    "scan_changes_reference",
     "unpack",
     "unpack_reference",
+    "walk_delta_offsets",
 ]

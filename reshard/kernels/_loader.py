@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 _LOADED: dict[tuple[str, bool], ModuleType] = {}
@@ -28,3 +29,16 @@ def load_device_module(path: str, name: str, interpret: bool) -> ModuleType:
             spec.loader.exec_module(module)
         _LOADED[key] = module
     return _LOADED[key]
+
+
+def launch_in_mode(launch: Callable[..., object], interpret: bool, *args: object, **kwargs: object) -> None:
+    """Call `launch` (a gridded kernel of a module copy loaded by `load_device_module`) with Triton's interpreter
+    switched to the mode that copy was loaded in, whatever `TRITON_INTERPRET` says."""
+    from triton import knobs
+
+    if knobs.runtime.interpret == interpret:
+        launch(*args, **kwargs)
+        return
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = interpret
+        launch(*args, **kwargs)

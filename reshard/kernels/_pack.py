@@ -19,7 +19,7 @@ import torch
 
 from reshard.kernels._backend import choose_backend
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
-from reshard.kernels._loader import load_device_module
+from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
 
@@ -118,8 +118,6 @@ class _Launch:
     num_warps: int
 
     def run(self) -> None:
-        from triton import knobs
-
         interpret = self.tensor_ptr.device.type != "cuda"
         kernel = getattr(_kernels(interpret), "_pack_kernel" if self.op == "pack" else "_unpack_kernel")
         launch = kernel[(self.num_tiles,)]
@@ -128,12 +126,51 @@ class _Launch:
         constexprs = {"NUM_DIMS": self.num_dims, "CAST": int(self.cast), "BUFFER_BYTES": self.buffer_bytes,
                       "VEC": self.vec, "BLOCK": self.block, "num_warps": self.num_warps,
                       "enable_fp_fusion": False}  # no fused multiply-adds: casts stay bit-exact
-        if knobs.runtime.interpret == interpret:
-            launch(*params, **constexprs)
-            return
-        with knobs.runtime.scope():  # the mode this module copy was loaded in, whatever TRITON_INTERPRET says
-            knobs.runtime.interpret = interpret
-            launch(*params, **constexprs)
+        launch_in_mode(launch, interpret, *params, **constexprs)
+
+
+def tile_table(sizes: np.ndarray, strides: np.ndarray, tensor_base: np.ndarray, buffer_base: np.ndarray, block: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, np.ndarray]:
+    """The tiles of merged boxes and their descriptor table (columns in `_triton.py`), uploaded to `device`.
+
+    Args:
+        sizes, strides: `[num_boxes, D]` int64 from `_merge_dims` (every size >= 1).
+        tensor_base, buffer_base: `[num_boxes]` int64, table columns 0 and 1.
+        block: the kernels' BLOCK.
+
+    Returns:
+        `(starts, table, num_tiles, tiles)`: the first tile of each box and the table as device tensors (one
+        upload), the total number of tiles and the tiles per box (numpy).
+    """
+    num = sizes.shape[0]
+    log_block = block.bit_length() - 1
+    row_len = sizes[:, -1]
+    num_rows = np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(num, dtype=np.int64)
+    log2_cols = np.zeros(num, dtype=np.int64)
+    while True:  # smallest power of two >= row_len, capped at BLOCK
+        grow = ((np.int64(1) << log2_cols) < row_len) & (log2_cols < log_block)
+        if not grow.any():
+            break
+        log2_cols += grow
+    num_col_tiles = -(-row_len // (np.int64(1) << log2_cols))
+    rows_per_tile = np.int64(block) >> log2_cols
+    tiles = num_col_tiles * -(-num_rows // rows_per_tile)
+    starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+
+    num_dims = sizes.shape[1]
+    table = np.empty((num, _TABLE_HEAD + 2 * num_dims), dtype=np.int64)
+    table[:, 0] = tensor_base
+    table[:, 1] = buffer_base
+    table[:, 2] = log2_cols
+    table[:, 3] = num_col_tiles
+    table[:, 4] = num_rows
+    table[:, _TABLE_HEAD: _TABLE_HEAD + num_dims] = sizes
+    table[:, _TABLE_HEAD + num_dims:] = strides
+    # one upload; `starts` padded to an even length keeps the table 16-byte aligned, so the pointer's alignment
+    # never adds a compiled variant
+    pad = num % 2
+    packed = torch.from_numpy(np.concatenate([starts, np.zeros(pad, dtype=np.int64), table.ravel()])).to(device)
+    return packed[:num], packed[num + pad:], int(tiles.sum()), tiles
 
 
 def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launch:
@@ -207,42 +244,17 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         cap = 16 // max(tensor_unit, buffer_unit)
         if cap > 1:
             vec = _lowest_bit(np.concatenate([tensor_base, buffer_base, outer, sizes[:, -1]]), cap)
-    log_block = block.bit_length() - 1
-
-    row_len = sizes[:, -1]
-    num_rows = np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(len(idx), dtype=np.int64)
-    log2_cols = np.zeros(len(idx), dtype=np.int64)
-    while True:  # smallest power of two >= row_len, capped at BLOCK
-        grow = ((np.int64(1) << log2_cols) < row_len) & (log2_cols < log_block)
-        if not grow.any():
-            break
-        log2_cols += grow
-    num_col_tiles = -(-row_len // (np.int64(1) << log2_cols))
-    rows_per_tile = np.int64(block) >> log2_cols
-    tiles = num_col_tiles * -(-num_rows // rows_per_tile)
-    starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
-
+    starts_t, table_t, num_tiles, _ = tile_table(sizes, strides, (tensor_abs - tensor_storage) // tensor_unit,
+                                                 (buffer_abs - buffer_storage) // buffer_unit, block, device)
     num_dims = sizes.shape[1]
-    table = np.empty((len(idx), _TABLE_HEAD + 2 * num_dims), dtype=np.int64)
-    table[:, 0] = (tensor_abs - tensor_storage) // tensor_unit
-    table[:, 1] = (buffer_abs - buffer_storage) // buffer_unit
-    table[:, 2] = log2_cols
-    table[:, 3] = num_col_tiles
-    table[:, 4] = num_rows
-    table[:, _TABLE_HEAD: _TABLE_HEAD + num_dims] = sizes
-    table[:, _TABLE_HEAD + num_dims:] = strides
-    # one upload; `starts` padded to an even length keeps the table 16-byte aligned, so the pointer's alignment
-    # never adds a compiled variant
-    pad = len(idx) % 2
-    packed = torch.from_numpy(np.concatenate([starts, np.zeros(pad, dtype=np.int64), table.ravel()])).to(device)
     return _Launch(
         op=op,
         tensor_ptr=_storage_view(tensors[0], tensor_dtype),
         buffer_ptr=_storage_view(args.buffer, buffer_dtype),
-        starts=packed[: len(idx)],
-        table=packed[len(idx) + pad:],
+        starts=starts_t,
+        table=table_t,
         num_boxes=len(idx),
-        num_tiles=int(tiles.sum()),
+        num_tiles=num_tiles,
         nan=nan_policy(cast, device.type),
         num_dims=num_dims,
         cast=cast,

@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 
 from reshard.kernels._backend import choose_backend
-from reshard.kernels._loader import load_device_module
+from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._pack import _kernels
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
 from reshard.planner._blocks import DEFAULT_BLOCK, check_block, scale_box
@@ -202,8 +202,6 @@ def _next_power_of_2(n: int) -> int:
 
 def _launch(x3: torch.Tensor, q3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int]) -> None:
     """One launch of `_quant_block_kernel` over all blocks of the `[B, M, N]` views; nothing to do when empty."""
-    from triton import knobs
-
     if x3.numel() == 0:
         return
     interpret = x3.device.type != "cuda"
@@ -224,12 +222,7 @@ def _launch(x3: torch.Tensor, q3: torch.Tensor, s3: torch.Tensor, block: tuple[i
         raise NotImplementedError(f"quantize_fp8_block: {num_programs} blocks do not fit one launch (< 2**31); "
                                   "split the leading dims")
     launch = kernel[(num_programs,)]
-    if knobs.runtime.interpret == interpret:
-        launch(*params, **constexprs)
-        return
-    with knobs.runtime.scope():  # the mode this module copy was loaded in, whatever TRITON_INTERPRET says
-        knobs.runtime.interpret = interpret
-        launch(*params, **constexprs)
+    launch_in_mode(launch, interpret, *params, **constexprs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,310 @@
+"""How many bf16 bits change per RL step, what each delta format would send, and what encode + decode cost.
+
+Usage:
+    python perf/bench_delta.py [--numel 4194304] [--steps 5] [--lrs 1e-6,1e-5] [--seed 0]
+        [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0] [--out perf/out]
+
+Three parts, all on this machine's CPU with the torch path of `reshard.kernels`:
+    synthetic  fp32 master weights `~N(0, 0.02)` (`--numel` elements), AdamW (torch defaults: betas (0.9, 0.999),
+               eps 1e-8, weight decay 0.01) at each `--lrs` learning rate on fresh `N(0, 1)` gradients every step;
+               after each step the bf16 inference copy (`w.bfloat16()`) is compared bit for bit with the previous
+               step's. One box holds all elements (a refit box is a shard of one weight; a box of that size gives
+               the same fractions and, up to 40-byte headers, the same bytes).
+    model      the same with a tiny `transformers` Llama (random init, fp32, 2 layers, hidden 256, vocab 4096)
+               trained on random tokens, one box per parameter (skipped with a message if `transformers` is missing
+               or with `--no-model`).
+    timing     a 64 MiB bf16 weight (`--time-mib`) with `--time-frac` of its elements changed: scan + encode
+               (source; also count + encode, which compares twice) and decode (destination) next to a plain
+               prepared pack + unpack of the whole weight. The snapshot is restored (untimed) before each encode.
+
+For every step the encoded bytes of each format (DENSE, BITMASK, INDICES; `delta_nbytes`) and of the chosen one are
+reported next to the dense bytes; the chosen encoding is also really encoded and decoded (`delta_encode`,
+`delta_decode`) and the destination checked bit for bit against the source. Writes `bench_delta.csv` and
+`bench_delta.png` (skipped with a message without matplotlib) into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine_info, write_csv
+
+from reshard.kernels import (
+    DeltaFormat,
+    count_changed,
+    delta_decode,
+    delta_encode,
+    delta_nbytes,
+    delta_offsets,
+    pack,
+    packed_offsets,
+    prepare_pack,
+    prepare_unpack,
+    scan_changes,
+)
+from reshard.planner._box import Box
+
+logger = logging.getLogger("bench_delta")
+MiB = 1 << 20
+FORMATS = (DeltaFormat.DENSE, DeltaFormat.BITMASK, DeltaFormat.INDICES)
+
+
+def whole(t: torch.Tensor) -> Box:
+    return Box((0,) * t.ndim, tuple(t.shape))
+
+
+class DeltaLink:
+    """One source -> destination pair for a list of bf16 tensors: snapshot, destination copies and a version."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.boxes = [whole(t) for t in tensors]
+        self.snap_offsets, end = packed_offsets(self.boxes, torch.bfloat16, align=8)
+        self.snapshot = torch.empty(end, dtype=torch.uint8)
+        pack(tensors, self.boxes, self.snapshot, self.snap_offsets)
+        self.dests = [t.clone() for t in tensors]
+        self.version = 0
+
+    def step(self, tensors: list[torch.Tensor]) -> dict[str, object]:
+        """Count, encode, decode and check one update; return counts and bytes per format."""
+        counts = scan_changes(tensors, self.boxes, self.snapshot, self.snap_offsets)
+        offsets, end = delta_offsets(self.boxes, torch.bfloat16, counts)
+        buf = torch.empty(end, dtype=torch.uint8)
+        headers = delta_encode(tensors, self.boxes, self.snapshot, self.snap_offsets, buf, offsets, counts=counts,
+                               base_version=self.version, version=self.version + 1)
+        delta_decode(buf, offsets, self.dests, self.boxes, versions=self.version)
+        self.version += 1
+        for d, t in zip(self.dests, tensors):
+            if not torch.equal(d.view(torch.int16), t.view(torch.int16)):
+                raise AssertionError("delta round trip is not bit-exact")
+        numel = sum(b.numel for b in self.boxes)
+        changed = sum(counts.counts)
+        row: dict[str, object] = {"numel": numel, "changed": changed, "changed_pct": round(100 * changed / numel, 4),
+                                  "dense_bytes": 2 * numel}
+        for fmt in FORMATS:
+            row[f"{fmt.name.lower()}_bytes"] = sum(delta_nbytes(b.numel, c, 2, format=fmt)
+                                                   for b, c in zip(self.boxes, counts.counts))
+        row["encoded_bytes"] = end
+        row["formats"] = "/".join(sorted({h.format.name for h in headers}))
+        row["dense_over_encoded"] = round(2 * numel / end, 2)
+        row["bits_per_element"] = round(8 * end / numel, 3)
+        return row
+
+
+def run_updates(params: list[torch.Tensor], loss_fn, lr: float, steps: int, seed: int) -> list[dict[str, object]]:
+    """AdamW on `params` (fp32 leaves) for `steps` steps; one row per step with the bf16 changes."""
+    opt = torch.optim.AdamW(params, lr=lr)
+    link = DeltaLink([p.detach().bfloat16() for p in params])
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(gen)
+        opt.step()
+        rows.append({"step": step, **link.step([p.detach().bfloat16() for p in params])})
+    return rows
+
+
+def synthetic(numel: int, lr: float, steps: int, seed: int) -> list[dict[str, object]]:
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(numel, generator=gen) * 0.02).requires_grad_()
+
+    def loss_fn(g: torch.Generator) -> None:
+        w.grad = torch.randn(numel, generator=g)
+
+    return run_updates([w], loss_fn, lr, steps, seed + 1)
+
+
+def tiny_model(lr: float, steps: int, seed: int) -> list[dict[str, object]] | None:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        logger.warning("model part skipped: transformers is not importable (%s)", e)
+        return None
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).float().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_fn(g: torch.Generator) -> None:
+        tokens = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+
+    rows = run_updates(params, loss_fn, lr, steps, seed + 1)
+    for r in rows:
+        r["num_params"] = len(params)
+    return rows
+
+
+def timed(fn, repeat: int, setup=None) -> list[float]:
+    """Seconds per call of `fn` over `repeat` samples after one warm-up call; `setup` runs untimed before each."""
+    out = []
+    for i in range(repeat + 1):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def timing(mib: int, frac: float, repeat: int, seed: int) -> list[dict[str, object]]:
+    """Encode + decode of one `mib` MiB bf16 weight with `frac` changed, next to a prepared pack + unpack."""
+    numel = mib * MiB // 2
+    cols = 8192
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(numel // cols, cols, generator=gen).bfloat16()
+    new = old.clone()
+    flat = new.view(-1).view(torch.int16)
+    pick = torch.randperm(numel, generator=gen)[: round(frac * numel)]
+    flat[pick] ^= 1  # the lowest mantissa bit: every picked element changes
+    box = [whole(new)]
+    snap_offsets, snap_end = packed_offsets(box, torch.bfloat16, align=8)
+    snapshot = torch.empty(snap_end, dtype=torch.uint8)
+    pack([old], box, snapshot, snap_offsets)
+    pristine = snapshot.clone()
+    dest = old.clone()
+
+    counts = count_changed([new], box, snapshot, snap_offsets)
+    offsets, end = delta_offsets(box, torch.bfloat16, counts)
+    buf = torch.empty(end, dtype=torch.uint8)
+    state: dict[str, object] = {}
+
+    def encode() -> None:
+        scan = scan_changes([new], box, snapshot, snap_offsets)
+        state["headers"] = delta_encode([new], box, snapshot, snap_offsets, buf, offsets, counts=scan,
+                                        base_version=0, version=1)
+
+    def encode_recount() -> None:  # counts only: delta_encode compares again
+        c = count_changed([new], box, snapshot, snap_offsets)
+        delta_encode([new], box, snapshot, snap_offsets, buf, offsets, counts=c, base_version=0, version=1)
+
+    def decode() -> None:
+        delta_decode(buf, offsets, [dest], box, versions=0)
+
+    def restore() -> None:  # each encode sees the 2% change, as a real step would
+        snapshot.copy_(pristine)
+
+    encode_s = timed(encode, repeat, restore)
+    recount_s = timed(encode_recount, repeat, restore)
+    decode_s = timed(decode, repeat)
+    assert torch.equal(dest.view(torch.int16), new.view(torch.int16))
+
+    dense = torch.empty(numel * 2, dtype=torch.uint8)
+    packer = prepare_pack([new], box, dense, [0])
+    unpacker = prepare_unpack(dense, [0], [dest], box)
+    pack_s = timed(packer.run, repeat)
+    unpack_s = timed(unpacker.run, repeat)
+    h = state["headers"][0]
+    rows = []
+    for op, samples, nbytes in [("delta_scan_encode", encode_s, end), ("delta_count_encode", recount_s, end),
+                                ("delta_decode", decode_s, end),
+                                ("pack", pack_s, numel * 2), ("unpack", unpack_s, numel * 2)]:
+        rows.append({"part": "timing", "op": op, "numel": numel, "changed": counts[0],
+                     "changed_pct": round(100 * counts[0] / numel, 3), "format": h.format.name, "bytes": nbytes,
+                     "median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples)})
+    enc = statistics.median(encode_s) + statistics.median(decode_s)
+    full = statistics.median(pack_s) + statistics.median(unpack_s)
+    rows.append({"part": "timing", "op": "delta_total_vs_pack_total", "numel": numel, "bytes": end,
+                 "median_s": enc, "full_s": full, "delta_over_full_time": round(enc / full, 3),
+                 "dense_over_encoded_bytes": round(numel * 2 / end, 2)})
+    return rows
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    series = sorted({(r["part"], r["lr"]) for r in rows if r["part"] != "timing"})
+    for part, lr in series:
+        sel = [r for r in rows if r["part"] == part and r["lr"] == lr]
+        steps = [r["step"] for r in sel]
+        style = "-o" if part == "synthetic" else "--s"
+        ax0.plot(steps, [r["changed_pct"] for r in sel], style, label=f"{part} lr={lr:g}")
+        for fmt, marker in (("bitmask", "^"), ("indices", "v")):
+            ax1.plot(steps, [r["dense_bytes"] / r[f"{fmt}_bytes"] for r in sel], style[:-1] + marker,
+                     label=f"{part} lr={lr:g} {fmt}")
+    steps_all = sorted({r["step"] for r in rows if r["part"] != "timing"})
+    ax0.set_xticks(steps_all)
+    ax1.set_xticks(steps_all)
+    ax0.set(xlabel="step", ylabel="bf16 elements changed (%)", yscale="log", title="changed fraction per step")
+    ax1.set(xlabel="step", ylabel="dense bytes / encoded bytes", yscale="log", title="bytes saved per format")
+    ax0.grid(True, which="both", alpha=0.3)
+    ax1.grid(True, which="both", alpha=0.3)
+    ax0.legend(fontsize=7)
+    ax1.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    logger.info("wrote %s", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=4 * MiB)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lrs", default="1e-6,1e-5")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-steps", type=int, default=5)
+    ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--time-mib", type=int, default=64, help="size of the timed bf16 weight (0: skip the timing)")
+    ap.add_argument("--time-frac", type=float, default=0.02)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--out", default="perf/out")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine_info(torch.device("cpu"))
+    lrs = [float(x) for x in args.lrs.split(",")]
+    rows: list[dict[str, object]] = []
+    for lr in lrs:
+        for r in synthetic(args.numel, lr, args.steps, args.seed):
+            rows.append({"part": "synthetic", "lr": lr, **r})
+            logger.info("synthetic lr=%g step %d: %.2f%% changed, dense/encoded %.1fx (%s), %.2f bits/element",
+                        lr, r["step"], r["changed_pct"], r["dense_over_encoded"], r["formats"], r["bits_per_element"])
+    if not args.no_model:
+        for lr in lrs:
+            model_rows = tiny_model(lr, args.model_steps, args.seed)
+            if model_rows is None:
+                break
+            for r in model_rows:
+                rows.append({"part": "model", "lr": lr, **r})
+                logger.info("model lr=%g step %d: %.2f%% of %d changed, dense/encoded %.1fx (%s)", lr, r["step"],
+                            r["changed_pct"], r["numel"], r["dense_over_encoded"], r["formats"])
+    if args.time_mib:
+        for r in timing(args.time_mib, args.time_frac, args.repeat, args.seed):
+            rows.append(r)
+            if "full_s" in r:
+                logger.info("timing %d MiB bf16 at %.1f%%: count+encode+decode %.3f s vs pack+unpack %.3f s (%.2fx the "
+                            "time), %.1fx fewer bytes", args.time_mib, 100 * args.time_frac, r["median_s"],
+                            r["full_s"], r["delta_over_full_time"], r["dense_over_encoded_bytes"])
+            else:
+                logger.info("timing %s: median %.4f s (min %.4f, max %.4f), %d bytes", r["op"], r["median_s"],
+                            r["min_s"], r["max_s"], r["bytes"])
+    out = Path(args.out)
+    config = {"numel_arg": args.numel, "seed": args.seed, "repeat": args.repeat}
+    write_csv(out / "bench_delta.csv", [{**r, **config, **info} for r in rows])
+    logger.info("wrote %s", out / "bench_delta.csv")
+    plot(rows, out / "bench_delta.png")
+
+
+if __name__ == "__main__":
+    main()
