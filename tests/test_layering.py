@@ -45,9 +45,13 @@ FORBIDDEN_ROOTS = frozenset({"tests", "perf", "examples", "conftest"}) | frozens
 )
 """Top-level module names of the tooling beside the library (tests run with `tests/` on `sys.path`)."""
 
-LAZY_RESHARD_IMPORTS: frozenset[tuple[str, str]] = frozenset()
+LAZY_RESHARD_IMPORTS: frozenset[tuple[str, str]] = frozenset({
+    # the vLLM engine side imports vLLM (seconds, and absent from trainer environments): loaded on first use
+    ("reshard/integrations/vllm/__init__.py", "reshard.integrations.vllm"),
+    ("reshard/integrations/vllm/__init__.py", "reshard.integrations.vllm._layouts"),
+})
 """`(module path, imported module)` of the function-level `reshard` imports that start-up cost justifies (each
-with a one-line reason beside it in the code). None is needed today."""
+with a one-line reason beside it in the code)."""
 
 
 def unit_of(module: str) -> str:

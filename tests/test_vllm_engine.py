@@ -146,7 +146,8 @@ def test_refit_tp2_1_kv_head_replicated(tmp_path, monkeypatch, trainers) -> None
 
 def test_refit_tp2_moe(tmp_path, monkeypatch, trainers) -> None:
     """Also the TP2 case of 4 KV heads (2 per rank) and the uneven vocabulary. Experts split over the trainer's
-    ranks (`S(0)` of stacked `[E, I, H]`), TP over the intermediate dim in the engine (`w13_weight` `[E, 2 I / 2, H]`, `w2_weight` `[E, H, I / 2]`), router `ReplicatedLinear`."""
+    ranks (`S(0)` of stacked `[E, I, H]`), TP over the intermediate dim in the engine (`w13_weight`
+    `[E, 2 I / 2, H]`, `w2_weight` `[E, H, I / 2]`), router `ReplicatedLinear`."""
     _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=2, moe=True)
 
 

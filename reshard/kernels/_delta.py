@@ -237,7 +237,8 @@ def delta_offsets(boxes: Sequence[Box], dtype: torch.dtype | Sequence[torch.dtyp
     Args:
         boxes: the boxes, in buffer order.
         dtype: the tensors' dtype, one for all boxes or one per box.
-        counts: changed elements per box (`count_changed`, or a `ChangeScan`); None reserves the worst case (`delta_max_nbytes`).
+        counts: changed elements per box (`count_changed`, or a `ChangeScan`); None reserves the worst case
+            (`delta_max_nbytes`).
         formats: as in `resolve_delta_formats` (with `counts`).
         start: the first offset (rounded up to 8).
 
