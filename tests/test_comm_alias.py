@@ -159,7 +159,7 @@ def test_disjoint_parts_of_one_storage_as_destinations_are_accepted(pool, varian
 def on_rank_shared_sources(w, variant: str) -> list[bool]:
     """Both items read from one storage: `same` (one tensor for both, as tied weights are) or `views` (two
     overlapping views of one buffer, rows 0-1 and rows 1-2 of a `[3, 16]` local)."""
-    items, full, (a_src, a_dst, b_src, b_dst) = _two_items()
+    items, full, (a_src, a_dst, _b_src, b_dst) = _two_items()
     p = plan_many(items)
     if variant == "same":
         s0 = dtensor_local(full, a_src).clone()

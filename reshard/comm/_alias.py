@@ -84,7 +84,7 @@ def overlap_errors(plan: Plan, rank: int, src: Sequence[torch.Tensor | None] | N
             if rank in layout.ranks:
                 names.setdefault((side, idx), []).append(f"{item.label!r} (item {i})")
     spans = []
-    for (side, idx), labels in names.items():
+    for side, idx in names:
         tensors = src if side == "source" else dst
         t = tensors[idx] if tensors is not None and 0 <= idx < len(tensors) else None
         span = _span(t) if isinstance(t, torch.Tensor) else None
