@@ -33,7 +33,7 @@ def _oracle(data: bytes) -> int:
     for i in range(len(padded) // 8):
         w = int.from_bytes(padded[8 * i: 8 * i + 8], "little")
         total += _fmix(w ^ (((i + 1) * 0x9E3779B97F4A7C15) & M64))
-    v = _fmix((total & M64) ^ ((len(data) * 0xD6E8FEB86659FD93) & M64))
+    v = (total & M64) ^ ((len(data) * 0xD6E8FEB86659FD93) & M64)
     return v - (1 << 64) if v >> 63 else v
 
 
@@ -77,11 +77,12 @@ def test_bits_match_a_python_integer_oracle(shape, dtype) -> None:
 
 
 def test_hand_worked_values() -> None:
-    # 8 zero bytes: the word 0 at index 0 hashes to fmix(INDEX_MULT); then the length 8 is mixed in
-    assert _h(torch.zeros(8, dtype=torch.uint8)) == _oracle(bytes(8))
+    # 8 zero bytes: the word 0 at index 0 hashes to fmix(INDEX_MULT), then the length 8 is mixed in
+    expected = _fmix(0x9E3779B97F4A7C15) ^ ((8 * 0xD6E8FEB86659FD93) & M64)
+    assert _h(torch.zeros(8, dtype=torch.uint8)) == expected - (1 << 64) * (expected >> 63)
     # zero padding is told apart from real zeros by the length
     assert _h(torch.tensor([1, 2, 3], dtype=torch.uint8)) != _h(torch.tensor([1, 2, 3, 0], dtype=torch.uint8))
-    assert _h(torch.empty(0)) == 0  # fmix(0 ^ 0) = 0: nothing to hash
+    assert _h(torch.empty(0)) == 0  # no words, length 0
 
 
 def test_same_bytes_same_hash_across_dtypes() -> None:
@@ -211,6 +212,15 @@ def test_slices_give_the_same_hash_as_one_pass(step) -> None:
     assert CHECKSUM_STEP >= 1 << 20  # the default hashes a typical box in one pass
 
 
+def test_carry_folds_between_slices_keep_the_bits(monkeypatch) -> None:
+    # a fold happens every 2**30 words (8 GiB) by default; fold every 3 words to exercise it on a small box
+    import reshard.kernels._checksum as ck
+
+    t = _random((1013,), torch.uint8, seed=14)
+    monkeypatch.setattr(ck, "_FOLD_WORDS", 3)
+    assert _h(t, step=24) == _h(t, step=16) == _oracle(_bytes_of(t))
+
+
 def test_dtype_hashes_the_cast_slice_by_slice() -> None:
     x = torch.randn(37, 11).t()
     assert _h(x, dtype=torch.bfloat16, step=40) == _h(x.to(torch.bfloat16))
@@ -223,8 +233,10 @@ def test_out_and_bad_arguments() -> None:
     assert checksum(x, out=buf[1]) is not None and int(buf[1]) == _h(x) and int(buf[0]) == int(buf[2]) == 0
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
         checksum([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="step must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"step must be an int in \[1, 2\*\*30\]"):
         checksum(x, step=0)
+    with pytest.raises(ValueError, match="got True"):
+        checksum(x, step=True)
     with pytest.raises(ValueError, match="out must be a 0-D torch.int64 tensor on cpu, got torch.int32"):
         checksum(x, out=torch.zeros((), dtype=torch.int32))
 

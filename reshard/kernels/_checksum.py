@@ -5,7 +5,7 @@ little-endian 64-bit words `w_0, w_1, ...` (the last word zero-padded), and
 
     h_i   = fmix64(w_i ^ ((i + 1) * INDEX_MULT))        each word hashed with its index mixed in
     total = sum_i h_i  (mod 2**64)
-    sum   = fmix64(total ^ (nbytes * LENGTH_MULT))      the length told apart from zero padding
+    sum   = total ^ (nbytes * LENGTH_MULT)              the length told apart from zero padding
 
 where `fmix64` is MurmurHash3's 64-bit finalizer (`x ^= x >>> 33; x *= M1; x ^= x >>> 33; x *= M2; x ^= x >>> 33`,
 `>>>` a logical shift), a bijection of 64-bit words in which every input bit flips about half the output bits. As
@@ -14,8 +14,8 @@ each word's term is a non-linear function of the word and its position, changes 
 
 Integer arithmetic only, written so its bits are fixed: `int64` multiplication wraps modulo 2**64 in torch (and in
 CUDA, and in Triton); torch's `>>` on `int64` is arithmetic, so the logical shift is a shift and a mask; the sum is
-taken over the two 32-bit halves of each `h_i` separately, each half-sum fits in `int64` without overflow, and
-carries are folded in explicitly. Addition modulo 2**64 does not depend on the order of terms, so any reduction order
+taken over the two 32-bit halves of each `h_i` separately, so the half-sums stay below 2**63 (carries are folded in
+explicitly after every `_FOLD_WORDS` words and at the end). Addition modulo 2**64 does not depend on the order of terms, so any reduction order
 or slicing gives the same value.
 
 Memory: the bytes are read in slices of at most `step` bytes (default `CHECKSUM_STEP`), each made contiguous and
@@ -36,6 +36,9 @@ CHECKSUM_STEP = 1 << 22
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
+_FOLD_WORDS = 1 << 30
+"""Most words between carry folds: their halves (< 2**32 each) add < 2**62 to a half-sum, which stays < 2**63."""
+_MAX_STEP = 1 << 30  # bytes: a slice, even cast to a dtype 8 times as wide, has at most `_FOLD_WORDS` words
 
 
 def _signed(v: int) -> int:
@@ -102,15 +105,18 @@ def _as_bytes(piece: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def _add_words(words: torch.Tensor, first: int, lo: torch.Tensor, hi: torch.Tensor) -> None:
     """Add `h_i` of the little-endian words in `words` (`uint8`, length a multiple of 8, aligned), the first having
-    index `first`, to the 32-bit half-sums `lo` / `hi` (0-D `int64`, each kept below 2**32)."""
+    index `first`, to the half-sums `lo` / `hi` (0-D `int64`; `_fold` them before they could overflow)."""
     w = words.view(torch.int64)
     x = torch.arange(first + 1, first + 1 + w.numel(), dtype=torch.int64, device=w.device)
     x.mul_(INDEX_MULT).bitwise_xor_(w)
     _fmix64_(x)
-    # each half < 2**32 and a slice has < 2**31 words, so neither half-sum overflows int64
     lo.add_(torch.bitwise_and(x, _MASK32).sum())
     hi.add_(_srl_(x, 32).sum())
-    hi.add_(lo >> 32).bitwise_and_(_MASK32)  # carry, then modulo 2**32 (the sum is modulo 2**64)
+
+
+def _fold(lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Carry `lo`'s high bits into `hi`, and keep both below 2**32 (the sum is modulo 2**64)."""
+    hi.add_(lo >> 32).bitwise_and_(_MASK32)
     lo.bitwise_and_(_MASK32)
 
 
@@ -128,14 +134,14 @@ def checksum(
         x: any dtype, shape and strides (non-contiguous views hash like their contiguous copy), any device.
         out: optional 0-D `int64` tensor on `x`'s device (e.g. one entry of a buffer of checksums) to write into.
         dtype: hash `x.to(dtype)` instead of `x` (cast one slice at a time, never all of `x` at once).
-        step: bytes of `x` per slice (>= 1); the result does not depend on it.
+        step: bytes of `x` per slice (1 to 2**30); the result does not depend on it.
 
     Returns:
         A 0-D `int64` tensor on `x`'s device (`out` when given). No host synchronization.
 
     Raises:
         TypeError: `x` not a tensor.
-        ValueError: `step` < 1; `out` not a 0-D `int64` tensor on `x`'s device.
+        ValueError: `step` out of range; `out` not a 0-D `int64` tensor on `x`'s device.
 
     Example:
         >>> a = torch.tensor([1, 2, 3], dtype=torch.uint8)
@@ -146,8 +152,8 @@ def checksum(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"checksum: x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"checksum: step must be an int >= 1 (bytes per slice), got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= _MAX_STEP:
+        raise ValueError(f"checksum: step must be an int in [1, 2**30] (bytes per slice), got {step!r}")
     if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != 0 or out.dtype != torch.int64
                             or out.device != x.device):
         what = (f"{out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
@@ -159,6 +165,7 @@ def checksum(
     nbytes = 0
     word = 0
     carry: torch.Tensor | None = None  # the < 8 bytes of an unfinished word
+    pending = 0  # words added since the last carry fold
     for piece in _pieces(x, step):
         b = _as_bytes(piece, dtype)
         nbytes += b.numel()
@@ -166,6 +173,10 @@ def checksum(
             b = torch.cat([carry, b])
         whole = b.numel() - b.numel() % 8
         if whole:
+            if pending + whole // 8 > _FOLD_WORDS:
+                _fold(lo, hi)
+                pending = 0
+            pending += whole // 8
             _add_words(b[:whole], word, lo, hi)
             word += whole // 8
         carry = b[whole:].clone() if whole < b.numel() else None
@@ -173,9 +184,9 @@ def checksum(
         tail = torch.zeros(8, dtype=torch.uint8, device=device)
         tail[:carry.numel()] = carry
         _add_words(tail, word, lo, hi)
-    total = hi.mul_(1 << 32).add_(lo)  # hi * 2**32 wraps into the sign bit; adding lo < 2**32 carries nothing
-    total.bitwise_xor_(_signed(nbytes * LENGTH_MULT))
-    result = _fmix64_(total.view(1)).view(())
+    _fold(lo, hi)
+    result = hi.mul_(1 << 32).add_(lo)  # hi * 2**32 wraps into the sign bit; adding lo < 2**32 carries nothing
+    result.bitwise_xor_(_signed(nbytes * LENGTH_MULT))
     if out is None:
         return result
     out.copy_(result)
