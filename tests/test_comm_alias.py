@@ -198,6 +198,16 @@ def test_overlap_is_exact_for_interleaved_strides() -> None:
     assert _overlap(base[:, :5], base[:, 4:])
     assert _overlap(base.t()[1:3], base[:, 2])
     assert _overlap(base.view(torch.uint8)[:, 1::4], base[:, 0::2])  # byte 1 of float 0: a byte, not an element
+    # many interleaved views at once: 300 destinations, column k of a [7, 300] matrix each, and a source beside
+    from reshard.comm._alias import _cluster_pairs
+
+    m = torch.zeros(7, 301)
+    members = [("destination", k, m[:, k]) for k in range(300)] + [("source", 0, m[:, 300])]
+    assert _cluster_pairs(members) == []
+    assert _cluster_pairs(members + [("source", 1, m[3:5, 17:19])]) == [(17, 301), (18, 301)]
+    # member 301 (row 6, columns 299-300) overlaps destination 299; destinations that overlap are named first, and
+    # alone (the source test needs disjoint destinations)
+    assert _cluster_pairs(members + [("destination", 300, m[6, 299:])]) == [(299, 301)]
     # too many runs for the exact test: intersecting spans count as an overlap (conservative)
     big = torch.zeros(2, (1 << 16) + 1, 2)
     assert _overlap(big[..., 0], big[..., 1])
