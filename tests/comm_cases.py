@@ -60,6 +60,15 @@ class Hooked:
         self.inner.run()
 
 
+def expect_all_raise(outs: list[Any], error_type: str, *patterns: str) -> None:
+    """Every rank's `Outcome` in `outs` is an error of type `error_type` whose message contains each pattern."""
+    for o in outs:
+        assert not o.ok, f"rank {o.rank} did not raise (returned {o.value!r})"
+        assert o.error_type == error_type, f"rank {o.rank}: {o.error}\n{o.trace}"
+        for pat in patterns:
+            assert pat in o.error, f"rank {o.rank}: {pat!r} not in:\n{o.error}"
+
+
 def full_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: str) -> torch.Tensor:
     """Random bytes of `shape` and `dtype`, the same on every rank (any bit pattern: NaNs included)."""
     numel = 1

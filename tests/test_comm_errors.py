@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from comm_cases import B2, S0, SENTINEL, A, B, Hooked, R, as_bytes, dtensor_local, full_tensor
+from comm_cases import B2, S0, SENTINEL, A, B, Hooked, R, as_bytes, dtensor_local, expect_all_raise, full_tensor
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard import Layout, Mesh, PlanItem, Topology, plan, plan_many
@@ -47,14 +47,6 @@ def _locals(rank: int, src: Layout, dst: Layout, seed: str = "w") -> tuple:
 
 def _untouched(d: torch.Tensor | None) -> bool:
     return d is None or bool((as_bytes(d) == SENTINEL).all())
-
-
-def _expect_all_raise(outs, error_type: str, *patterns: str) -> None:
-    for o in outs:
-        assert not o.ok, f"rank {o.rank} did not raise (returned {o.value!r})"
-        assert o.error_type == error_type, f"rank {o.rank}: {o.error}\n{o.trace}"
-        for pat in patterns:
-            assert pat in o.error, f"rank {o.rank}: {pat!r} not in:\n{o.error}"
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -293,7 +285,7 @@ def on_rank_plans_differ(w, variant: str) -> None:
 ])
 def test_plans_that_differ_between_ranks_raise_on_every_rank(pool, variant, patterns) -> None:
     outs = pool.run(on_rank_plans_differ, variant)
-    _expect_all_raise(outs, "ValueError", *patterns)
+    expect_all_raise(outs, "ValueError", *patterns)
 
 
 def on_rank_dtensor_layouts_differ(w) -> None:
@@ -313,7 +305,7 @@ def on_rank_dtensor_layouts_differ(w) -> None:
 
 def test_dtensor_layouts_that_differ_raise_on_every_rank(pool) -> None:
     outs = pool.run(on_rank_dtensor_layouts_differ)
-    _expect_all_raise(outs, "ValueError", "destination DTensors differ between ranks", "ranks [6]: [16, 8] float32",
+    expect_all_raise(outs, "ValueError", "destination DTensors differ between ranks", "ranks [6]: [16, 8] float32",
                       "[S(1)]", "ranks [4, 5, 7]")
 
 
@@ -340,7 +332,7 @@ def on_rank_wrong_locals(w, variant: str) -> None:
 ])
 def test_wrong_local_tensors_raise_on_every_rank_before_bytes_move(pool, variant, patterns) -> None:
     outs = pool.run(on_rank_wrong_locals, variant)
-    _expect_all_raise(outs, "ValueError", "bad input, nothing was moved", *patterns)
+    expect_all_raise(outs, "ValueError", "bad input, nothing was moved", *patterns)
 
 
 def test_reshard_refuses_multi_tensor_plans() -> None:
@@ -394,11 +386,61 @@ def on_rank_corrupt(w, verify: bool) -> bool:
 
 def test_corrupt_byte_with_verify_raises_on_every_rank(pool) -> None:
     outs = pool.run(on_rank_corrupt, True)
-    _expect_all_raise(outs, "ChecksumError", "received bytes differ from what was sent", "checksum mismatch",
+    expect_all_raise(outs, "ChecksumError", "received bytes differ from what was sent", "checksum mismatch",
                       "of tensor 'w' (item 0), sent by rank", "to rank 6 (destination box")
     # without verify the same corruption goes unnoticed: this is what verify is for
     unverified = pool.run_ok(on_rank_corrupt, False)
     assert unverified[6] is False and all(unverified[r] for r in range(WORLD) if r != 6)
+
+
+def _linear_checksum(view: torch.Tensor, *, out: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The position-weighted byte sum `verify=True` used before (byte `i`, value `v`, adds `v * (i + 1 + 1_000_003)`):
+    the negative control of `test_plus_minus_plus_with_verify_raises_on_every_rank`."""
+    x = view if dtype is None else view.to(dtype)
+    flat = x.contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    return out.copy_((flat * torch.arange(1_000_004, 1_000_004 + flat.numel(), dtype=torch.int64)).sum())
+
+
+def on_rank_plus_minus_plus(w, linear: bool) -> bool:
+    """Rank 6 adds +1, -2, +1 to three adjacent bytes of its second receive buffer before unpacking (no byte wraps);
+    with `linear`, every rank checksums with the old linear sum instead of `reshard.kernels.checksum`."""
+    import reshard.comm._executor as ex
+
+    src, dst = _layouts(shape=(64, 48))
+    p = plan(src, dst, staging_bytes=8192, min_split_bytes=256)
+    full, s, d = _locals(w.rank, src, dst)
+    original_unpack, original_checksum = ex.prepare_unpack, ex.checksum
+    calls = []
+
+    def corrupting_prepare_unpack(buffer, offsets, tensors, boxes, **kw):
+        calls.append(1)
+
+        def corrupt() -> None:
+            b = buffer[int(offsets[0]):].tolist()
+            i = next(i for i in range(len(b) - 2) if b[i] < 255 and b[i + 1] >= 2 and b[i + 2] < 255)
+            buffer[int(offsets[0]) + i: int(offsets[0]) + i + 3] += torch.tensor([1, 254, 1], dtype=torch.uint8)
+
+        inner = original_unpack(buffer, offsets, tensors, boxes, **kw)
+        return Hooked(inner, corrupt) if len(calls) == 2 else inner
+
+    if w.rank == 6:
+        ex.prepare_unpack = corrupting_prepare_unpack
+    if linear:
+        ex.checksum = _linear_checksum
+    try:
+        reshard(s, d, p, w.group, verify=True, timeout=30)
+    finally:
+        ex.prepare_unpack, ex.checksum = original_unpack, original_checksum
+    return d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
+
+
+def test_plus_minus_plus_with_verify_raises_on_every_rank(pool) -> None:
+    outs = pool.run(on_rank_plus_minus_plus, False)
+    expect_all_raise(outs, "ChecksumError", "received bytes differ from what was sent", "checksum mismatch",
+                      "to rank 6 (destination box")
+    # negative control: with the old linear checksum, verify passes and rank 6 holds wrong bytes
+    linear = pool.run_ok(on_rank_plus_minus_plus, True)
+    assert linear[6] is False and all(linear[r] for r in range(WORLD) if r != 6)
 
 
 def on_rank_stuck(w, timeout: float) -> float:

@@ -44,10 +44,11 @@ from typing import Any
 
 import torch
 
+from reshard.comm._alias import overlap_errors
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import EXACT_SUFFIX, agree
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
-from reshard.kernels import PreparedCopy, prepare_pack, prepare_unpack
+from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
 from reshard.planner import PIPELINE_DEPTH, BoxList, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,6 @@ NUM_SLOTS = PIPELINE_DEPTH
 
 _PREPARED_PLANS = 2
 """Plans whose prepared copies a group keeps (each pins the tensors it was prepared for)."""
-_CHECKSUM_STEP = 1 << 22  # bytes per checksum slice: bounds the int64 temporaries of `verify=True`
-_CHECKSUM_MIX = 1_000_003
 
 
 class ChecksumError(CommError):
@@ -211,6 +210,7 @@ def _check_tensors(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
             devices.setdefault(str(t.device), t.device)
     if len(devices) > 1:
         errors.append(f"rank {rank}: local tensors are on several devices {sorted(devices)}; expected one")
+    errors.extend(overlap_errors(plan, rank, src, dst))  # a destination sharing memory with a source or destination
     device = next(iter(devices.values())) if len(devices) == 1 else None
     return errors, device
 
@@ -240,20 +240,10 @@ def _describe_plan(plan: Plan) -> list[tuple[str, str]]:
 # -------------------------------------------------------------------------------------------------------------
 
 
-def _checksum(view: torch.Tensor, out: torch.Tensor) -> None:
-    """Write into `out` (0-D `int64`) a position-weighted checksum of `view`'s bytes in row-major order.
-
-    Any single changed byte changes it: byte `i` (value `v`) contributes `v * (i + 1 + MIX)` modulo 2**64.
-    """
-    flat = view.reshape(-1)
-    flat = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
-    acc = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), _CHECKSUM_STEP):
-        part = flat[start: start + _CHECKSUM_STEP].to(torch.int64)
-        weights = torch.arange(start + 1 + _CHECKSUM_MIX, start + 1 + _CHECKSUM_MIX + part.numel(),
-                               dtype=torch.int64, device=flat.device)
-        acc += (part * weights).sum()
-    out.copy_(acc)
+def _checksum(view: torch.Tensor, out: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Write into `out` (0-D `int64`) the checksum of `view`'s bytes (cast to `dtype` if given) in row-major order:
+    `reshard.kernels.checksum`, position-sensitive and non-linear, computed in slices (no box-sized temporary)."""
+    checksum(view, out=out, dtype=dtype)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -356,8 +346,7 @@ class _Run:
                 tensors = self._tensors(step.pack)
                 sums = self.staging.send_sums[slot]
                 for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
-                    view = t[box.slices()]
-                    _checksum(view if wire is None else view.contiguous().to(wire), sums[k])
+                    _checksum(t[box.slices()], sums[k], wire)
             if s is not None:
                 s.packed[slot].record(s.pack)
         self.report.seconds_pack += time.perf_counter() - t0
@@ -560,7 +549,8 @@ def execute(
         src_tensors: the source local tensors, indexed by the plan items' `src_tensor`; None on a rank that holds
             no source. Tensor `i` has the local shape and dtype of the items' source layouts on this rank.
         dst_tensors: the destination local tensors, indexed by the items' `dst_tensor`, written in place; None on
-            a rank that holds no destination. Must not overlap the source tensors in memory.
+            a rank that holds no destination. None may share memory with a source tensor or another destination
+            (two sources may share memory).
         group: default `Group.world()`.
         verify: send per-box checksums with the data and check every received box; every rank raises
             `ChecksumError` naming the box, its sender and receiver if one differs. Costs an extra read of every
@@ -576,7 +566,8 @@ def execute(
     Raises:
         ValueError: on every rank of the plan, before any byte moves, when plans differ between ranks (saying
             what differs) or some rank's local tensors have the wrong shape, dtype or device (naming the tensor,
-            the rank, the expected and the actual value).
+            the rank, the expected and the actual value), or a destination shares memory with a source or another
+            destination (naming both and the rank).
         CommError: a peer died, failed or did not answer within `timeout` (with `confirm`, on every rank).
         ChecksumError: with `verify=True`, on every rank, when a received box does not match its checksum.
     """

@@ -12,6 +12,8 @@ Exports:
     Box: the box type the functions take (`reshard.planner.Box`, re-exported).
     BACKEND_ENV: the environment variable (`RESHARD_KERNEL_BACKEND`) that overrides `backend=None`.
     launch_config: the kernels' block size and warp count.
+    checksum, CHECKSUM_STEP: a 64-bit position-sensitive, non-linear hash of a tensor's bytes in row-major order
+        (the check of `verify=True`), the same bits on CPU and CUDA, computed in slices of `CHECKSUM_STEP` bytes.
     quantize_fp8_block, quantize_fp8_block_reference: DeepSeek-V3 style blockwise FP8: `[..., M, N]` float32 /
         bfloat16 / float16 -> float8_e4m3fn `q` and one float32 `scale_inv` (amax / 448) per 128 x 128 block; one
         Triton launch per call, or the pure-torch reference (the CPU path), bit for bit the same.
@@ -32,6 +34,7 @@ Exports:
 """
 
 from reshard.kernels._backend import BACKEND_ENV
+from reshard.kernels._checksum import CHECKSUM_STEP, checksum
 from reshard.kernels._delta import (
     DELTA_DENSE_FRACTION,
     DELTA_HEADER_BYTES,
@@ -72,6 +75,7 @@ from reshard.planner._blocks import block_aligned, scale_box
 
 __all__ = [
     "BACKEND_ENV",
+    "CHECKSUM_STEP",
     "DELTA_DENSE_FRACTION",
     "DELTA_HEADER_BYTES",
     "Box",
@@ -81,6 +85,7 @@ __all__ = [
     "DeltaVersionError",
     "PreparedCopy",
     "block_aligned",
+    "checksum",
     "choose_delta_format",
     "count_changed",
     "count_changed_reference",
