@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from comm_cases import SENTINEL, as_bytes, dtensor_local, expect_all_raise, full_tensor
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from reshard import Layout, Mesh, PlanItem, plan, plan_many
 from reshard.comm import execute, reshard
-from reshard.comm._alias import _overlap
+from reshard.comm._alias import _overlap, overlap_errors
 from reshard.testing import shared_pool
 
 pytestmark = pytest.mark.distributed
@@ -211,3 +211,13 @@ def test_overlap_is_exact_for_interleaved_strides() -> None:
     # too many runs for the exact test: intersecting spans count as an overlap (conservative)
     big = torch.zeros(2, (1 << 16) + 1, 2)
     assert _overlap(big[..., 0], big[..., 1])
+
+
+def test_one_tensor_as_source_and_destination_is_refused() -> None:
+    """The identical view as a source and a destination of one plan is an overlap too (no exception for it)."""
+    src = Layout((4, 6), Mesh([0]), [Replicate()], torch.float32)
+    p = plan(src, Layout((4, 6), Mesh([0]), [Replicate()], torch.float32))
+    t = torch.zeros(4, 6)
+    errors = overlap_errors(p, 0, [t], [t])
+    assert len(errors) == 1 and "rank 0" in errors[0], errors
+    assert overlap_errors(p, 0, [t], [torch.zeros(4, 6)]) == []

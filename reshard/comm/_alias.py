@@ -17,9 +17,6 @@ The test, per pair of tensors on one device:
    interleaved views (the even and odd columns of one matrix) are accepted; otherwise intersecting spans count as
    an overlap (sound, and conservative).
 
-One tensor passed as both a source and a destination (the identical view: same address, shape, strides, dtype)
-is allowed: the root of a gather-then-broadcast (`reshard.refit`) copies its gathered tensor onto itself.
-
 Addresses are compared, not storages, so two storages over one memory (`torch.from_blob`, DLPack) are caught too.
 """
 
@@ -109,18 +106,10 @@ def _cluster_pairs(members: list[tuple[str, int, torch.Tensor]]) -> list[tuple[i
         for k in torch.nonzero(first <= last).flatten().tolist():
             b = int(s_own[k])
             for a in d_own[int(first[k]): int(last[k]) + 1].unique().tolist():
-                if not _same_view(members[a][2], members[b][2]):
-                    pairs.add((min(a, b), max(a, b)))
+                pairs.add((min(a, b), max(a, b)))
             if len(pairs) > _MAX_MESSAGES:
                 break
     return sorted(pairs)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """One tensor passed as a source and as a destination (same address, shape, strides and dtype): allowed, as the
-    root of a gather-then-broadcast passes its gathered tensor as both (a copy of its bytes onto themselves)."""
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,8 +26,11 @@ class GatherBroadcastWeight:
         self.root = min(src.ranks)
         whole = lambda ranks: Layout(src.shape, Mesh(list(ranks)), [Replicate()], src.dtype, name=item.name)  # noqa: E731
         self.gather = plan(src, whole([self.root]), relay=False)
-        self.broadcast = plan(whole([self.root]), whole(sorted(set(dst.ranks) | {self.root})), relay=False)
-        self.nbytes = self.gather.stats.total_bytes + self.broadcast.stats.total_bytes
+        # the root already holds the full tensor: it broadcasts to the other destination ranks only (a tensor is
+        # never passed to `execute` as both a source and a destination)
+        receivers = sorted(set(dst.ranks) - {self.root})
+        self.broadcast = plan(whole([self.root]), whole(receivers), relay=False) if receivers else None
+        self.nbytes = self.gather.stats.total_bytes + (self.broadcast.stats.total_bytes if self.broadcast else 0)
 
     def run(self, refit: Any, src_tensors: list, dst_tensors: list) -> None:
         """Every rank of the group calls this, in the same order for every weight."""
@@ -39,9 +42,10 @@ class GatherBroadcastWeight:
             full = torch.empty(item.src.shape, dtype=item.src.dtype, device=device)
         src = [src_tensors[item.src_tensor] if rank in item.src.ranks else None]
         execute(self.gather, rank, src, [full if rank == self.root else None], refit.group, timeout=refit.timeout)
-        outs = [full if rank in self.broadcast.items[0].dst.ranks else None]
-        execute(self.broadcast, rank, [full if rank == self.root else None], outs, refit.group,
-                timeout=refit.timeout)
+        if self.broadcast is not None:
+            outs = [full if rank in self.broadcast.items[0].dst.ranks else None]
+            execute(self.broadcast, rank, [full if rank == self.root else None], outs, refit.group,
+                    timeout=refit.timeout)
         if rank in item.dst.ranks:
             out = dst_tensors[item.dst_tensor]
             assert full is not None and out is not None
