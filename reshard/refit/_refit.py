@@ -163,10 +163,12 @@ class Refit:
         self.check_replicas = check_replicas
         self.timeout = timeout
         self.precision = precision
-        # what was registered: a DTensor (its local tensor is read at every run) or a `Bound` plain tensor
+        # what was registered: a DTensor (its local tensor is read at every run) or a plain tensor, which
+        # `_follow` (kind, name) follows to its view base's new storage (see reshard.refit._live)
         self._sources: dict[str, tuple[Any, LayoutLike]] = {}
-        self._dests: dict[str, tuple[Bound, _Dest]] = {}
-        self._scales: dict[str, Bound] = {}
+        self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+        self._follow: dict[tuple[str, str], Bound] = {}
         self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
         self._paths: dict[str, tuple[torch.nn.Module, str]] = {}  # add_module_sources: re-read at every run
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
@@ -212,7 +214,7 @@ class Refit:
             # the mesh is in this process's own world ranks; the exchange maps it to group ranks by coordinate
             self._coords[name] = [int(c) for c in coord]
         else:
-            tensor = Bound(tensor)
+            self._follow[("source", name)] = Bound(tensor)
         self._sources[name] = (tensor, layout)
 
     def add_module_sources(self, module: torch.nn.Module, *, prefix: str = "") -> None:
@@ -267,9 +269,11 @@ class Refit:
             renamed = [relabel(lay, name=gname) for gname, lay in parts]
             fused = fuse(renamed, dim=dim) if len(renamed) > 1 and not placed else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
-        self._dests[name] = (Bound(tensor), _Dest(name, components))
+        self._dests[name] = (tensor, _Dest(name, components))
+        self._follow[("destination", name)] = Bound(tensor)
         if scale is not None:
-            self._scales[name] = Bound(scale)
+            self._scales[name] = scale
+            self._follow[("scale of destination", name)] = Bound(scale)
 
     def _check_open(self, name: str) -> None:
         if self._built is not None:
@@ -381,19 +385,26 @@ class Refit:
             if name in self._coords:
                 srcs[name] = dtensor_local(obj)
             else:
-                srcs[name], e = obj.current("source", name, self.rank)
-                if e:
-                    errors.append(e)
-        dsts, scales = {}, {}
-        for name, (bound, _) in self._dests.items():
-            dsts[name], e = bound.current("destination", name, self.rank)
-            if e:
-                errors.append(e)
-        for name, bound in self._scales.items():
-            scales[name], e = bound.current("scale of destination", name, self.rank)
-            if e:
-                errors.append(e)
+                srcs[name] = self._current("source", name, obj, errors)
+                if srcs[name] is not obj:  # followed to new storage: keep the registration current
+                    self._sources[name] = (srcs[name], layout)
+        dsts = {n: self._current("destination", n, t, errors) for n, (t, _) in self._dests.items()}
+        scales = {n: self._current("scale of destination", n, t, errors) for n, t in self._scales.items()}
+        for n, (t, d) in list(self._dests.items()):
+            if dsts[n] is not t:  # followed to new storage: keep the registration current
+                self._dests[n] = (dsts[n], d)
+        self._scales.update(scales)
         return srcs, dsts, scales, errors
+
+    def _current(self, kind: str, name: str, tensor: Any, errors: list[str]) -> Any:
+        """A registered plain tensor as it is now (followed to its view base's new storage), appending errors."""
+        bound = self._follow.get((kind, name))
+        if bound is None or bound.tensor is not tensor:  # not registered through add_* (set directly)
+            return tensor
+        now, e = bound.current(kind, name, self.rank)
+        if e:
+            errors.append(e)
+        return now
 
     def _adopt(self, name: str, now: Any, layout: LayoutLike) -> str | None:
         """Take `now`, the parameter that replaced source `name` in its module, if it has the same layout."""
