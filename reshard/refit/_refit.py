@@ -7,6 +7,10 @@ Runtime contract:
   and local tensors on every rank (any problem raises the same `ValueError` on every rank, before data moves),
   and builds one whole-model plan. Later `run()`s reuse it: each moves the current values of the registered
   tensors straight into the registered destination tensors.
+- Registrations are live (see `reshard.refit._live`): every `run()` reads each DTensor's local tensor (and, for
+  `add_module_sources`, the module's parameter) anew, follows a destination view to its base's new storage, and
+  checks every local tensor's shape, dtype and device against the plan; a change raises a `ValueError` on every
+  rank (one small agreement round per later run) before any data moves, a new storage of the same layout is used.
 - Many small tensors bound for one peer share one message and one pack per chunk: messages per rank pair depend
   on the chunk count, not on the number of tensors.
 """
@@ -23,7 +27,7 @@ import torch
 
 from reshard.comm import CommError, Group, execute
 from reshard.comm._group import as_timedelta
-from reshard.comm._handshake import all_gather_json
+from reshard.comm._handshake import agree, all_gather_json
 from reshard.cost import get_hardware
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
@@ -40,6 +44,7 @@ from reshard.planner._blocks import scale_layout
 from reshard.planner._wire import decode_layout, encode_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
+from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
 from reshard.refit._meta import LayoutLike, check_local
 from reshard.refit._policy import Choice, choose
 from reshard.refit._replicas import replica_digests, replica_errors
@@ -158,10 +163,15 @@ class Refit:
         self.check_replicas = check_replicas
         self.timeout = timeout
         self.precision = precision
-        self._sources: dict[str, tuple[torch.Tensor, LayoutLike]] = {}
+        # what was registered: a DTensor (its local tensor is read at every run) or a plain tensor, which
+        # `_follow` (kind, name) follows to its view base's new storage (see reshard.refit._live)
+        self._sources: dict[str, tuple[Any, LayoutLike]] = {}
         self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
         self._scales: dict[str, torch.Tensor] = {}
+        self._follow: dict[tuple[str, str], Bound] = {}
         self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
+        self._paths: dict[str, tuple[torch.nn.Module, str]] = {}  # add_module_sources: re-read at every run
+        self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
         self._built: _Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -183,6 +193,11 @@ class Refit:
                 refit.add_source(name, p)
 
         A process outside a DTensor's mesh holds nothing of it and registers nothing.
+
+        The registered object is kept, not its values: a DTensor's local tensor is read at every `run()` (so
+        `module.to(...)` and a re-materialised local tensor are seen), a plain tensor is used as it is then. A
+        parameter replaced in its module by a new object (`load_state_dict(assign=True)`) is not seen by this
+        binding: register through `add_module_sources`, which re-reads the module's parameters at every run.
         """
         self._check_open(name)
         if name in self._sources:
@@ -198,8 +213,25 @@ class Refit:
             layout = Layout.from_dtensor(tensor, name=name)
             # the mesh is in this process's own world ranks; the exchange maps it to group ranks by coordinate
             self._coords[name] = [int(c) for c in coord]
-            tensor = tensor.to_local()
+        else:
+            self._follow[("source", name)] = Bound(tensor)
         self._sources[name] = (tensor, layout)
+
+    def add_module_sources(self, module: torch.nn.Module, *, prefix: str = "") -> None:
+        """Register every DTensor parameter of `module` under `prefix + name` (`module.named_parameters()`).
+
+        Unlike `add_source(name, param)`, the parameters are looked up in the module again at every `run()`: a
+        parameter replaced by a new object of the same layout (`load_state_dict(assign=True)`,
+        `module.weight = nn.Parameter(...)`) is picked up and its new values sent; one of another layout (dtype,
+        shape, placements, mesh) or a parameter gone from the module raises a `ValueError` on every rank, naming
+        it, before data moves.
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"Refit.add_module_sources: expected a torch.nn.Module, got {type(module).__name__}")
+        for pname, p in module.named_parameters():
+            self.add_source(prefix + pname, p)
+            if prefix + pname in self._sources:
+                self._paths[prefix + pname] = (module, pname)
 
     def add_destination(
         self,
@@ -238,8 +270,10 @@ class Refit:
             fused = fuse(renamed, dim=dim) if len(renamed) > 1 and not placed else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
         self._dests[name] = (tensor, _Dest(name, components))
+        self._follow[("destination", name)] = Bound(tensor)
         if scale is not None:
             self._scales[name] = scale
+            self._follow[("scale of destination", name)] = Bound(scale)
 
     def _check_open(self, name: str) -> None:
         if self._built is not None:
@@ -257,21 +291,27 @@ class Refit:
         """Move every registered weight's current values into the destinations. Every rank of the group calls it."""
         seconds = {"metadata": 0.0, "plan": 0.0, "transfer": 0.0}
         first = self._built is None
+        t0 = time.perf_counter()
+        srcs, dsts, scales, errors = self._resolve()
         if first:
-            t0 = time.perf_counter()
-            meta = self._exchange_metadata()
+            meta = self._exchange_metadata(srcs, dsts, scales, errors)
             t1 = time.perf_counter()
             self._built = _build(self, meta)
+            self._planned = {(kind, n): geometry(t) for kind, ts in (("source", srcs), ("destination", dsts),
+                                                                      ("scale of destination", scales))
+                             for n, t in ts.items()}
             seconds["metadata"] = t1 - t0
             seconds["plan"] = time.perf_counter() - t1
         b = self._built
         assert b is not None
+        if not first:
+            self._check_live(b, srcs, dsts, scales, errors)
         if self.check_replicas:
-            self._check_replicas(b)
+            self._check_replicas(b, srcs)
         t0 = time.perf_counter()
-        src: list = [self._sources[n][0] if n in self._sources else None for n in b.source_names]
-        dst: list = [self._dests[n][0] if n in self._dests else None for n in b.dest_names]
-        dst += [self._scales.get(n) for n in b.scale_names]
+        src: list = [srcs.get(n) for n in b.source_names]
+        dst: list = [dsts.get(n) for n in b.dest_names]
+        dst += [scales.get(n) for n in b.scale_names]
         src += [None] * (b.num_src - len(src))
         dst += [None] * (b.num_dst - len(dst))
         for w in b.fp8:
@@ -308,9 +348,8 @@ class Refit:
         lines.append(b.plan.describe(max_transfers=0))
         return "\n".join(lines)
 
-    def _check_replicas(self, b: _Built) -> None:
-        mine = [self.rank, replica_digests(self.rank, b.source_layouts,
-                                           {n: t for n, (t, _) in self._sources.items()})]
+    def _check_replicas(self, b: _Built, srcs: dict[str, torch.Tensor]) -> None:
+        mine = [self.rank, replica_digests(self.rank, b.source_layouts, srcs)]
         td = as_timedelta(self.timeout, default=self.group.timeout)
         gathered = all_gather_json(self.group, mine, timeout=td, what="refit replica check")
         for r, m in enumerate(gathered):
@@ -322,28 +361,115 @@ class Refit:
             raise ValueError(f"Refit on rank {self.rank}: {len(errors)} replica mismatch(es), nothing was moved:\n  "
                              + "\n  ".join(errors))
 
+    # ---- live registrations (see reshard.refit._live) ------------------------------------------------------
+    def _resolve(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
+        """The local tensors to use now (sources, destinations, scales by name), and this rank's errors."""
+        errors: list[str] = []
+        srcs: dict[str, Any] = {}
+        for name, (obj, layout) in list(self._sources.items()):
+            path = self._paths.get(name)
+            if path is not None:
+                module, pname = path
+                try:
+                    now = module.get_parameter(pname)
+                except AttributeError as e:
+                    errors.append(f"source {name!r} on rank {self.rank}: its module no longer has parameter "
+                                  f"{pname!r} ({e})")
+                    continue
+                if now is not obj:
+                    e = self._adopt(name, now, layout)
+                    if e:
+                        errors.append(e)
+                        continue
+                    obj = now
+            if name in self._coords:
+                srcs[name] = dtensor_local(obj)
+            else:
+                srcs[name] = self._current("source", name, obj, errors)
+                if srcs[name] is not obj:  # followed to new storage: keep the registration current
+                    self._sources[name] = (srcs[name], layout)
+        dsts = {n: self._current("destination", n, t, errors) for n, (t, _) in self._dests.items()}
+        scales = {n: self._current("scale of destination", n, t, errors) for n, t in self._scales.items()}
+        for n, (t, d) in list(self._dests.items()):
+            if dsts[n] is not t:  # followed to new storage: keep the registration current
+                self._dests[n] = (dsts[n], d)
+        self._scales.update(scales)
+        return srcs, dsts, scales, errors
+
+    def _current(self, kind: str, name: str, tensor: Any, errors: list[str]) -> Any:
+        """A registered plain tensor as it is now (followed to its view base's new storage), appending errors."""
+        bound = self._follow.get((kind, name))
+        if bound is None or bound.tensor is not tensor:  # not registered through add_* (set directly)
+            return tensor
+        now, e = bound.current(kind, name, self.rank)
+        if e:
+            errors.append(e)
+        return now
+
+    def _adopt(self, name: str, now: Any, layout: LayoutLike) -> str | None:
+        """Take `now`, the parameter that replaced source `name` in its module, if it has the same layout."""
+        _, pname = self._paths[name]
+        if not hasattr(now, "to_local") or not hasattr(now, "placements"):
+            return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by a plain "
+                    f"{type(now).__name__}, not a DTensor")
+        coord = now.device_mesh.get_coordinate()
+        new = Layout.from_dtensor(now, name=name)
+        if new != layout or coord is None or [int(c) for c in coord] != self._coords[name]:
+            return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by one of "
+                    f"another layout: {layout!r} at mesh coordinate {self._coords[name]} -> {new!r} at "
+                    f"{None if coord is None else list(coord)}; a refit's tensors keep their layout (build a new "
+                    "Refit for the new one)")
+        logger.debug("Refit: rank %d: source %r: its module's parameter %r was replaced; using the new one",
+                     self.rank, name, pname)
+        self._sources[name] = (now, layout)
+        return None
+
+    def _check_live(self, b: _Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
+                    errors: list[str]) -> None:
+        """Raise on every rank, before data moves, if any rank's tensors no longer fit the plan."""
+        errors = list(errors)
+        for kind, ts in (("source", srcs), ("destination", dsts), ("scale of destination", scales)):
+            for n, t in ts.items():
+                if not isinstance(t, torch.Tensor):
+                    errors.append(f"{kind} {n!r} on rank {self.rank}: expected a torch.Tensor, got "
+                                  f"{type(t).__name__}")
+                    continue
+                e = changed(kind, n, self.rank, self._planned[(kind, n)], geometry(t))
+                if e:
+                    errors.append(e)
+        if self.group.size > 1:
+            td = as_timedelta(self.timeout, default=self.group.timeout)
+            fp = b.plan.fingerprint
+            agree(self.group, list(range(self.group.size)), fp, errors, lambda: [("refit plan", fp)], timeout=td,
+                  what="refit live check", failure="Refit: registered tensors changed since the plan was "
+                  "built, nothing was moved")
+        elif errors:
+            raise ValueError(f"Refit on rank {self.rank}: registered tensors changed, nothing was moved:\n  "
+                             + "\n  ".join(errors))
+
     # ---- metadata --------------------------------------------------------------------------------------------
-    def _exchange_metadata(self) -> list[dict]:
-        errors = []
-        for name, (tensor, layout) in self._sources.items():
+    def _exchange_metadata(self, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
+                           errors: list[str]) -> list[dict]:
+        errors = list(errors)
+        for name, (_, layout) in self._sources.items():
             coord = self._coords.get(name)
             own = self.rank if coord is None else layout.mesh.ranks[flat_index(coord, layout.mesh.shape)]
             if own not in layout.ranks:
                 errors.append(f"source {name!r}: rank {self.rank} registered it but is not in its layout's ranks")
-            else:
-                e = check_local(name, tensor, layout, own)
+            elif name in srcs:
+                e = check_local(name, srcs[name], layout, own)
                 if e:
                     errors.append("source " + e)
-        for name, (tensor, d) in self._dests.items():
+        for name, (_, d) in self._dests.items():
             lay = d.components[0][1]
             if self.rank not in lay.ranks:
                 errors.append(f"destination {name!r}: rank {self.rank} registered it but is not in its layout's "
                               "ranks")
                 continue
-            e = check_local(name, tensor, lay, self.rank)
+            e = check_local(name, dsts[name], lay, self.rank)
             if e:
                 errors.append("destination " + e)
-            errors.extend(_check_scale(name, d, self._scales.get(name), self.rank))
+            errors.extend(_check_scale(name, d, scales.get(name), self.rank))
         mine = {  # JSON values only (lists, dicts, strings, integers)
             "rank": self.rank,
             "sources": {n: {"layout": encode_layout(lay), "coord": self._coords.get(n)}

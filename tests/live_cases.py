@@ -1,0 +1,104 @@
+"""Jobs for `test_refit_live.py` (top-level functions, so they pickle): a registration changes between two runs.
+
+Four ranks: ranks 0 and 1 train one weight `weight` of shape (8, 6), a DTensor `Shard(0)` over `[0, 1]` held as a
+module's parameter; ranks 2 and 3 are the engine, holding it `Shard(1)` over `[2, 3]` (columns 0-2 on rank 2, 3-5
+on rank 3). The expected engine values are cut from the full tensor by hand (`full(seed)[:, 3 * i: 3 * i + 3]`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from reshard.comm import Group
+from reshard.planner import Layout, Mesh
+from reshard.refit import Refit
+
+SHAPE = (8, 6)
+TRAIN, ENGINE = (0, 1), (2, 3)
+
+
+def full(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full weight for `seed`: distinct values, different for every seed."""
+    return (torch.arange(48, dtype=torch.float64).reshape(SHAPE) * 1.25 + 1000.0 * seed).to(dtype)
+
+
+def engine_slice(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """What engine rank `rank` holds of the full tensor `t` (columns, by hand)."""
+    i = ENGINE.index(rank)
+    return t[:, 3 * i: 3 * i + 3]
+
+
+def dtensor(seed: int, dtype: torch.dtype = torch.float32):
+    mesh = DeviceMesh("cpu", torch.tensor(TRAIN), _init_backend=False)
+    return distribute_tensor(full(seed, dtype), mesh, [Shard(0)], src_data_rank=None)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(dtensor(seed))
+
+
+def _engine_layout(dtype: torch.dtype = torch.float32) -> Layout:
+    return Layout(SHAPE, Mesh(list(ENGINE)), [Shard(1)], dtype, name="weight")
+
+
+def job_live(worker, case: str) -> dict:
+    """Run 1 with seed 1, change one registration as `case` says, run 2 (new values: seed 2).
+
+    Returns, on engine ranks, the destination after each run (`runs`), and for `dest*` cases the old buffer after
+    run 2 (`old`); `error` is the message of a `ValueError` raised by run 2 (None if it ran).
+    """
+    refit = Refit(Group.world(), timeout=60)
+    rank = worker.rank
+    model = None
+    out: dict = {"runs": [], "error": None}
+    engine_param = None
+    if rank in TRAIN:
+        model = Model(1)
+        if case.startswith("assign"):
+            refit.add_module_sources(model)
+        else:
+            refit.add_source("weight", model.weight)
+    else:
+        # an engine parameter, flat, registered as a view in the engine's shape (as `EngineTensor.register` does)
+        engine_param = torch.nn.Parameter(torch.zeros(SHAPE[0] * 3), requires_grad=False)
+        refit.add_destination("weight", engine_param.view(SHAPE[0], 3), _engine_layout())
+
+    def dest() -> torch.Tensor:
+        return engine_param.detach().view(SHAPE[0], 3).clone()
+
+    refit.run()
+    if engine_param is not None:
+        out["runs"].append(dest())
+    old = None
+    if model is not None:
+        if case == "to64":
+            model.to(torch.float64)
+            assert model.weight.to_local().dtype == torch.float64
+        elif case == "local":  # a re-materialised local tensor of the same layout
+            model.weight._local_tensor = dtensor(2).to_local().clone()
+        elif case == "assign":
+            before = model.weight
+            model.load_state_dict({"weight": dtensor(2)}, assign=True)
+            assert model.weight is not before
+        elif case == "assign_dtype":
+            model.load_state_dict({"weight": dtensor(2, torch.float64)}, assign=True)
+        else:
+            with torch.no_grad():
+                model.weight.to_local().copy_(dtensor(2).to_local())  # in place: the values of seed 2
+    if engine_param is not None and case.startswith("dest"):
+        old = engine_param.data
+        dtype = torch.float64 if case == "dest_dtype" else torch.float32
+        engine_param.data = torch.full((SHAPE[0] * 3,), -1.0, dtype=dtype)  # the engine re-allocates its weight
+    try:
+        refit.run()
+    except ValueError as e:
+        out["error"] = str(e)
+    if engine_param is not None:
+        out["runs"].append(engine_param.detach().view(SHAPE[0], 3).clone())
+        if old is not None:
+            out["old"] = old.view(SHAPE[0], 3).clone()
+    return out

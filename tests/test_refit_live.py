@@ -1,0 +1,89 @@
+"""Live registrations across 4 gloo ranks: a refit source or destination that changes between two runs either
+sends (and lands) the new values, checked bit for bit against the new full tensor cut by hand, or raises a
+`ValueError` on every rank before any data moves; never stale bytes, never a stale buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from live_cases import ENGINE, full, job_live
+
+from reshard.testing import shared_pool
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _landed(out: list, seed: int) -> None:
+    """Every engine rank holds its slice of `full(seed)` after run 2, and held `full(1)`'s after run 1."""
+    from live_cases import engine_slice
+
+    for r in ENGINE:
+        assert torch.equal(out[r]["runs"][0], engine_slice(full(1), r)), r  # run 1 was right
+        assert torch.equal(out[r]["runs"][1], engine_slice(full(seed), r)), (r, out[r]["runs"][1])
+
+
+def test_module_to_float64_raises_on_every_rank_naming_the_weight(pool) -> None:
+    out = pool.run_ok(job_live, "to64")
+    for r, o in enumerate(out):
+        assert o["error"] is not None, (r, "run 2 sent without an error")
+        assert "source 'weight' on rank 0 changed since the plan" in o["error"], (r, o["error"])
+        assert "dtype torch.float32 -> torch.float64" in o["error"], (r, o["error"])
+        assert "source 'weight' on rank 1" in o["error"], (r, o["error"])  # both trainer ranks saw it
+    from live_cases import engine_slice
+
+    for r in ENGINE:  # nothing was moved
+        assert torch.equal(out[r]["runs"][1], engine_slice(full(1), r)), r
+
+
+def test_in_place_update_is_sent(pool) -> None:
+    """The control: the same job with an in-place update of the values (which also passed before)."""
+    out = pool.run_ok(job_live, "inplace")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    _landed(out, 2)
+
+
+def test_dtensor_local_tensor_replaced_with_the_same_layout_sends_the_new_values(pool) -> None:
+    out = pool.run_ok(job_live, "local")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    _landed(out, 2)
+
+
+def test_load_state_dict_assign_on_a_module_source_lands_the_new_values(pool) -> None:
+    out = pool.run_ok(job_live, "assign")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    _landed(out, 2)
+
+
+def test_load_state_dict_assign_of_another_dtype_raises_on_every_rank(pool) -> None:
+    out = pool.run_ok(job_live, "assign_dtype")
+    for r, o in enumerate(out):
+        assert o["error"] is not None and "source 'weight' on rank 0: its module's parameter 'weight' was replaced " \
+            "by one of another layout" in o["error"], (r, o["error"])
+        assert "float64" in o["error"], (r, o["error"])
+
+
+def test_destination_replaced_by_the_engine_writes_the_new_buffer_and_leaves_the_old_one(pool) -> None:
+    from live_cases import engine_slice
+
+    out = pool.run_ok(job_live, "dest")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    _landed(out, 2)
+    for r in ENGINE:
+        assert torch.equal(out[r]["old"], engine_slice(full(1), r)), (r, "the old buffer was written")
+
+
+def test_destination_replaced_with_another_dtype_raises_on_every_rank(pool) -> None:
+    from live_cases import engine_slice
+
+    out = pool.run_ok(job_live, "dest_dtype")
+    for r, o in enumerate(out):
+        assert o["error"] is not None, (r, "run 2 wrote without an error")
+        assert "destination 'weight' on rank 2 is a view of a tensor that was replaced" in o["error"], (r, o["error"])
+        assert "dtype torch.float32 -> torch.float64" in o["error"], (r, o["error"])
+    for r in ENGINE:
+        assert torch.equal(out[r]["old"], engine_slice(full(1), r)), (r, "the old buffer was written")
