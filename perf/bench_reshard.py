@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scenarios import (  # noqa: E402
+from scenarios import (
     SPEED_METHODS,
     ScenarioResult,
     SpeedResult,
@@ -112,7 +112,7 @@ def write_speed_csv(results: list[SpeedResult], path: Path, config: str) -> None
         w = csv.writer(f)
         w.writerow(["case", "method", "tensors", "bytes", "median_s", "min_s", "max_s", "rounds",
                     "reshard_over_method_paired_median", "verified", "reshard_pack_s", "reshard_wait_s",
-                    "reshard_unpack_s", "reshard_handshake_s", "reshard_other_s", "note", "machine", "torch",
+                    "reshard_unpack_s", "reshard_handshake_s", "reshard_confirm_s", "reshard_other_s", "note", "machine", "torch",
                     "config"])
         for r in results:
             b = r.breakdown
@@ -121,7 +121,7 @@ def write_speed_csv(results: list[SpeedResult], path: Path, config: str) -> None
                 ratio = "" if m == "reshard" else f"{r.ratio(m):.3f}"
                 w.writerow([r.name, m, r.tensors, r.nbytes, f"{statistics.median(sec):.6f}", f"{min(sec):.6f}",
                             f"{max(sec):.6f}", len(sec), ratio, r.verified[m] if m != "wire" else "n/a (no data)",
-                            *(f"{b.get(k, 0):.6f}" for k in ("pack", "wire", "unpack", "handshake", "other")),
+                            *(f"{b.get(k, 0):.6f}" for k in ("pack", "wire", "unpack", "handshake", "confirm", "other")),
                             r.note, machine(), torch.__version__, config])
 
 
@@ -136,7 +136,7 @@ def plot_speed(results: list[SpeedResult], path: Path, title: str) -> None:
     fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(15, 1.2 * len(results) + 2.5), sharey=True)
     h = 0.27
     parts = [("pack", "tab:blue"), ("wire", "tab:cyan"), ("unpack", "tab:purple"), ("handshake", "tab:gray"),
-             ("other", "lightgray")]
+             ("confirm", "darkgray"), ("other", "lightgray")]
     for i, r in enumerate(results):
         left = 0.0
         for k, color in parts:

@@ -578,6 +578,12 @@ def speed_job(w: Any, cases: list[SpeedCase], *, rounds: int = 5, warmup: int = 
     """One rank's part of timing reshard, `wire` and `exact_overlap` on every case, in interleaved rounds (the
     method order rotates each round); every result checked bit for bit against DTensor. Returns one row per case:
     per method the seconds per round, verified, and for reshard the report's breakdown per round."""
+    return [_speed_case(w.rank, w.world_size, ci, case, rounds, warmup, staging_bytes, execute_options or {})
+            for ci, case in enumerate(cases)]
+
+
+def _speed_case(rank: int, world: int, ci: int, case: SpeedCase, rounds: int, warmup: int, staging_bytes: int,
+                opts: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import distribute_tensor
@@ -585,71 +591,66 @@ def speed_job(w: Any, cases: list[SpeedCase], *, rounds: int = 5, warmup: int = 
     from reshard.comm import Group, execute
     from reshard.planner import plan_many
 
-    rank, world = w.rank, w.world_size
     group = Group.world()
-    rows = []
-    for ci, case in enumerate(cases):
-        pairs = case.layouts()
-        fulls = [_full(s, case.dtype) if i == 0 else _full(s, case.dtype).roll(i, 0)
-                 for i, s in enumerate(case.shapes)]
-        src_on = rank in pairs[0][0].ranks
-        dst_on = rank in pairs[0][1].ranks
-        srcs = [_local(f, s, rank) for f, (s, _) in zip(fulls, pairs)] if src_on else None
-        dmesh = DeviceMesh("cpu", torch.as_tensor(case.dst_mesh), _init_backend=False)
-        expected = [distribute_tensor(f, dmesh, list(case.dst_pl), src_data_rank=None).to_local() if dst_on
-                    else None for f in fulls]
-        del fulls
-        dsts = [torch.zeros(d.local_shape(rank), dtype=case.dtype) for _, d in pairs] if dst_on else None
+    pairs = case.layouts()
+    fulls = [_full(s, case.dtype) if i == 0 else _full(s, case.dtype).roll(i, 0)
+             for i, s in enumerate(case.shapes)]
+    src_on = rank in pairs[0][0].ranks
+    dst_on = rank in pairs[0][1].ranks
+    srcs = [_local(f, s, rank) for f, (s, _) in zip(fulls, pairs)] if src_on else None
+    dmesh = DeviceMesh("cpu", torch.as_tensor(case.dst_mesh), _init_backend=False)
+    expected = [distribute_tensor(f, dmesh, list(case.dst_pl), src_data_rank=None).to_local() if dst_on
+                else None for f in fulls]
+    del fulls
+    dsts = [torch.zeros(d.local_shape(rank), dtype=case.dtype) for _, d in pairs] if dst_on else None
 
-        p = plan_many(pairs, staging_bytes=staging_bytes)
-        prog = p.for_rank(rank)
-        wsend, wrecv = _wire_plan(prog)
-        send_bufs = [(peer, torch.randint(0, 255, (n,), dtype=torch.uint8)) for peer, n in sorted(wsend.items())]
-        recv_bufs = [(peer, torch.empty(n, dtype=torch.uint8)) for peer, n in sorted(wrecv.items())]
-        exact = _ExactOverlap(pairs, rank, world)
-        reports: list[Any] = []
-        opts = execute_options or {}
+    p = plan_many(pairs, staging_bytes=staging_bytes)
+    prog = p.for_rank(rank)
+    wsend, wrecv = _wire_plan(prog)
+    send_bufs = [(peer, torch.randint(0, 255, (n,), dtype=torch.uint8)) for peer, n in sorted(wsend.items())]
+    recv_bufs = [(peer, torch.empty(n, dtype=torch.uint8)) for peer, n in sorted(wrecv.items())]
+    exact = _ExactOverlap(pairs, rank, world)
+    reports: list[Any] = []
 
-        def run_reshard() -> None:
-            reports.append(execute(p, rank, srcs, dsts, group, **opts))
+    def run_reshard() -> None:
+        reports.append(execute(p, rank, srcs, dsts, group, **opts))
 
-        def run_wire() -> None:
-            works = [dist.irecv(b, peer, tag=1000 + ci) for peer, b in recv_bufs]
-            works += [dist.isend(b, peer, tag=1000 + ci) for peer, b in send_bufs]
-            for wk in works:
-                wk.wait()
+    def run_wire() -> None:
+        works = [dist.irecv(b, peer, tag=1000 + ci) for peer, b in recv_bufs]
+        works += [dist.isend(b, peer, tag=1000 + ci) for peer, b in send_bufs]
+        for wk in works:
+            wk.wait()
 
-        def run_exact() -> None:
-            exact.run(srcs, dsts)
+    def run_exact() -> None:
+        exact.run(srcs, dsts)
 
-        fns = {"reshard": run_reshard, "wire": run_wire, "exact_overlap": run_exact}
-        times: dict[str, list[float]] = {m: [] for m in SPEED_METHODS}
-        verified = {"reshard": True, "exact_overlap": True, "wire": True}
+    fns = {"reshard": run_reshard, "wire": run_wire, "exact_overlap": run_exact}
+    times: dict[str, list[float]] = {m: [] for m in SPEED_METHODS}
+    verified = {"reshard": True, "exact_overlap": True, "wire": True}
 
-        def check() -> bool:
-            return not dst_on or all(torch.equal(_bits(o), _bits(e)) for o, e in zip(dsts, expected))
+    def check() -> bool:
+        return not dst_on or all(torch.equal(_bits(o), _bits(e)) for o, e in zip(dsts, expected))
 
-        for k in range(warmup + rounds):
-            order = SPEED_METHODS[k % 3:] + SPEED_METHODS[:k % 3]
-            for m in order:
-                if dsts is not None and m != "wire":
-                    for d in dsts:
-                        d.zero_()
-                dist.barrier()
-                t0 = time.perf_counter()
-                fns[m]()
-                dist.barrier()
-                dt = time.perf_counter() - t0
-                if m != "wire":
-                    verified[m] = verified[m] and check()
-                if k >= warmup:
-                    times[m].append(dt)
-        breakdown = [{f: getattr(r, f) for f in ("seconds", "seconds_handshake", "seconds_pack", "seconds_wait",
-                                                 "seconds_unpack")} for r in reports[warmup:]]
-        rows.append({"case": case.key, "name": case.name, "nbytes": case.nbytes, "tensors": len(case.shapes),
-                     "times": times, "verified": verified, "breakdown": breakdown,
-                     "wire_bytes": sum(wsend.values()), "messages": p.stats.messages, "chunks": p.stats.num_chunks})
-    return rows
+    for k in range(warmup + rounds):
+        order = SPEED_METHODS[k % 3:] + SPEED_METHODS[:k % 3]
+        for m in order:
+            if dsts is not None and m != "wire":
+                for d in dsts:
+                    d.zero_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[m]()
+            dist.barrier()
+            dt = time.perf_counter() - t0
+            if m != "wire":
+                verified[m] = verified[m] and check()
+            if k >= warmup:
+                times[m].append(dt)
+    breakdown = [{f: getattr(r, f) for f in ("seconds", "seconds_handshake", "seconds_pack", "seconds_wait",
+                                             "seconds_unpack", "seconds_confirm")} for r in reports[warmup:]]
+    return {"case": case.key, "name": case.name, "nbytes": case.nbytes, "tensors": len(case.shapes), "times": times,
+            "verified": verified, "breakdown": breakdown, "wire_bytes": sum(wsend.values()),
+            "messages": p.stats.messages, "chunks": p.stats.num_chunks}
 
 
 @dataclass
@@ -671,22 +672,26 @@ class SpeedResult:
 
 
 def merge_speed(per_rank: list[list[dict]]) -> list[SpeedResult]:
-    """Per-rank rows -> per case: slowest rank per round; the breakdown is the median over rounds of the slowest
-    rank's pack, wait (wire), unpack, and the rest of reshard's time (control rounds, checks, local copies)."""
+    """Per-rank rows -> per case: slowest rank per round. The breakdown is the median over rounds of one rank's
+    parts, the rank whose data path (pack + wait + unpack) was longest that round: pack, wait (wire), unpack, the
+    handshake round (with checks and staging), the completion round, and the rest (posting, local copies)."""
     out = []
     for i, row in enumerate(per_rank[0]):
         seconds = {m: [max(rows[i]["times"][m][k] for rows in per_rank) for k in range(len(row["times"][m]))]
                    for m in row["times"]}
         verified = {m: all(rows[i]["verified"][m] for rows in per_rank) for m in row["verified"]}
-        parts: dict[str, list[float]] = {"pack": [], "wire": [], "unpack": [], "handshake": [], "other": []}
+        parts: dict[str, list[float]] = {"pack": [], "wire": [], "unpack": [], "handshake": [], "confirm": [],
+                                         "other": []}
         for k in range(len(row["breakdown"])):
-            bs = [rows[i]["breakdown"][k] for rows in per_rank]
-            parts["pack"].append(max(b["seconds_pack"] for b in bs))
-            parts["wire"].append(max(b["seconds_wait"] for b in bs))
-            parts["unpack"].append(max(b["seconds_unpack"] for b in bs))
-            parts["handshake"].append(max(b["seconds_handshake"] for b in bs))
-            parts["other"].append(max(b["seconds"] - b["seconds_pack"] - b["seconds_wait"] - b["seconds_unpack"]
-                                      - b["seconds_handshake"] for b in bs))
+            b = max((rows[i]["breakdown"][k] for rows in per_rank),
+                    key=lambda b: b["seconds_pack"] + b["seconds_wait"] + b["seconds_unpack"])
+            parts["pack"].append(b["seconds_pack"])
+            parts["wire"].append(b["seconds_wait"])
+            parts["unpack"].append(b["seconds_unpack"])
+            parts["handshake"].append(b["seconds_handshake"])
+            parts["confirm"].append(b.get("seconds_confirm", 0.0))
+            parts["other"].append(b["seconds"] - b["seconds_pack"] - b["seconds_wait"] - b["seconds_unpack"]
+                                  - b["seconds_handshake"] - b.get("seconds_confirm", 0.0))
         breakdown = {k: statistics.median(v) for k, v in parts.items() if v}
         note = f"{row['messages']} messages, {row['chunks']} chunks, {row['wire_bytes']} B sent by rank 0"
         out.append(SpeedResult(row["case"], row["name"], row["nbytes"], row["tensors"], seconds, verified, breakdown,
@@ -695,15 +700,16 @@ def merge_speed(per_rank: list[list[dict]]) -> list[SpeedResult]:
 
 
 def format_speed(results: list[SpeedResult]) -> str:
-    lines = [f"{'case':<36} {'reshard':>9} {'wire':>9} {'exact':>9}  {'r/wire':>7} {'r/exact':>7}  "
-             f"{'pack':>6} {'wait':>6} {'unpack':>6} {'hshake':>6} {'other':>6}  verified"]
+    lines = [(f"{'case':<36} {'reshard':>9} {'wire':>9} {'exact':>9}  {'r/wire':>7} {'r/exact':>7}  "
+              f"{'pack':>6} {'wait':>6} {'unpack':>6} {'hshake':>6} {'confirm':>7} {'other':>6}  verified")]
     for r in results:
         med = {m: statistics.median(v) * 1e3 for m, v in r.seconds.items()}
         b = {k: v * 1e3 for k, v in r.breakdown.items()}
         lines.append(f"{r.name:<36} {med['reshard']:8.1f}ms {med['wire']:8.1f}ms {med['exact_overlap']:8.1f}ms  "
                      f"{r.ratio('wire'):6.2f}x {r.ratio('exact_overlap'):6.2f}x  {b.get('pack', 0):6.1f} "
                      f"{b.get('wire', 0):6.1f} {b.get('unpack', 0):6.1f} {b.get('handshake', 0):6.1f} "
-                     f"{b.get('other', 0):6.1f}  {all(v for m, v in r.verified.items() if m != 'wire')}")
+                     f"{b.get('confirm', 0):7.1f} {b.get('other', 0):6.1f}  "
+                     f"{all(v for m, v in r.verified.items() if m != 'wire')}")
     lines.append("(ms; ratios: median over rounds of reshard / method in the same round; breakdown: reshard's "
-                 "slowest rank, median; 'other' = completion round, local copies, checks)")
+                 "rank with the longest data path, median; 'other' = posting, local copies)")
     return "\n".join(lines)
