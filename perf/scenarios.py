@@ -672,9 +672,11 @@ class SpeedResult:
 
 
 def merge_speed(per_rank: list[list[dict]]) -> list[SpeedResult]:
-    """Per-rank rows -> per case: slowest rank per round. The breakdown is the median over rounds of one rank's
-    parts, the rank whose data path (pack + wait + unpack) was longest that round: pack, wait (wire), unpack, the
-    handshake round (with checks and staging), the completion round, and the rest (posting, local copies)."""
+    """Per-rank rows -> per case: slowest rank per round. The breakdown is the median over rounds of the slowest
+    rank's value of each part, part by part (max over ranks): pack, wait (wire), unpack, the handshake round (with
+    checks and staging), and the rest (posting, local copies, the completion round, which on a fast rank includes
+    waiting for the slowest one); `confirm` is the completion round on the rank with the longest data path
+    (pack + wait + unpack), the last to reach it: the round's own cost."""
     out = []
     for i, row in enumerate(per_rank[0]):
         seconds = {m: [max(rows[i]["times"][m][k] for rows in per_rank) for k in range(len(row["times"][m]))]
@@ -683,15 +685,15 @@ def merge_speed(per_rank: list[list[dict]]) -> list[SpeedResult]:
         parts: dict[str, list[float]] = {"pack": [], "wire": [], "unpack": [], "handshake": [], "confirm": [],
                                          "other": []}
         for k in range(len(row["breakdown"])):
-            b = max((rows[i]["breakdown"][k] for rows in per_rank),
-                    key=lambda b: b["seconds_pack"] + b["seconds_wait"] + b["seconds_unpack"])
-            parts["pack"].append(b["seconds_pack"])
-            parts["wire"].append(b["seconds_wait"])
-            parts["unpack"].append(b["seconds_unpack"])
-            parts["handshake"].append(b["seconds_handshake"])
-            parts["confirm"].append(b.get("seconds_confirm", 0.0))
-            parts["other"].append(b["seconds"] - b["seconds_pack"] - b["seconds_wait"] - b["seconds_unpack"]
-                                  - b["seconds_handshake"] - b.get("seconds_confirm", 0.0))
+            bs = [rows[i]["breakdown"][k] for rows in per_rank]
+            parts["pack"].append(max(b["seconds_pack"] for b in bs))
+            parts["wire"].append(max(b["seconds_wait"] for b in bs))
+            parts["unpack"].append(max(b["seconds_unpack"] for b in bs))
+            parts["handshake"].append(max(b["seconds_handshake"] for b in bs))
+            parts["other"].append(max(b["seconds"] - b["seconds_pack"] - b["seconds_wait"] - b["seconds_unpack"]
+                                      - b["seconds_handshake"] for b in bs))
+            last = max(bs, key=lambda b: b["seconds_pack"] + b["seconds_wait"] + b["seconds_unpack"])
+            parts["confirm"].append(last["seconds_confirm"])
         breakdown = {k: statistics.median(v) for k, v in parts.items() if v}
         note = f"{row['messages']} messages, {row['chunks']} chunks, {row['wire_bytes']} B sent by rank 0"
         out.append(SpeedResult(row["case"], row["name"], row["nbytes"], row["tensors"], seconds, verified, breakdown,
@@ -711,5 +713,6 @@ def format_speed(results: list[SpeedResult]) -> str:
                      f"{b.get('confirm', 0):7.1f} {b.get('other', 0):6.1f}  "
                      f"{all(v for m, v in r.verified.items() if m != 'wire')}")
     lines.append("(ms; ratios: median over rounds of reshard / method in the same round; breakdown: reshard's "
-                 "rank with the longest data path, median; 'other' = posting, local copies)")
+                 "slowest rank per part, median; 'other' = posting, local copies, completion round with waiting; "
+                 "'confirm' = the completion round on the last rank to reach it)")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
+from comm_cases import as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
@@ -345,7 +345,7 @@ def test_the_store_listens_on_the_given_host_only(caplog, monkeypatch) -> None:
 
 
 def on_rank_killed_quietly(w, victim: int, timeout: float) -> dict:
-    """Ranks 0 <-> 1 and 2 <-> 3 exchange in many chunks; `victim` (3) exits when packing its second chunk."""
+    """Ranks 0 <-> 1 and 2 <-> 3 exchange in many chunks; `victim` (3) exits when posting its second chunk."""
     import reshard.comm._executor as ex
     from reshard.comm import reshard
 
@@ -356,21 +356,22 @@ def on_rank_killed_quietly(w, victim: int, timeout: float) -> dict:
     assert p.stats.num_chunks > 4
     full = full_tensor(src.shape, src.dtype, "killed")
     s, d = dtensor_local(full, src), torch.zeros(dst.local_shape(w.rank))
-    original, calls = ex.prepare_pack, []
+    original, calls = ex._post_tagged, []
 
-    def dying_prepare_pack(*args, **kw):
+    def dying_post(*args, **kw):  # on the zero-copy path (this plan's) as on the staged one
         calls.append(1)
-        inner = original(*args, **kw)
-        return Hooked(inner, lambda: os._exit(17)) if len(calls) == 2 else inner
+        if len(calls) == 2:
+            os._exit(17)
+        return original(*args, **kw)
 
     if w.rank == victim:
-        ex.prepare_pack = dying_prepare_pack
+        ex._post_tagged = dying_post
     try:
         reshard(s, d, p, group, timeout=timeout)
     except CommError as e:
         return {"error": str(e), "at": time.time()}
     finally:
-        ex.prepare_pack = original
+        ex._post_tagged = original
     return {"error": None, "at": time.time()}
 
 
