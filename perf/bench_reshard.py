@@ -163,7 +163,7 @@ def plot_speed(results: list[SpeedResult], path: Path, title: str) -> None:
     ax_r.axvline(0.8, color="tab:orange", ls="--", lw=1)
     ax_t.set_yticks(range(len(results)), [r.name for r in results])
     ax_t.invert_yaxis()
-    ax_t.set_xlabel("median ms per call (reshard: breakdown of the slowest rank)")
+    ax_t.set_xlabel("median ms per call (reshard's bar: each part's slowest rank, stacked; may exceed the call)")
     ax_r.set_xlabel("median of paired ratios (dashed: targets <= 1.25 vs wire, <= 0.8 vs exact_overlap)")
     ax_t.legend(loc="lower right", fontsize=8)
     ax_r.legend(loc="lower right", fontsize=8)

@@ -78,6 +78,7 @@ def on_rank_zero_copy(w, dst_strided: bool) -> dict:
     full = full_tensor(src.shape, src.dtype, "zero-copy")
     s = [dtensor_local(full, src)] if w.rank in src.ranks else None
     out = {}
+    w.group.cache.clear()  # fresh staging, and none left behind for later tests on the shared pool
     for zero_copy in (True, False):
         d = None
         if w.rank in dst.ranks:
@@ -87,6 +88,7 @@ def on_rank_zero_copy(w, dst_strided: bool) -> dict:
         rep = execute(p, w.rank, s, None if d is None else [d], w.group, zero_copy=zero_copy, timeout=30)
         ok = d is None or torch.equal(as_bytes(d.contiguous()), as_bytes(dtensor_local(full, dst)))
         out[zero_copy] = (ok, rep.bytes_direct, rep.bytes_sent + rep.bytes_received)
+    w.group.cache.clear()
     return out
 
 

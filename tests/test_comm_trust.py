@@ -190,15 +190,21 @@ def test_two_threads_on_one_group_never_cross_data(pool, different_plans) -> Non
 
 
 def on_rank_two_threads_unguarded(w, calls: int) -> dict:
-    """The same race with the group's one-call-at-a-time guard switched off."""
+    """The same race with the group's one-call-at-a-time guard switched off, on the staged path (both threads pack
+    into and unpack from the group's one staging, where the crossing shows reliably)."""
     import contextlib
+    import os
+
+    from reshard.comm import ZERO_COPY_ENV
 
     original = Group.exclusive
     Group.exclusive = lambda self, what: contextlib.nullcontext()
+    os.environ[ZERO_COPY_ENV] = "0"
     try:
         return on_rank_two_threads(w, False, calls, "unguarded")
     finally:
         Group.exclusive = original
+        os.environ.pop(ZERO_COPY_ENV)
 
 
 def test_without_the_guard_the_race_crosses_data(pool) -> None:
