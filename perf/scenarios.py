@@ -396,3 +396,323 @@ def run_demo(world_size: int = 8, *, shape: tuple[int, int] = (6400, 5120), dtyp
 if __name__ == "__main__":
     demo = run_demo(world_size=4, shape=(1600, 1280))
     print(demo["text"])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# speed: reshard against the bare wire and a per-tensor exact-overlap transfer, interleaved rounds
+# -------------------------------------------------------------------------------------------------------------
+
+SPEED_METHODS = ("reshard", "wire", "exact_overlap")
+
+
+@dataclass(frozen=True)
+class SpeedCase:
+    """Several tensors (same placements) moved together: `shapes` of one dtype from `src` to `dst` meshes."""
+
+    key: str
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    src_mesh: Any
+    src_pl: tuple[Placement, ...]
+    dst_mesh: Any
+    dst_pl: tuple[Placement, ...]
+
+    def layouts(self) -> list[tuple[Layout, Layout]]:
+        return [(Layout(s, Mesh(self.src_mesh), list(self.src_pl), self.dtype, name=f"t{i}"),
+                 Layout(s, Mesh(self.dst_mesh), list(self.dst_pl), self.dtype, name=f"t{i}"))
+                for i, s in enumerate(self.shapes)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(torch.Size(s).numel() for s in self.shapes) * self.dtype.itemsize
+
+
+SMALL_MODEL_LAYER = ((1024, 1024), (512, 1024), (1024, 1024), (2816, 1024))
+"""One layer of a small model (q, kv, o, fused MLP), ~10.25 MiB in bf16; 25 layers make 100 tensors, ~256 MiB."""
+
+
+def speed_cases(world_size: int = 8, shape: tuple[int, int] = QWEN3_32B_MLP,
+                dtype: torch.dtype = torch.bfloat16) -> dict[str, SpeedCase]:
+    """The four speed cases over `world_size` ranks (8: TP4 / FSDP4 on ranks 0-3, destinations on ranks 4-7, or the
+    colocated 2-D case on all 8):
+
+    - `a`: one `shape` weight, TP{h} `S(0)` -> TP2 x {h/2} replicas `[R, S(0)]` (disjoint halves);
+    - `b`: FSDP{h} `S(0)` -> TP{h} `S(1)` (disjoint halves);
+    - `c`: `[DP2, TP2]` `[R, S(0)]` on the first half -> TP{h} `S(1)` on the second;
+    - `d`: 100 tensors of a small model (`SMALL_MODEL_LAYER` x 25, ~256 MiB), as `a`.
+    """
+    if world_size < 8 or world_size % 4:
+        raise ValueError(f"speed_cases: world_size must be a multiple of 4 and >= 8, got {world_size}")
+    half = world_size // 2
+    first, second = torch.arange(half), torch.arange(half, world_size)
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+    model = tuple(s for _ in range(25) for s in SMALL_MODEL_LAYER)
+    return {
+        "a": SpeedCase("a", f"(a) TP{half} -> TP2 x {half // 2}", (shape,), dtype, first.tolist(), (S0,),
+                       second.reshape(half // 2, 2).tolist(), (R, S0)),
+        "b": SpeedCase("b", f"(b) FSDP{half} S(0) -> TP{half} S(1)", (shape,), dtype, first.tolist(), (S0,),
+                       second.tolist(), (S1,)),
+        "c": SpeedCase("c", f"(c) [DP2, TP{half // 2}] [R, S(0)] -> TP{half} S(1)", (shape,), dtype,
+                       first.reshape(2, half // 2).tolist(), (R, S0), second.tolist(), (S1,)),
+        "d": SpeedCase("d", f"(d) {len(model)} tensors TP{half} -> TP2 x {half // 2}", model, dtype, first.tolist(),
+                       (S0,), second.reshape(half // 2, 2).tolist(), (R, S0)),
+    }
+
+
+def _one_piece(layout: Layout, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(global offsets, shape) of `rank`'s one piece of `layout` (None: holds nothing); the speed cases have one."""
+    pieces = layout.pieces(rank)
+    if not pieces:
+        return None
+    if len(pieces) != 1:
+        raise ValueError(f"exact_overlap: rank {rank} holds {len(pieces)} pieces of {layout!r}; expected one")
+    g = pieces[0].global_box
+    return tuple(g.offsets), tuple(g.shape)
+
+
+def _intersect(a: tuple, b: tuple) -> tuple | None:
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def _slices(box: tuple, origin: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o - z, o - z + s) for o, s, z in zip(box[0], box[1], origin))
+
+
+class _ExactOverlap:
+    """Per-tensor exact-overlap transfer (no staging budget, no plan): for each tensor in turn, every destination
+    replica group splits its box along dim 0 among its members; each member receives its part from the source
+    ranks that hold it (one source replica each, spread over the replicas), contiguous source views sent directly,
+    strided ones made contiguous, contiguous destination views received into directly, strided ones through a
+    temporary; then the replica group completes its box with an all-gather straight into the destination tensors."""
+
+    def __init__(self, pairs: list[tuple[Layout, Layout]], rank: int, world_size: int) -> None:
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.steps = []  # per tensor: (sends [(peer, src slices)], recvs [(peer, dst slices)], locals, gather)
+        groups: dict[tuple[int, ...], Any] = {}
+        for src, dst in pairs:
+            sends, recvs, local = [], [], []
+            gather = None
+            holders: dict[tuple, list[int]] = {}
+            for r in range(world_size):
+                p = _one_piece(src, r)
+                if p is not None:
+                    holders.setdefault(p, []).append(r)
+            replica_sets: dict[tuple, list[int]] = {}
+            for r in range(world_size):
+                p = _one_piece(dst, r)
+                if p is not None:
+                    replica_sets.setdefault(p, []).append(r)
+            for box, members in replica_sets.items():
+                n = len(members)
+                rows = box[1][0]
+                if n > 1 and rows % n:
+                    raise ValueError(f"exact_overlap: {rows} rows do not split over {n} replicas")
+                key = tuple(members)
+                if n > 1 and key not in groups:
+                    groups[key] = dist.new_group(list(key))  # collective: every rank creates every group
+                for j, d in enumerate(members):
+                    part = ((box[0][0] + j * rows // n, *box[0][1:]), (rows // n, *box[1][1:]))
+                    for sbox, srcs in holders.items():
+                        cut = _intersect(sbox, part)
+                        if cut is None:
+                            continue
+                        s = d if d in srcs else srcs[d % len(srcs)]
+                        if s == d == rank:
+                            local.append((_slices(cut, sbox[0]), _slices(cut, box[0])))
+                        elif s == rank:
+                            sends.append((d, _slices(cut, sbox[0])))
+                        elif d == rank:
+                            recvs.append((s, _slices(cut, box[0])))
+                    if d == rank and n > 1:
+                        gather = (groups[key], n, j)
+            self.steps.append((sends, recvs, local, gather))
+
+    def run(self, srcs: list[torch.Tensor] | None, dsts: list[torch.Tensor] | None) -> None:
+        import torch.distributed as dist
+
+        for i, (sends, recvs, local, gather) in enumerate(self.steps):
+            works, unstage = [], []
+            for peer, sl in recvs:
+                view = dsts[i][sl]
+                if view.is_contiguous():
+                    works.append(dist.irecv(view, peer, tag=i))
+                else:
+                    tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                    works.append(dist.irecv(tmp, peer, tag=i))
+                    unstage.append((view, tmp))
+            for peer, sl in sends:
+                works.append(dist.isend(srcs[i][sl].contiguous(), peer, tag=i))  # a view when already contiguous
+            for s_sl, d_sl in local:
+                dsts[i][d_sl].copy_(srcs[i][s_sl])
+            for w in works:
+                w.wait()
+            for view, tmp in unstage:
+                view.copy_(tmp)
+            if gather is not None:
+                group, n, j = gather
+                parts = list(dsts[i].chunk(n, 0))  # dim-0 parts of a contiguous tensor: contiguous views
+                dist.all_gather(parts, parts[j].clone(), group=group)
+
+
+def _wire_plan(prog: Any) -> tuple[dict[int, int], dict[int, int]]:
+    """Per-peer bytes this rank sends and receives over all of the plan's chunks (reshard's own messages)."""
+    sends: dict[int, int] = {}
+    recvs: dict[int, int] = {}
+    for c in prog.chunks:
+        for m in c.sends:
+            sends[m.peer] = sends.get(m.peer, 0) + m.nbytes
+        for m in c.recvs:
+            recvs[m.peer] = recvs.get(m.peer, 0) + m.nbytes
+    return sends, recvs
+
+
+def speed_job(w: Any, cases: list[SpeedCase], *, rounds: int = 5, warmup: int = 1, staging_bytes: int = 64 << 20,
+              execute_options: dict | None = None) -> list[dict]:
+    """One rank's part of timing reshard, `wire` and `exact_overlap` on every case, in interleaved rounds (the
+    method order rotates each round); every result checked bit for bit against DTensor. Returns one row per case:
+    per method the seconds per round, verified, and for reshard the report's breakdown per round."""
+    return [_speed_case(w.rank, w.world_size, ci, case, rounds, warmup, staging_bytes, execute_options or {})
+            for ci, case in enumerate(cases)]
+
+
+def _speed_case(rank: int, world: int, ci: int, case: SpeedCase, rounds: int, warmup: int, staging_bytes: int,
+                opts: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from reshard.comm import Group, execute
+    from reshard.planner import plan_many
+
+    group = Group.world()
+    pairs = case.layouts()
+    fulls = [_full(s, case.dtype) if i == 0 else _full(s, case.dtype).roll(i, 0)
+             for i, s in enumerate(case.shapes)]
+    src_on = rank in pairs[0][0].ranks
+    dst_on = rank in pairs[0][1].ranks
+    srcs = [_local(f, s, rank) for f, (s, _) in zip(fulls, pairs)] if src_on else None
+    dmesh = DeviceMesh("cpu", torch.as_tensor(case.dst_mesh), _init_backend=False)
+    expected = [distribute_tensor(f, dmesh, list(case.dst_pl), src_data_rank=None).to_local() if dst_on
+                else None for f in fulls]
+    del fulls
+    dsts = [torch.zeros(d.local_shape(rank), dtype=case.dtype) for _, d in pairs] if dst_on else None
+
+    p = plan_many(pairs, staging_bytes=staging_bytes)
+    prog = p.for_rank(rank)
+    wsend, wrecv = _wire_plan(prog)
+    send_bufs = [(peer, torch.randint(0, 255, (n,), dtype=torch.uint8)) for peer, n in sorted(wsend.items())]
+    recv_bufs = [(peer, torch.empty(n, dtype=torch.uint8)) for peer, n in sorted(wrecv.items())]
+    exact = _ExactOverlap(pairs, rank, world)
+    reports: list[Any] = []
+
+    def run_reshard() -> None:
+        reports.append(execute(p, rank, srcs, dsts, group, **opts))
+
+    def run_wire() -> None:
+        works = [dist.irecv(b, peer, tag=1000 + ci) for peer, b in recv_bufs]
+        works += [dist.isend(b, peer, tag=1000 + ci) for peer, b in send_bufs]
+        for wk in works:
+            wk.wait()
+
+    def run_exact() -> None:
+        exact.run(srcs, dsts)
+
+    fns = {"reshard": run_reshard, "wire": run_wire, "exact_overlap": run_exact}
+    times: dict[str, list[float]] = {m: [] for m in SPEED_METHODS}
+    verified = {"reshard": True, "exact_overlap": True, "wire": True}
+
+    def check() -> bool:
+        return not dst_on or all(torch.equal(_bits(o), _bits(e)) for o, e in zip(dsts, expected))
+
+    for k in range(warmup + rounds):
+        order = SPEED_METHODS[k % 3:] + SPEED_METHODS[:k % 3]
+        for m in order:
+            if dsts is not None and m != "wire":
+                for d in dsts:
+                    d.zero_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[m]()
+            dist.barrier()
+            dt = time.perf_counter() - t0
+            if m != "wire":
+                verified[m] = verified[m] and check()
+            if k >= warmup:
+                times[m].append(dt)
+    breakdown = [{f: getattr(r, f) for f in ("seconds", "seconds_handshake", "seconds_pack", "seconds_wait",
+                                             "seconds_unpack", "seconds_confirm")} for r in reports[warmup:]]
+    return {"case": case.key, "name": case.name, "nbytes": case.nbytes, "tensors": len(case.shapes), "times": times,
+            "verified": verified, "breakdown": breakdown, "wire_bytes": sum(wsend.values()),
+            "messages": p.stats.messages, "chunks": p.stats.num_chunks}
+
+
+@dataclass
+class SpeedResult:
+    """One speed case over all ranks: per method the slowest rank's seconds per round; paired ratios per round."""
+
+    case: str
+    name: str
+    nbytes: int
+    tensors: int
+    seconds: dict[str, list[float]]
+    verified: dict[str, bool]
+    breakdown: dict[str, float]
+    note: str
+
+    def ratio(self, other: str) -> float:
+        """Median over rounds of reshard's time / `other`'s time in the same round."""
+        return statistics.median(a / b for a, b in zip(self.seconds["reshard"], self.seconds[other]))
+
+
+def merge_speed(per_rank: list[list[dict]]) -> list[SpeedResult]:
+    """Per-rank rows -> per case: slowest rank per round. The breakdown is the median over rounds of the slowest
+    rank's value of each part, part by part (max over ranks): pack, wait (wire), unpack, the handshake round (with
+    checks and staging), and the rest (posting, local copies, the completion round, which on a fast rank includes
+    waiting for the slowest one); `confirm` is the completion round on the rank with the longest data path
+    (pack + wait + unpack), the last to reach it: the round's own cost."""
+    out = []
+    for i, row in enumerate(per_rank[0]):
+        seconds = {m: [max(rows[i]["times"][m][k] for rows in per_rank) for k in range(len(row["times"][m]))]
+                   for m in row["times"]}
+        verified = {m: all(rows[i]["verified"][m] for rows in per_rank) for m in row["verified"]}
+        parts: dict[str, list[float]] = {"pack": [], "wire": [], "unpack": [], "handshake": [], "confirm": [],
+                                         "other": []}
+        for k in range(len(row["breakdown"])):
+            bs = [rows[i]["breakdown"][k] for rows in per_rank]
+            parts["pack"].append(max(b["seconds_pack"] for b in bs))
+            parts["wire"].append(max(b["seconds_wait"] for b in bs))
+            parts["unpack"].append(max(b["seconds_unpack"] for b in bs))
+            parts["handshake"].append(max(b["seconds_handshake"] for b in bs))
+            parts["other"].append(max(b["seconds"] - b["seconds_pack"] - b["seconds_wait"] - b["seconds_unpack"]
+                                      - b["seconds_handshake"] for b in bs))
+            last = max(bs, key=lambda b: b["seconds_pack"] + b["seconds_wait"] + b["seconds_unpack"])
+            parts["confirm"].append(last["seconds_confirm"])
+        breakdown = {k: statistics.median(v) for k, v in parts.items() if v}
+        note = f"{row['messages']} messages, {row['chunks']} chunks, {row['wire_bytes']} B sent by rank 0"
+        out.append(SpeedResult(row["case"], row["name"], row["nbytes"], row["tensors"], seconds, verified, breakdown,
+                               note))
+    return out
+
+
+def format_speed(results: list[SpeedResult]) -> str:
+    lines = [(f"{'case':<36} {'reshard':>9} {'wire':>9} {'exact':>9}  {'r/wire':>7} {'r/exact':>7}  "
+              f"{'pack':>6} {'wait':>6} {'unpack':>6} {'hshake':>6} {'confirm':>7} {'other':>6}  verified")]
+    for r in results:
+        med = {m: statistics.median(v) * 1e3 for m, v in r.seconds.items()}
+        b = {k: v * 1e3 for k, v in r.breakdown.items()}
+        lines.append(f"{r.name:<36} {med['reshard']:8.1f}ms {med['wire']:8.1f}ms {med['exact_overlap']:8.1f}ms  "
+                     f"{r.ratio('wire'):6.2f}x {r.ratio('exact_overlap'):6.2f}x  {b.get('pack', 0):6.1f} "
+                     f"{b.get('wire', 0):6.1f} {b.get('unpack', 0):6.1f} {b.get('handshake', 0):6.1f} "
+                     f"{b.get('confirm', 0):7.1f} {b.get('other', 0):6.1f}  "
+                     f"{all(v for m, v in r.verified.items() if m != 'wire')}")
+    lines.append("(ms; ratios: median over rounds of reshard / method in the same round; breakdown: reshard's "
+                 "slowest rank per part, median; 'other' = posting, local copies, completion round with waiting; "
+                 "'confirm' = the completion round on the last rank to reach it)")
+    return "\n".join(lines)

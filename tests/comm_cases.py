@@ -142,18 +142,33 @@ def run_one(w: Any, case: Case) -> dict:
             raise AssertionError(f"rank {w.rank}: {wrong.numel()} of {as_bytes(out).numel()} bytes differ from "
                                  f"DTensor, first at byte {int(wrong[0])}\n{p.describe()}")
     s = p.stats
-    return {"checked": in_dst, "messages": s.messages, "network": s.network_bytes, "nvlink": s.nvlink_bytes,
+    direct = sum(m.nbytes for c in p.for_rank(w.rank).chunks for m in (*c.sends, *c.recvs) if m.direct) \
+        if w.rank in p.ranks else 0
+    return {"checked": in_dst, "direct_bytes": direct, "messages": s.messages, "network": s.network_bytes, "nvlink": s.nvlink_bytes,
             "local": s.local_bytes, "chunks": s.num_chunks, "relays": sum(t.stage > 0 for t in p.transfers)}
 
 
-def run_cases(w: Any, cases: list[Case]) -> list[tuple[bool, Any]]:
-    """Run every case in order on this rank; `(True, result)` or `(False, error text)` per case."""
+def run_cases(w: Any, cases: list[Case], *, staged: bool = False) -> list[tuple[bool, Any]]:
+    """Run every case in order on this rank; `(True, result)` or `(False, error text)` per case. `staged`: with
+    `RESHARD_ZERO_COPY=0`, so every message goes through staging (the zero-copy path otherwise)."""
+    import os
+
+    from reshard.comm import ZERO_COPY_ENV
+
+    before = os.environ.get(ZERO_COPY_ENV)
+    os.environ[ZERO_COPY_ENV] = "0" if staged else "1"
     out: list[tuple[bool, Any]] = []
-    for case in cases:
-        try:
-            out.append((True, run_one(w, case)))
-        except Exception as e:  # noqa: BLE001 - reported per case to the test process
-            out.append((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    try:
+        for case in cases:
+            try:
+                out.append((True, run_one(w, case)))
+            except Exception as e:  # noqa: BLE001 - reported per case to the test process
+                out.append((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if before is None:
+            os.environ.pop(ZERO_COPY_ENV)
+        else:
+            os.environ[ZERO_COPY_ENV] = before
     return out
 
 

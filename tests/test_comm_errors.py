@@ -8,6 +8,7 @@ of the shared pool (see `reshard.testing.RankPool`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -271,6 +272,8 @@ def on_rank_plans_differ(w, variant: str) -> None:
     if variant == "budget" and w.rank == 6:
         w.scratch["staging"] = 1 << 16
     p = plan(src, dst, staging_bytes=w.scratch.pop("staging", 1 << 20))
+    if w.rank in (0, 4):  # these ranks hold the agreed plan in every variant: on the zero-copy path
+        assert all(m.direct for c in p.for_rank(w.rank).chunks for m in (*c.sends, *c.recvs))
     _, s, d = _locals(w.rank, src, dst)
     try:
         reshard(s, d, p, w.group, timeout=30)
@@ -356,40 +359,66 @@ def test_rendezvous_refuses_bad_arguments() -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
-def on_rank_corrupt(w, verify: bool) -> bool:
-    """Rank 6 flips one byte of its receive buffer before unpacking (a bit flip on the wire)."""
+class _WaitHook:
+    """A transfer handle that calls `after()` once its wait returns: how these tests corrupt or stall a rank in the
+    middle of a transfer, on the staged and the zero-copy path alike (the receive lands in staging or directly in
+    the destination; either way the executor unpacks or checks it only after this wait)."""
+
+    def __init__(self, inner, after) -> None:
+        self.inner, self.after = inner, after
+
+    def wait(self, timeout=None) -> None:
+        self.inner.wait(timeout)
+        self.after()
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+
+def _hook_post(ex, nth: int, after) -> None:
+    """Make the `nth` chunk this rank posts call `after(first received tensor)` once its wait returns."""
+    original = ex._post_tagged
+    calls = []
+
+    def hooked(sends, recvs, *args, **kw):
+        calls.append(1)
+        handle = original(sends, recvs, *args, **kw)
+        if len(calls) == nth and recvs:
+            return _WaitHook(handle, lambda: after(recvs[0][1]))
+        return handle
+
+    ex._post_tagged = hooked
+
+
+def on_rank_corrupt(w, verify: bool, zero_copy: bool) -> bool:
+    """Rank 6 flips one byte of a received message (a bit flip on the wire), in staging or in its destination."""
     import reshard.comm._executor as ex
 
     src, dst = _layouts(shape=(64, 48))
     p = plan(src, dst, staging_bytes=8192, min_split_bytes=256)
     full, s, d = _locals(w.rank, src, dst)
-    original = ex.prepare_unpack
-    calls = []
+    original = ex._post_tagged
 
-    def corrupting_prepare_unpack(buffer, offsets, tensors, boxes, **kw):
-        calls.append(1)
-
-        def flip() -> None:
-            buffer[int(offsets[0]) + 5] ^= 0x10
-
-        inner = original(buffer, offsets, tensors, boxes, **kw)
-        return Hooked(inner, flip) if len(calls) == 2 else inner
+    def flip(received: torch.Tensor) -> None:
+        received.view(torch.uint8)[5] ^= 0x10
 
     if w.rank == 6:
-        ex.prepare_unpack = corrupting_prepare_unpack
+        _hook_post(ex, 2, flip)
     try:
-        reshard(s, d, p, w.group, verify=verify, timeout=30)
+        ex.execute(p, w.rank, None if s is None else [s], None if d is None else [d], w.group, verify=verify,
+                   timeout=30, zero_copy=zero_copy)
     finally:
-        ex.prepare_unpack = original
+        ex._post_tagged = original
     return d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
 
 
-def test_corrupt_byte_with_verify_raises_on_every_rank(pool) -> None:
-    outs = pool.run(on_rank_corrupt, True)
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "staged"])
+def test_corrupt_byte_with_verify_raises_on_every_rank(pool, zero_copy) -> None:
+    outs = pool.run(on_rank_corrupt, True, zero_copy)
     expect_all_raise(outs, "ChecksumError", "received bytes differ from what was sent", "checksum mismatch",
                       "of tensor 'w' (item 0), sent by rank", "to rank 6 (destination box")
     # without verify the same corruption goes unnoticed: this is what verify is for
-    unverified = pool.run_ok(on_rank_corrupt, False)
+    unverified = pool.run_ok(on_rank_corrupt, False, zero_copy)
     assert unverified[6] is False and all(unverified[r] for r in range(WORLD) if r != 6)
 
 
@@ -427,10 +456,12 @@ def on_rank_plus_minus_plus(w, linear: bool) -> bool:
         ex.prepare_unpack = corrupting_prepare_unpack
     if linear:
         ex.checksum = _linear_checksum
+    os.environ[ex.ZERO_COPY_ENV] = "0"  # the corruption is injected into staging: every message through it
     try:
         reshard(s, d, p, w.group, verify=True, timeout=30)
     finally:
         ex.prepare_unpack, ex.checksum = original_unpack, original_checksum
+        del os.environ[ex.ZERO_COPY_ENV]
     return d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
 
 
@@ -451,25 +482,19 @@ def on_rank_stuck(w, timeout: float) -> float:
     src, dst = _layouts(shape=(64, 48))
     p = plan(src, dst, staging_bytes=4096, min_split_bytes=256)
     _, s, d = _locals(w.rank, src, dst)
-    original = ex.prepare_unpack
-    calls = []
+    original = ex._post_tagged
 
-    def stall() -> None:
+    def stall(_received: torch.Tensor) -> None:
         time.sleep(timeout + 3)
         raise RuntimeError("rank 7 was stuck on purpose")
 
-    def stalling_prepare_unpack(*args, **kw):
-        calls.append(1)
-        inner = original(*args, **kw)
-        return Hooked(inner, stall) if len(calls) == 3 else inner
-
     if w.rank == 7:
-        ex.prepare_unpack = stalling_prepare_unpack
+        _hook_post(ex, 3, stall)
     start = time.monotonic()
     try:
         reshard(s, d, p, group, timeout=timeout)
     finally:
-        ex.prepare_unpack = original
+        ex._post_tagged = original
         w.scratch["elapsed"] = time.monotonic() - start
         group.close()
     return w.scratch["elapsed"]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
+from comm_cases import as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
@@ -190,15 +190,21 @@ def test_two_threads_on_one_group_never_cross_data(pool, different_plans) -> Non
 
 
 def on_rank_two_threads_unguarded(w, calls: int) -> dict:
-    """The same race with the group's one-call-at-a-time guard switched off."""
+    """The same race with the group's one-call-at-a-time guard switched off, on the staged path (both threads pack
+    into and unpack from the group's one staging, where the crossing shows reliably)."""
     import contextlib
+    import os
+
+    from reshard.comm import ZERO_COPY_ENV
 
     original = Group.exclusive
     Group.exclusive = lambda self, what: contextlib.nullcontext()
+    os.environ[ZERO_COPY_ENV] = "0"
     try:
         return on_rank_two_threads(w, False, calls, "unguarded")
     finally:
         Group.exclusive = original
+        os.environ.pop(ZERO_COPY_ENV)
 
 
 def test_without_the_guard_the_race_crosses_data(pool) -> None:
@@ -345,7 +351,7 @@ def test_the_store_listens_on_the_given_host_only(caplog, monkeypatch) -> None:
 
 
 def on_rank_killed_quietly(w, victim: int, timeout: float) -> dict:
-    """Ranks 0 <-> 1 and 2 <-> 3 exchange in many chunks; `victim` (3) exits when packing its second chunk."""
+    """Ranks 0 <-> 1 and 2 <-> 3 exchange in many chunks; `victim` (3) exits when posting its second chunk."""
     import reshard.comm._executor as ex
     from reshard.comm import reshard
 
@@ -356,21 +362,22 @@ def on_rank_killed_quietly(w, victim: int, timeout: float) -> dict:
     assert p.stats.num_chunks > 4
     full = full_tensor(src.shape, src.dtype, "killed")
     s, d = dtensor_local(full, src), torch.zeros(dst.local_shape(w.rank))
-    original, calls = ex.prepare_pack, []
+    original, calls = ex._post_tagged, []
 
-    def dying_prepare_pack(*args, **kw):
+    def dying_post(*args, **kw):  # on the zero-copy path (this plan's) as on the staged one
         calls.append(1)
-        inner = original(*args, **kw)
-        return Hooked(inner, lambda: os._exit(17)) if len(calls) == 2 else inner
+        if len(calls) == 2:
+            os._exit(17)
+        return original(*args, **kw)
 
     if w.rank == victim:
-        ex.prepare_pack = dying_prepare_pack
+        ex._post_tagged = dying_post
     try:
         reshard(s, d, p, group, timeout=timeout)
     except CommError as e:
         return {"error": str(e), "at": time.time()}
     finally:
-        ex.prepare_pack = original
+        ex._post_tagged = original
     return {"error": None, "at": time.time()}
 
 

@@ -9,7 +9,10 @@ One call, on every rank of the plan:
    pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post all the chunk's
    sends and receives together, make its local copies, then finish the *previous* chunk (wait for it and unpack
    it into the destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is
-   packed and chunk i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed;
+   packed and chunk i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed.
+   Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor) skips pack and unpack:
+   it is sent from the tensor's view and received into it (relays forward from the destination tensor), and only
+   after step 1's agreement, so a refused call leaves every destination untouched;
 3. with `verify=True`, per-box checksums travel next to the data, every receiver checks them after unpacking, and
    a last agreement round makes every rank raise if any box was corrupted.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -55,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 NUM_SLOTS = PIPELINE_DEPTH
 """Pipeline slots: chunk i and chunk i+1 are in flight together (the plan's `PIPELINE_DEPTH`)."""
+
+ZERO_COPY_ENV = "RESHARD_ZERO_COPY"
+"""`execute(zero_copy=None)` reads this environment variable: `0` sends every message through staging (the
+staged path, for comparing both paths on the same cases); anything else, or unset, takes the zero-copy path."""
 
 _PREPARED_PLANS = 2
 """Plans whose prepared copies a group keeps (each pins the tensors it was prepared for)."""
@@ -149,7 +157,12 @@ def _staging_for(group: Group | None, prog: RankPlan, device: torch.device, veri
 
 @dataclass
 class ExecutionReport:
-    """What one rank did in one `execute` call (bytes exclude checksums; seconds are host wall time)."""
+    """What one rank did in one `execute` call (bytes exclude checksums; seconds are host wall time).
+
+    `bytes_direct`: bytes sent or received on the zero-copy path (straight from or into the local tensors).
+    `seconds_handshake`: checks, staging and the plan agreement round; `seconds_confirm`: the completion (or verify)
+    round at the end, which includes waiting for the slowest rank.
+    """
 
     rank: int
     chunks: int = 0
@@ -158,12 +171,14 @@ class ExecutionReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied_locally: int = 0
+    bytes_direct: int = 0
     staging_bytes: int = 0
     seconds: float = 0.0
     seconds_handshake: float = 0.0
     seconds_pack: float = 0.0
     seconds_wait: float = 0.0
     seconds_unpack: float = 0.0
+    seconds_confirm: float = 0.0
     verified_boxes: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -287,6 +302,46 @@ def _prepared_for(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tenso
     return entry
 
 
+class _Paths:
+    """Which messages of one chunk take the zero-copy path, for one set of tensors: the plan's `Message.direct`,
+    where the box's view of the actual tensor is contiguous (a strided tensor takes the staged path instead).
+
+    Attributes:
+        sends, recvs: per message, the `uint8` view of the tensor it is sent from (received into), or None:
+            staged.
+        pack_groups: the chunk's pack groups (`BoxList.groups`) without the direct boxes.
+        unpack_boxes: indices of the unpack boxes that are staged.
+        direct_bytes: bytes of the direct messages.
+    """
+
+    def __init__(self, step: RankChunk, send_tensors: list[torch.Tensor], recv_tensors: list[torch.Tensor],
+                 zero_copy: bool) -> None:
+        self.direct_bytes = 0
+        self.sends = self._views(step.sends, step.pack, send_tensors, zero_copy)
+        self.recvs = self._views(step.recvs, step.unpack, recv_tensors, zero_copy)
+        skip = {m.first_box for m, v in zip(step.sends, self.sends) if v is not None}
+        self.pack_groups = [(w, ix) for w, ix in ((w, [i for i in ix if i not in skip]) for w, ix in step.pack.groups)
+                            if ix]
+        skip = {m.first_box for m, v in zip(step.recvs, self.recvs) if v is not None}
+        self.unpack_boxes = [i for i in range(len(step.unpack.boxes)) if i not in skip]
+
+    def _views(self, messages: Sequence[Any], boxes: BoxList, tensors: list[torch.Tensor],
+               zero_copy: bool) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for m in messages:
+            view = None
+            if zero_copy and m.direct:
+                k = m.first_box
+                view = tensors[k][boxes.boxes[k].slices()]
+                if view.is_contiguous():
+                    view = view.reshape(-1).view(torch.uint8)
+                    self.direct_bytes += m.nbytes
+                else:
+                    view = None
+            out.append(view)
+        return out
+
+
 @dataclass
 class _InFlight:
     step: RankChunk
@@ -299,8 +354,9 @@ class _Run:
 
     def __init__(self, prog: RankPlan, plan: Plan, group: Group, src: Sequence[torch.Tensor],
                  dst: Sequence[torch.Tensor], staging: Staging, verify: bool, timeout: datetime.timedelta,
-                 report: ExecutionReport, prepared: _Prepared) -> None:
+                 report: ExecutionReport, prepared: _Prepared, zero_copy: bool = True) -> None:
         self.prog = prog
+        self.zero_copy = zero_copy
         self.prepared = prepared.copies
         self.plan = plan
         self.group = group
@@ -318,11 +374,20 @@ class _Run:
         src, dst = self.src, self.dst
         return [dst[i] if d else src[i] for d, i in zip(copies.from_dst, copies.tensors)]
 
+    def _paths(self, step: RankChunk) -> _Paths:
+        key = ("paths", step.index, self.zero_copy)
+        paths = self.prepared.get(key)
+        if paths is None:
+            paths = self.prepared[key] = _Paths(step, self._tensors(step.pack), self._tensors(step.unpack),
+                                                self.zero_copy)
+        return paths
+
     # -- stages ---------------------------------------------------------------------------------------------
 
     def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
         if not step.pack.boxes:
             return
+        paths = self._paths(step)
         s = self.streams
         t0 = time.perf_counter()
         with _on(s and s.pack):
@@ -333,13 +398,13 @@ class _Run:
                     s.pack.wait_event(s.unpacked[slot])
                 if relay_ready is not None:
                     s.pack.wait_event(relay_ready)  # unpack -> pack: the boxes this chunk forwards have landed
-            copies = self.prepared.get(("pack", step.index, slot))
+            copies = self.prepared.get(("pack", step.index, slot, self.zero_copy))
             if copies is None:
                 tensors, area, pk = self._tensors(step.pack), self.staging.send(slot, step), step.pack
-                copies = self.prepared[("pack", step.index, slot)] = [
+                copies = self.prepared[("pack", step.index, slot, self.zero_copy)] = [
                     prepare_pack([tensors[i] for i in ix], [pk.boxes[i] for i in ix], area, [pk.offsets[i] for i in ix],
                                  dtype=wire)
-                    for wire, ix in pk.groups]  # one prepared copy per wire dtype (casting items cast here)
+                    for wire, ix in paths.pack_groups]  # one prepared copy per wire dtype (casting items cast here)
             for copy in copies:
                 copy.run()
             if self.verify:
@@ -354,8 +419,12 @@ class _Run:
     def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
         st = self.staging
         send_area, recv_area = st.send(slot, step), st.recv(slot, step)
-        sends = [(m.peer, send_area.narrow(0, m.buffer_offset, m.nbytes)) for m in step.sends]
-        recvs = [(m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes)) for m in step.recvs]
+        paths = self._paths(step)
+        sends = [(m.peer, send_area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v)
+                 for m, v in zip(step.sends, paths.sends)]
+        recvs = [(m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v)
+                 for m, v in zip(step.recvs, paths.recvs)]
+        self.report.bytes_direct += paths.direct_bytes
         if self.debug:
             logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
                          [(m.peer, m.nbytes) for m in step.sends], [(m.peer, m.nbytes) for m in step.recvs],
@@ -408,12 +477,15 @@ class _Run:
             with _on(s and s.unpack):
                 if s is not None:
                     s.unpack.wait_event(s.transferred[slot])  # comm -> unpack
-                copy: PreparedCopy | None = self.prepared.get(("unpack", step.index, slot))
-                if copy is None:
-                    copy = self.prepared[("unpack", step.index, slot)] = prepare_unpack(
-                        self.staging.recv(slot, step), step.unpack.offsets, self._tensors(step.unpack),
-                        step.unpack.boxes)
-                copy.run()
+                ix = self._paths(step).unpack_boxes
+                if ix:
+                    copy: PreparedCopy | None = self.prepared.get(("unpack", step.index, slot, self.zero_copy))
+                    if copy is None:
+                        tensors, up = self._tensors(step.unpack), step.unpack
+                        copy = self.prepared[("unpack", step.index, slot, self.zero_copy)] = prepare_unpack(
+                            self.staging.recv(slot, step), [up.offsets[i] for i in ix], [tensors[i] for i in ix],
+                            [up.boxes[i] for i in ix])
+                    copy.run()
                 if self.verify:
                     self._check_sums(step, slot, self._tensors(step.unpack))
                 if s is not None:
@@ -537,6 +609,7 @@ def execute(
     verify: bool = False,
     timeout: Timeout | None = None,
     confirm: bool = True,
+    zero_copy: bool | None = None,
 ) -> ExecutionReport:
     """Run `rank`'s part of `plan`: send what it holds, receive and write what it needs, forward relayed boxes.
 
@@ -559,6 +632,10 @@ def execute(
         confirm: end with a completion round (one small message to and from the lowest rank of the plan), so
             that if any rank failed, every rank raises, and a rank that returns knows the whole plan is done.
             Without it, a rank returns as soon as its own part is done.
+        zero_copy: send and receive the messages the plan marks `direct` (one box, contiguous in its local tensor)
+            straight from and into the local tensors; False: every message goes through staging (same wire bytes).
+            None: True unless the environment variable `RESHARD_ZERO_COPY` is `0`. Destinations are written only
+            after the plan handshake either way.
 
     Returns:
         An `ExecutionReport` of this rank's work.
@@ -577,6 +654,8 @@ def execute(
     if rank != group.rank:
         raise ValueError(f"execute: rank {rank} is not this process's rank {group.rank} in {group}")
     td = as_timedelta(timeout, default=group.timeout)
+    if zero_copy is None:
+        zero_copy = os.environ.get(ZERO_COPY_ENV, "1").strip() != "0"
     report = ExecutionReport(rank)
     ranks = plan.ranks
     if rank not in ranks:
@@ -607,14 +686,16 @@ def execute(
             report.staging_bytes = staging.nbytes
             srcs, dsts = src_tensors or (), dst_tensors or ()
             prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
-            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared)
+            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
             run.run()
             verify_errors = run.errors
         if (verify or confirm) and len(ranks) > 1:
+            t_confirm = time.perf_counter()
             # every rank of the plan, even one without work, takes part, so all return or all raise together
             agree(group, ranks, plan.fingerprint, verify_errors, lambda: _describe_plan(plan), timeout=td,
                   what="verify" if verify else "completion", error_type=ChecksumError,
                   failure="received bytes differ from what was sent")
+            report.seconds_confirm = time.perf_counter() - t_confirm
         elif verify_errors:
             raise ChecksumError("received bytes differ from what was sent:\n  " + "\n  ".join(verify_errors))
     report.seconds = time.perf_counter() - start

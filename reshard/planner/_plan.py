@@ -12,6 +12,7 @@ import logging
 import math
 import operator
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -689,10 +690,24 @@ class Plan:
                 deps[t.chunk] = max(deps.get(t.chunk, -1), t.chunk - RELAY_CHUNK_LAG)
         chunks = []
         peers: set[int] = set()
+        shapes: dict[tuple[bool, int], tuple[int, ...]] = {}
+
+        def direct(t: Transfer, sending: bool) -> bool:
+            """A box read from (written to) its local tensor as it is: contiguous there, no cast while packing."""
+            item = self.items[t.item]
+            if sending and t.stage == 0 and item.casts:
+                return False
+            on_dst = not sending or t.stage > 0
+            key = (on_dst, t.item)
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = tuple((item.dst if on_dst else item.src).local_shape(rank))
+            return _contiguous_in(t.src_box if sending else t.dst_box, shape)
+
         for c in sorted(per_chunk):
             local, sends, recvs = per_chunk[c]
-            send_msgs = _messages(sends)
-            recv_msgs = _messages(recvs)
+            send_msgs = _messages(sends, lambda t: direct(t, True))
+            recv_msgs = _messages(recvs, lambda t: direct(t, False))
             peers.update(sends)
             peers.update(recvs)
             chunks.append(RankChunk(c, send_msgs, recv_msgs, tuple(local), sum(m.nbytes for m in send_msgs),
@@ -725,8 +740,20 @@ class Plan:
         )
 
 
-def _messages(by_peer: dict[int, list[Transfer]]) -> tuple[Message, ...]:
-    """One message per peer with bytes to move, by peer, back to back in the staging area."""
+def _contiguous_in(box: Box, shape: Sequence[int]) -> bool:
+    """Whether `box` is one contiguous range of a row-major tensor of `shape`: after its first dim of extent > 1,
+    every dim is whole."""
+    dims = len(shape)
+    k = 0
+    while k < dims and box.shape[k] == 1:
+        k += 1
+    return all(box.offsets[d] == 0 and box.shape[d] == shape[d] for d in range(k + 1, dims))
+
+
+def _messages(by_peer: dict[int, list[Transfer]],
+              direct: Callable[[Transfer], bool] = lambda t: False) -> tuple[Message, ...]:
+    """One message per peer with bytes to move, by peer, back to back in the staging area; a message of one box
+    for which `direct` holds takes the zero-copy path (`Message.direct`)."""
     out = []
     buf = boxes = 0
     for peer in sorted(by_peer):
@@ -738,7 +765,7 @@ def _messages(by_peer: dict[int, list[Transfer]]) -> tuple[Message, ...]:
             pos += t.nbytes
         if not pos:
             continue
-        out.append(Message(peer, tuple(ts), tuple(offsets), buf, pos, boxes))
+        out.append(Message(peer, tuple(ts), tuple(offsets), buf, pos, boxes, len(ts) == 1 and direct(ts[0])))
         buf += pos
         boxes += len(ts)
     return tuple(out)
@@ -764,7 +791,8 @@ def _box_list(items: Sequence[PlanItem], messages: Sequence[Message], *, sending
     for i, w in enumerate(wire):
         groups.setdefault(w, []).append(i)
     return BoxList(transfers, from_dst, tensors, boxes, offsets, wire,
-                   tuple((w, tuple(ix)) for w, ix in groups.items()))
+                   tuple((w, tuple(ix)) for w, ix in groups.items()),
+                   tuple(m.direct for m in messages for _ in m.transfers))
 
 
 def _as_items(items: Iterable[Any]) -> tuple[PlanItem, ...]:

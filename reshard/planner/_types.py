@@ -77,6 +77,10 @@ class Message:
         nbytes: total bytes.
         first_box: index of the message's first transfer in the chunk's `pack` (or `unpack`) box list; its
             transfers are entries `first_box .. first_box + len(transfers) - 1` there (and of the checksums).
+        direct: the zero-copy path: the message is one box that is contiguous in this rank's local tensor (of the
+            layout's local shape, row-major), so it is sent from that tensor's view (or received into it) without
+            staging; its area in the staging buffer is left unused. False: packed into (unpacked from) staging.
+            The wire bytes are the same either way.
     """
 
     peer: int
@@ -85,6 +89,7 @@ class Message:
     buffer_offset: int
     nbytes: int
     first_box: int = 0
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,8 @@ class BoxList:
         wire: the dtype box `i` is cast to while packing (a stage-0 box of a `precision="cast"` item), or None for a
             raw copy (always None when unpacking: the wire carries the destination dtype).
         groups: `(wire dtype, box indices)` per distinct `wire` value, in first-seen order: one pack call each.
+        direct: box `i` is its message's one box on the zero-copy path (`Message.direct`): the executor leaves it
+            out of the pack (unpack) call.
     """
 
     transfers: tuple[Transfer, ...] = ()
@@ -111,6 +118,7 @@ class BoxList:
     offsets: tuple[int, ...] = ()
     wire: tuple[torch.dtype | None, ...] = ()
     groups: tuple[tuple[torch.dtype | None, tuple[int, ...]], ...] = ()
+    direct: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
