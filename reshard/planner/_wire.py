@@ -2,7 +2,7 @@
 
 The one encoding of a layout that crosses processes (a refit's metadata exchange, a DTensor side's description), so
 each side can declare only its own layouts. Encoded values are dicts, lists, strings, ints and None only, so any
-JSON or pickle channel carries them. `Layout` travels as its mesh and DTensor placements; `ExplicitLayout` as its
+JSON channel carries them. `Layout` travels as its mesh and DTensor placements; `ExplicitLayout` as its
 per-rank pieces. Decoding trusts nothing: every field is checked, and anything malformed is a `ValueError`.
 
 Example (a `(4, 6)` bfloat16 tensor, `[S(0), R]` on a 2x2 mesh of ranks 0-3):
