@@ -122,8 +122,8 @@ def write_speed_csv(results: list[SpeedResult], path: Path, config: str) -> None
         w = csv.writer(f)
         w.writerow(["case", "method", "tensors", "bytes", "median_s", "min_s", "max_s", "rounds",
                     "reshard_over_method_paired_median", "verified", "reshard_pack_s", "reshard_wait_s",
-                    "reshard_unpack_s", "reshard_handshake_s", "reshard_confirm_s", "reshard_other_s", "note", "machine", "torch",
-                    "config"])
+                    "reshard_unpack_s", "reshard_handshake_s", "reshard_confirm_s", "reshard_other_s", "note",
+                    "machine", "torch", "config"])
         for r in results:
             b = r.breakdown
             for m in SPEED_METHODS:
@@ -131,7 +131,8 @@ def write_speed_csv(results: list[SpeedResult], path: Path, config: str) -> None
                 ratio = "" if m == "reshard" else f"{r.ratio(m):.3f}"
                 w.writerow([r.name, m, r.tensors, r.nbytes, f"{statistics.median(sec):.6f}", f"{min(sec):.6f}",
                             f"{max(sec):.6f}", len(sec), ratio, r.verified[m] if m != "wire" else "n/a (no data)",
-                            *(f"{b.get(k, 0):.6f}" for k in ("pack", "wire", "unpack", "handshake", "confirm", "other")),
+                            *(f"{b.get(k, 0):.6f}"
+                              for k in ("pack", "wire", "unpack", "handshake", "confirm", "other")),
                             r.note, machine(), torch.__version__, config])
 
 

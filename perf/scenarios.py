@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from reshard import gather_broadcast_bytes
-from reshard.planner import Layout, Mesh, Topology, format_bytes, plan
+from reshard.planner import Layout, Mesh, Topology, dtype_name, format_bytes, plan
 from reshard.testing import launch
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ def _compare_scenario(rank: int, world_size: int, sc: Scenario, device: torch.de
     dmesh = DeviceMesh("cpu", torch.as_tensor(sc.dst_mesh), _init_backend=False)
     expected = distribute_tensor(full, dmesh, list(sc.dst_pl), src_data_rank=None).to_local()
     dst_local = torch.zeros(dst.local_shape(rank), dtype=sc.dtype, device=device) if rank in dst.ranks else None
-    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": str(sc.dtype).removeprefix("torch."),
+    row: dict[str, Any] = {"scenario": sc.name, "shape": sc.shape, "dtype": dtype_name(sc.dtype),
                            "world_size": world_size, "times": {}, "verified": {}, "bytes": {}, "notes": {},
                            "rank_bytes": {}}
 

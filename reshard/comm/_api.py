@@ -14,6 +14,7 @@ from reshard.comm._handshake import all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._layout import placement_str
+from reshard.planner._mesh import flat_index
 from reshard.planner._wire import decode_placements, encode_placements
 
 
@@ -162,9 +163,7 @@ def _layout_from_metas(which: str, metas: list[dict[str, Any] | None], name: str
         size *= s
     group_ranks: list[int | None] = [None] * size
     for r, m in holders:
-        flat = 0
-        for c, s in zip(m["coord"], mesh_shape):
-            flat = flat * s + c
+        flat = flat_index(m["coord"], mesh_shape)
         if group_ranks[flat] is not None:
             raise ValueError(f"reshard_dtensor: {which} mesh coordinate {m['coord']} is claimed by group ranks "
                              f"{group_ranks[flat]} and {r}; each mesh position must be one process")

@@ -121,6 +121,14 @@ class Mesh:
         return f"Mesh(shape={self.shape}, ranks={_rank_ranges(self.ranks)}, axis_names={self.axis_names})"
 
 
+def flat_index(coord: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """The row-major position of `coord` in a mesh of `mesh_shape` (`(1, 0)` in `(2, 2)` -> 2)."""
+    flat = 0
+    for c, s in zip(coord, mesh_shape):
+        flat = flat * s + c
+    return flat
+
+
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """`[0, 1, 2, 3, 8]` -> `"0-3,8"`: compact printing of rank lists."""
     out: list[str] = []

@@ -41,6 +41,7 @@ from reshard.planner import (
     relabel,
 )
 from reshard.planner._blocks import scale_layout
+from reshard.planner._mesh import flat_index
 from reshard.planner._wire import decode_layout, encode_layout
 from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
@@ -48,7 +49,7 @@ from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometr
 from reshard.refit._meta import LayoutLike, check_local
 from reshard.refit._policy import Choice, choose
 from reshard.refit._replicas import replica_digests, replica_errors
-from reshard.refit._sources import flat_index, source_layouts
+from reshard.refit._sources import source_layouts
 
 logger = logging.getLogger(__name__)
 

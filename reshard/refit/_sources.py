@@ -25,16 +25,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.tensor import Replicate
 
-from reshard.planner import ExplicitLayout, Layout, Mesh, decode_layout
+from reshard.planner import ExplicitLayout, Layout, Mesh, decode_layout, dtype_name
+from reshard.planner._mesh import flat_index
 from reshard.refit._meta import LayoutLike
-
-
-def flat_index(coord: Sequence[int], mesh_shape: Sequence[int]) -> int:
-    """The row-major position of `coord` in a mesh of `mesh_shape` (`(1, 0)` in `(2, 2)` -> 2)."""
-    flat = 0
-    for c, s in zip(coord, mesh_shape):
-        flat = flat * s + c
-    return flat
 
 
 def remap_ranks(lay: Layout, mapping: Mapping[int, int]) -> Layout:
@@ -91,7 +84,7 @@ def _describe(lay: LayoutLike) -> str:
     if isinstance(lay, Layout):
         return repr(lay)
     per = "; ".join(f"rank {r}: {[str(p.global_box) for p in lay.pieces(r)]}" for r in lay.ranks)
-    return f"explicit {list(lay.shape)} {str(lay.dtype).removeprefix('torch.')} pieces {per}"
+    return f"explicit {list(lay.shape)} {dtype_name(lay.dtype)} pieces {per}"
 
 
 def merge_copies(name: str, copies: Sequence[LayoutLike]) -> LayoutLike:
