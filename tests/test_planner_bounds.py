@@ -126,19 +126,27 @@ def _cache_sizes() -> dict[str, int]:
     return sizes
 
 
-def test_every_planner_cache_is_bounded_and_cleared() -> None:
-    """5,000 distinct shapes fill every cache to its bound, not past it; `clear_plan_cache()` empties them all."""
+def test_every_planner_cache_is_bounded_and_cleared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cache holds its documented bound; filled past a bound it stops there, not past it, and
+    `clear_plan_cache()` empties them all. The bounds are lowered for the fill (each cache evicts by its own
+    `maxsize`, the plan cache by `_PLAN_CACHE_SIZE`, read on every insert), so a few hundred plans overflow them."""
     from reshard.planner import _blocks, _layout, _plan
 
     clear_plan_cache()
     assert set(_cache_sizes()) == {"layout geometries", "layout digests", "derived block layouts", "plans"}
-    for n in range(1, 5001):
+    caches = {c.name: c for c in _layout._CACHES}
+    assert caches["layout geometries"].maxsize == _layout.GEOMETRY_CACHE_SIZE
+    assert caches["layout digests"] is _plan._KEY_DIGESTS and caches["derived block layouts"] is _blocks._DERIVED
+    # lowered, and all different, so a cache evicting by another's bound fails
+    bounds = {"layout geometries": 96, "layout digests": 64, "derived block layouts": 24, "plans": 16}
+    for name, cache in caches.items():
+        monkeypatch.setattr(cache, "maxsize", bounds[name])
+    monkeypatch.setattr(_plan, "_PLAN_CACHE_SIZE", bounds["plans"])
+    for n in range(1, 201):
         src, dst = Layout((n, 3), Mesh([0, 1]), [Shard(0)]), Layout((n, 3), Mesh([2]), [Replicate()])
         plan(src, dst)
-    for n in range(1, _blocks._DERIVED.maxsize + 100):
+    for n in range(1, bounds["derived block layouts"] + 100):
         _blocks.scale_layout(Layout((n, 256), Mesh([0, 1]), [Shard(0)]), (128, 128))
-    bounds = {"layout geometries": _layout.GEOMETRY_CACHE_SIZE, "layout digests": _plan._KEY_DIGESTS.maxsize,
-              "derived block layouts": _blocks._DERIVED.maxsize, "plans": _plan._PLAN_CACHE_SIZE}
     assert _cache_sizes() == bounds
     clear_plan_cache()
     assert _cache_sizes() == dict.fromkeys(bounds, 0)

@@ -59,14 +59,25 @@ def dtensor_local(
 ) -> torch.Tensor:
     """`distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()` as `rank` of `world_size` sees it.
 
+    With `src_data_rank=None` DTensor only slices `full` at the rank's mesh coordinate, so the mesh is built as
+    `rank` without process groups (`DeviceMesh(..., _init_backend=False, _rank=rank)`, the default group is left as
+    it is); on a torch whose `DeviceMesh` lacks `_rank`, through the fake default group (`use_fake_rank`).
+
     Args:
         full: the global tensor (CPU).
         mesh_ranks: the mesh's global ranks, an n-D int tensor (like `DeviceMesh.mesh`).
         placements: one DTensor placement per mesh axis.
-        rank, world_size: the rank to ask as, and the fake world's size (above every rank of the mesh).
+        rank, world_size: the rank to ask as, and the world's size (above every rank of the mesh).
     """
-    use_fake_rank(rank, world_size)
-    mesh = DeviceMesh("cpu", mesh_ranks)
+    mesh_ranks = torch.as_tensor(mesh_ranks)
+    if not 0 <= rank < world_size or (mesh_ranks.numel() and int(mesh_ranks.max()) >= world_size):
+        raise ValueError(f"dtensor_local: rank {rank} and mesh ranks {mesh_ranks.flatten().tolist()} must lie in "
+                         f"[0, {world_size})")
+    try:
+        mesh = DeviceMesh("cpu", mesh_ranks, _init_backend=False, _rank=rank)
+    except TypeError:  # no `_rank` in this torch: act as the rank in a fake world
+        use_fake_rank(rank, world_size)
+        mesh = DeviceMesh("cpu", mesh_ranks)
     return distribute_tensor(full, mesh, list(placements), src_data_rank=None).to_local()
 
 
