@@ -30,8 +30,10 @@ from reshard.planner._chunks import (
     _assign_chunks,
     _Columns,
     _new_unit,
+    TransferColumns,
     _Transfers,
     _unique_triples,
+    transfer_columns,
 )
 from reshard.planner._format import describe_plan, format_bytes, format_stats
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
@@ -554,6 +556,7 @@ class Plan:
         _check_chunks(data, cols, chunks)
         self._chunks = chunks.tolist()
         self._transfers: tuple[Transfer, ...] | None = None
+        self._transfer_columns: TransferColumns | None = None
         self._rank_cols = (cols.src, cols.dst)  # (N,) each: find a rank's transfers without building them all
         self._by_rank: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._rank_plans: dict[int, RankPlan] = {}
@@ -567,6 +570,13 @@ class Plan:
         if self._transfers is None:
             self._transfers = tuple(x for t, c in zip(self._raw, self._chunks) for x in _unit_transfers(t, c))
         return self._transfers
+
+    def transfer_columns(self) -> TransferColumns:
+        """Every transfer as numeric columns (`TransferColumns`, entry i is `transfers[i]`), built once: for sums
+        over a whole plan, which need no `Transfer` objects."""
+        if self._transfer_columns is None:
+            self._transfer_columns = transfer_columns(self._raw, self._raw.columns(), np.asarray(self._chunks))
+        return self._transfer_columns
 
     # ---- derived values -------------------------------------------------------------------------------------
     def _compute_stats(self, cols: _Columns, chunks: np.ndarray, network_lower_bound: int,
