@@ -274,8 +274,10 @@ def _unique_triples(a: np.ndarray, b: np.ndarray, c: np.ndarray, b_size: int,
     return a[first], b[first], c[first]
 
 
-_CHUNK_GROW = 1024
-"""Chunks are added to the open-chunk bit sets this many at a time."""
+_CHUNK_GROW = 16
+"""Chunks are added to the open-chunk bit sets at least this many at a time, and otherwise as many as there are
+(doubling): a plan of one chunk does not pay for a thousand chunks per rank, and a plan of thousands grows a few
+times. Which chunk a transfer takes does not depend on it."""
 
 
 class _OpenChunks:
@@ -296,7 +298,7 @@ class _OpenChunks:
 
     def grow(self, need: int) -> None:
         """Allocate chunks until there are more than `need`, all open."""
-        g = max(need - self.size, 0) + _CHUNK_GROW
+        g = max(need - self.size, 0) + max(_CHUNK_GROW, self.size)
         ones = (1 << g) - 1
         op = self.open
         for r in range(len(op)):

@@ -26,11 +26,11 @@ from reshard.planner._chunks import (
     RELAY_CHUNK_LAG,
     Member,
     Members,
+    TransferColumns,
     Unit,
     _assign_chunks,
     _Columns,
     _new_unit,
-    TransferColumns,
     _Transfers,
     _unique_triples,
     transfer_columns,
@@ -69,6 +69,10 @@ SPREAD_FACTOR = 1
 its domain's network bytes: boxes up to one fair share balance by assignment alone (least-loaded receiver), so a box
 is not cut, and its transfers multiplied, where whole boxes already spread evenly (TP8 -> TP4 replicas: one box per
 receiver)."""
+
+SENDER_SPREAD_FACTOR = 8
+"""A box is split over several senders (its replicas) only while a part exceeds 1/SENDER_SPREAD_FACTOR of a
+receiver's fair share."""
 
 UNIT_SHARE = 16
 """Items of equal geometry move together in units of at most 1/UNIT_SHARE of a destination rank's mean bytes, so
@@ -193,13 +197,15 @@ class _Builder:
         A box is spread over receivers only when it is large next to `fair_share` (the bytes each receiver would
         carry if the whole plan were spread evenly; see `SPREAD_FACTOR`): boxes smaller than that balance by
         assignment alone, without multiplying transfers. Spreading over senders (replicas that would otherwise sit
-        idle) is not capped by it. No part is smaller than `min_split_bytes` unless the box is.
+        idle) stops at `SENDER_SPREAD_FACTOR` times that. No part is smaller than `min_split_bytes` unless the box
+        is.
         """
         nbytes = box.numel * itemsize
-        want = num_candidates
+        want, senders = num_candidates, num_senders
         if fair_share > 0:
             want = min(want, max(1, math.ceil(SPREAD_FACTOR * nbytes / fair_share)))
-        want = min(max(want, num_senders), max(1, nbytes // self.min_split_bytes))
+            senders = min(senders, max(1, math.ceil(SENDER_SPREAD_FACTOR * nbytes / fair_share)))
+        want = min(max(want, senders), max(1, nbytes // self.min_split_bytes))
         cap_numel = max(1, self.chunk_cap // itemsize)
         out: list[Box] = []
         for part in split_box(box, want):
