@@ -9,21 +9,9 @@ turns as its sender. No relays, no staging budget, no chunks: what a per-tensor 
 from __future__ import annotations
 
 import bisect
-from typing import Any, NamedTuple
+from typing import Any
 
-from reshard.planner import Box, intersect
-
-
-class OverlapTransfer(NamedTuple):
-    """One box from `src_rank` to `dst_rank`: `src_box` in the sender's local tensor, `dst_box` in the receiver's,
-    `global_box` in the global tensor; `nbytes` on the wire (a local copy when the ranks are equal)."""
-
-    src_rank: int
-    dst_rank: int
-    src_box: Box
-    dst_box: Box
-    global_box: Box
-    nbytes: int
+from reshard.planner import Box, Transfer, intersect
 
 
 def _moved(box: Box, global_box: Box, local_box: Box) -> Box:
@@ -31,14 +19,15 @@ def _moved(box: Box, global_box: Box, local_box: Box) -> Box:
     return Box(tuple(o + lo - go for o, lo, go in zip(box.offsets, local_box.offsets, global_box.offsets)), box.shape)
 
 
-def exact_overlap_plan(src: Any, dst: Any) -> list[OverlapTransfer]:
+def exact_overlap_plan(src: Any, dst: Any) -> list[Transfer]:
     """The exact intersections of `src`'s and `dst`'s shard boxes, one transfer each.
 
     Args:
         src, dst: layouts of one global shape and dtype (anything with `ranks`, `pieces(rank)`, `dtype`).
 
     Returns:
-        Transfers by destination rank, then piece, then source box (by offsets): every destination element once.
+        `Transfer`s (link `"local"` from the destination itself, else `"network"`; stage, chunk, item 0) by
+        destination rank, then piece, then source box (by offsets): every destination element once.
 
     Algorithm: group the source pieces by global box (the holders of each box, ascending); sort the boxes by their
     dim-0 start; for each destination piece, the boxes that can meet it start in `[lo - longest + 1, hi)` along dim
@@ -58,7 +47,7 @@ def exact_overlap_plan(src: Any, dst: Any) -> list[OverlapTransfer]:
     starts = [b.offsets[0] if not scalar else 0 for b in boxes]
     longest = max((b.shape[0] for b in boxes), default=0) if not scalar else 1
     turns: dict[Box, int] = {}
-    out: list[OverlapTransfer] = []
+    out: list[Transfer] = []
     for r in sorted(dst.ranks):
         for piece in dst.pieces(r):
             g = piece.global_box
@@ -75,6 +64,6 @@ def exact_overlap_plan(src: Any, dst: Any) -> list[OverlapTransfer]:
                     turn = turns.get(boxes[k], 0)
                     turns[boxes[k]] = turn + 1
                     h = hs[turn % len(hs)]
-                out.append(OverlapTransfer(h[0], r, _moved(x, h[1], h[2]), _moved(x, g, piece.local_box), x,
-                                           x.numel * itemsize))
+                out.append(Transfer(h[0], r, _moved(x, h[1], h[2]), _moved(x, g, piece.local_box), x,
+                                    x.numel * itemsize, "local" if h[0] == r else "network"))
     return out
