@@ -1,4 +1,6 @@
-"""Planning time for 256 -> 256-rank layout pairs, cold (cache cleared) and from the cache.
+"""Planning time for 256 -> 256-rank layout pairs, cold (cache cleared) and from the cache, next to a per-tensor
+exact-overlap planner (`perf/_exact_overlap_plan.py`: exact intersections of shard boxes, no relays or chunks) timed
+cold in the same rounds, interleaved, with both transfer counts.
 
 Usage:
     python perf/bench_plan.py [--ranks 256] [--repeat 5] [--out perf/out] [--model-only] [--staging-mib N]
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine_info, python_speed_ms, write_csv  # noqa: E402
+from _exact_overlap_plan import exact_overlap_plan  # noqa: E402
 
 from reshard import Layout, Mesh, Topology, clear_plan_cache, plan  # noqa: E402
 
@@ -48,6 +51,10 @@ def cases(n: int) -> list[tuple[str, Layout, Layout, Topology]]:
         ("colocated TP8xDP -> TP2 replicas", lay(tr, (n // 8, 8), [Replicate(), Shard(0)]),
          lay(tr, (n // 2, 2), [Replicate(), Shard(1)]), t8),
         ("all-to-all S(0) -> S(1) (n^2 transfers)", lay(tr, (n,), [Shard(0)]), lay(inf, (n,), [Shard(1)]), t8),
+        ("S(0) -> [R, S(0)] (n/2 x 2)", lay(tr, (n,), [Shard(0)]), lay(inf, (n // 2, 2), [Replicate(), Shard(0)]),
+         t8),
+        ("S(0) -> [R, S(0)] (2 x n/2)", lay(tr, (n,), [Shard(0)]), lay(inf, (2, n // 2), [Replicate(), Shard(0)]),
+         t8),
     ]
 
 
@@ -68,35 +75,48 @@ def main() -> None:
     if args.model:  # first, so its first plan is the first of the process (nothing cached, as in a fresh rank)
         rows.append(whole_model(args.model, args.system, args.repeat, args.staging_mib))
     for name, src, dst, topo in [] if args.model_only else cases(args.ranks):
-        cold, warm = [], []
-        speed = python_speed_ms()
-        for _ in range(args.repeat):
-            clear_plan_cache()
-            t0 = time.perf_counter()
-            p = plan(src, dst, topo)
-            cold.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            plan(src, dst, topo)
-            warm.append(time.perf_counter() - t0)
-        row = {
-            "case": name,
-            "ranks": args.ranks,
-            "transfers": p.stats.num_transfers,
-            "cold_ms_median": statistics.median(cold) * 1e3,
-            "cold_ms_min": min(cold) * 1e3,
-            "cold_ms_max": max(cold) * 1e3,
-            "cached_ms_median": statistics.median(warm) * 1e3,
-            "first_ms": cold[0] * 1e3,
-            "python_speed_ms": max(speed, python_speed_ms()),  # the slower of before and after
-            **machine_info(torch.device("cpu")),
-        }
-        rows.append(row)
-        print(f"{name:<45} transfers {row['transfers']:>6}  cold {row['cold_ms_median']:8.1f} ms "
-              f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}]  cached {row['cached_ms_median']:.3f} ms  "
-              f"(reference {row['python_speed_ms']:.0f} ms)")
+        rows.append(pair(name, src, dst, topo, args.ranks, args.repeat))
     write_csv(out / "bench_plan.csv", rows)
     plot(rows, out / "bench_plan.png")
     print(f"wrote {out / 'bench_plan.csv'} and {out / 'bench_plan.png'}")
+
+
+def pair(name: str, src: Layout, dst: Layout, topo: Topology, ranks: int, repeat: int) -> dict:
+    """`plan(src, dst, topo)` cold and cached, and the exact-overlap baseline cold, interleaved per round."""
+    cold, warm, base = [], [], []
+    speed = python_speed_ms()
+    for _ in range(repeat):
+        clear_plan_cache()
+        t0 = time.perf_counter()
+        p = plan(src, dst, topo)
+        cold.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        plan(src, dst, topo)
+        warm.append(time.perf_counter() - t0)
+        clear_plan_cache()  # the baseline builds the layouts' pieces too
+        t0 = time.perf_counter()
+        b = exact_overlap_plan(src, dst)
+        base.append(time.perf_counter() - t0)
+    row = {
+        "case": name,
+        "ranks": ranks,
+        "transfers": p.stats.num_transfers,
+        "cold_ms_median": statistics.median(cold) * 1e3,
+        "cold_ms_min": min(cold) * 1e3,
+        "cold_ms_max": max(cold) * 1e3,
+        "cached_ms_median": statistics.median(warm) * 1e3,
+        "first_ms": cold[0] * 1e3,
+        "exact_overlap_transfers": len(b),
+        "exact_overlap_ms_median": statistics.median(base) * 1e3,
+        "cold_over_exact_overlap": statistics.median(c / e for c, e in zip(cold, base)),  # paired per round
+        "python_speed_ms": max(speed, python_speed_ms()),  # the slower of before and after
+        **machine_info(torch.device("cpu")),
+    }
+    print(f"{name:<45} transfers {row['transfers']:>6}  cold {row['cold_ms_median']:8.1f} ms "
+          f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}]  cached {row['cached_ms_median']:.3f} ms  "
+          f"exact-overlap {len(b):>6} transfers {row['exact_overlap_ms_median']:8.1f} ms  "
+          f"ratio {row['cold_over_exact_overlap']:.2f}  (reference {row['python_speed_ms']:.0f} ms)")
+    return row
 
 
 def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = None) -> dict:
@@ -112,6 +132,10 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
     kwargs = {"staging_bytes": staging_mib << 20} if staging_mib else {}
     cold, warm = [], []
     speed = [python_speed_ms()]
+    gc.collect()
+    t0 = time.perf_counter()
+    gc.collect()  # a full pass with no plan alive: what the rest of the process costs the collector
+    gc_bare_s = time.perf_counter() - t0
     p = None
     for _ in range(repeat):
         clear_plan_cache()
@@ -130,6 +154,7 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
     t0 = time.perf_counter()
     gc.collect()
     gc_s = time.perf_counter() - t0
+    tracked = len(gc.get_objects())
     t0 = time.perf_counter()
     p.for_rank(busiest)
     for_rank_s = time.perf_counter() - t0
@@ -148,11 +173,14 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
         "python_speed_ms": max(speed),  # the slower of the reference workload before and after
         "for_rank_ms": for_rank_s * 1e3,
         "gc_full_pass_ms": gc_s * 1e3,
+        "gc_full_pass_without_plan_ms": gc_bare_s * 1e3,
+        "gc_tracked_objects": tracked,
         **machine_info(torch.device("cpu")),
     }
     print(f"{name}: transfers {row['transfers']}, chunks {p.stats.num_chunks}, first {row['first_ms']:.0f} ms, "
           f"cold {row['cold_ms_median']:.0f} ms [{row['cold_ms_min']:.0f}, {row['cold_ms_max']:.0f}], "
-          f"cached {row['cached_ms_median']:.2f} ms; a full GC pass {gc_s * 1e3:.0f} ms, then "
+          f"cached {row['cached_ms_median']:.2f} ms; a full GC pass {gc_s * 1e3:.0f} ms ({tracked} tracked objects; "
+          f"{gc_bare_s * 1e3:.0f} ms before any plan), then "
           f"for_rank({busiest}) {for_rank_s * 1e3:.0f} ms; reference Python workload {speed[0]:.0f} ms before, "
           f"{speed[1]:.0f} ms after (see python_speed_ms)")
     return row

@@ -16,12 +16,15 @@ Exports:
         lag derived from it.
     Transfer, Message, BoxList, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; a rank's program
         (`Plan.for_rank`) is a `RankPlan` of `RankChunk`s of `Message`s and `BoxList`s.
+    TransferColumns, LINKS: every transfer of a plan as numeric columns (`Plan.transfer_columns`), link kinds by
+        their code there.
     format_bytes, format_stats: the report formatting.
 """
 
 from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._checks import PlanLimits
+from reshard.planner._chunks import TransferColumns
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
 from reshard.planner._format import format_bytes, format_stats
@@ -41,6 +44,7 @@ from reshard.planner._plan import (
 )
 from reshard.planner._topology import Topology
 from reshard.planner._types import (
+    LINKS,
     PIPELINE_DEPTH,
     BoxList,
     Message,
@@ -55,6 +59,7 @@ from reshard.planner._wire import decode_layout, encode_layout
 __all__ = [
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",
+    "LINKS",
     "PIPELINE_DEPTH",
     "RELAY_CHUNK_LAG",
     "Box",
@@ -74,6 +79,7 @@ __all__ = [
     "RankPlan",
     "Topology",
     "Transfer",
+    "TransferColumns",
     "block_halo_layout",
     "clear_plan_cache",
     "decode_layout",

@@ -127,6 +127,8 @@ def intersect(a: Box, b: Box) -> Box | None:
 def subtract(a: Box, b: Box) -> list[Box]:
     """`a` minus `b` as a list of disjoint boxes (at most `2 * ndim`), in a fixed order.
 
+    The split functions below build their results with `Box._make`: every value comes from boxes already checked.
+
     The cut peels slabs off `a` dim by dim, outermost first, so the result is deterministic.
 
     Example:
@@ -144,13 +146,13 @@ def subtract(a: Box, b: Box) -> list[Box]:
         if lo > offsets[d]:
             s = list(shape)
             s[d] = lo - offsets[d]
-            out.append(Box(tuple(offsets), tuple(s)))
+            out.append(Box._make(tuple(offsets), tuple(s)))
         if hi < offsets[d] + shape[d]:
             o = list(offsets)
             s = list(shape)
             o[d] = hi
             s[d] = offsets[d] + shape[d] - hi
-            out.append(Box(tuple(o), tuple(s)))
+            out.append(Box._make(tuple(o), tuple(s)))
         offsets[d] = lo
         shape[d] = hi - lo
     return out
@@ -180,7 +182,7 @@ def split_box(box: Box, num_parts: int) -> list[Box]:
         s = list(box.shape)
         o[d] = start
         s[d] = n
-        out.append(Box(tuple(o), tuple(s)))
+        out.append(Box._make(tuple(o), tuple(s)))
         start += n
     return out
 
@@ -225,5 +227,5 @@ def split_to_fit(box: Box, max_numel: int) -> list[Box]:
             n = min(rows, box.shape[d] - start)
             o = [box.offsets[k] + idx[k] for k in range(d)] + [box.offsets[d] + start] + list(box.offsets[d + 1 :])
             s = [1] * d + [n] + list(box.shape[d + 1 :])
-            out.append(Box(tuple(o), tuple(s)))
+            out.append(Box._make(tuple(o), tuple(s)))
     return out

@@ -198,6 +198,56 @@ class _Transfers:
                              units)
 
 
+class TransferColumns(NamedTuple):
+    """Every transfer of a plan as numeric columns, in plan order (entry i is `plan.transfers[i]`): what
+    accounting over a whole plan reads, without building a `Transfer` (and its boxes) per entry.
+
+    Attributes:
+        src, dst: `(T,)` int64 global ranks.
+        nbytes: `(T,)` int64 bytes of each transfer.
+        link: `(T,)` int8 index into `LINKS` (`"local"`, `"nvlink"`, `"network"`).
+        stage: `(T,)` int8, 0 or 1 (a relay forward).
+        chunk: `(T,)` int64 chunk index.
+        item: `(T,)` int64 index of the plan item.
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    link: np.ndarray
+    stage: np.ndarray
+    chunk: np.ndarray
+    item: np.ndarray
+
+
+def transfer_columns(units: _Transfers, cols: _Columns, chunks: np.ndarray) -> TransferColumns:
+    """The per-transfer columns of `units` (one transfer per member of each unit, in member order).
+
+    Args:
+        units: the plan's transfer units; `cols` their columns (`units.columns()`); `chunks`: `(N,)` chunk per unit.
+
+    Example: units `[u0 (members items 3, 4), u1 (item 5)]` give `item == [3, 4, 5]` and `src == [u0.src,
+    u0.src, u1.src]`.
+    """
+    count = cols.count
+    unit = np.repeat(np.arange(count.size), count)  # (T,) the unit of each transfer
+    rows = units.rows
+    row_items = [m[0] for u in rows for m in u[_FIELD["members"]]]
+    part_items = [m[0] for ms in units.p_members for m in ms]
+    items = np.asarray(row_items + part_items, dtype=np.int64)
+    # where each unit's members start in `items`: rows back to back, then each forward at its part's members
+    row_start = np.cumsum(np.concatenate([[0], count[:len(rows)]]))[:-1]
+    part_len = np.fromiter(map(len, units.p_members), np.int64, units.num_parts)
+    part_start = len(row_items) + np.cumsum(np.concatenate([[0], part_len]))[:-1]
+    start = np.concatenate([row_start, np.repeat(part_start, np.asarray(units.p_count, dtype=np.int64))])
+    first = np.cumsum(np.concatenate([[0], count]))[:-1]  # (N,) each unit's first transfer
+    within = np.arange(unit.size) - first[unit]
+    per = cols.nbytes // np.maximum(count, 1)
+    return TransferColumns(cols.src[unit], cols.dst[unit], per[unit], cols.link[unit],
+                           (cols.dep[unit] >= 0).astype(np.int8), np.asarray(chunks, dtype=np.int64)[unit],
+                           items[start[unit] + within])
+
+
 def _dense_ids(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ranks that occur, ascending, and each entry's index into them: `(ranks, src_id, dst_id)`."""
     if not src.size:
@@ -224,8 +274,10 @@ def _unique_triples(a: np.ndarray, b: np.ndarray, c: np.ndarray, b_size: int,
     return a[first], b[first], c[first]
 
 
-_CHUNK_GROW = 1024
-"""Chunks are added to the open-chunk bit sets this many at a time."""
+_CHUNK_GROW = 16
+"""Chunks are added to the open-chunk bit sets at least this many at a time, and otherwise as many as there are
+(doubling): a plan of one chunk does not pay for a thousand chunks per rank, and a plan of thousands grows a few
+times. Which chunk a transfer takes does not depend on it."""
 
 
 class _OpenChunks:
@@ -246,7 +298,7 @@ class _OpenChunks:
 
     def grow(self, need: int) -> None:
         """Allocate chunks until there are more than `need`, all open."""
-        g = max(need - self.size, 0) + _CHUNK_GROW
+        g = max(need - self.size, 0) + max(_CHUNK_GROW, self.size)
         ones = (1 << g) - 1
         op = self.open
         for r in range(len(op)):

@@ -26,12 +26,14 @@ from reshard.planner._chunks import (
     RELAY_CHUNK_LAG,
     Member,
     Members,
+    TransferColumns,
     Unit,
     _assign_chunks,
     _Columns,
     _new_unit,
     _Transfers,
     _unique_triples,
+    transfer_columns,
 )
 from reshard.planner._format import describe_plan, format_bytes, format_stats
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
@@ -62,18 +64,25 @@ bytes on a rank are at most `staging_bytes // PIPELINE_DEPTH`."""
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
 """A box is split across several senders (or relay receivers) only into parts of at least this many bytes."""
 
-SPREAD_FACTOR = 8
+SPREAD_FACTOR = 1
 """A box is split over several relay receivers only when it exceeds 1/SPREAD_FACTOR of a receiver's fair share of
-its domain's network bytes."""
+its domain's network bytes: boxes up to one fair share balance by assignment alone (least-loaded receiver), so a box
+is not cut, and its transfers multiplied, where whole boxes already spread evenly (TP8 -> TP4 replicas: one box per
+receiver)."""
+
+SENDER_SPREAD_FACTOR = 8
+"""A box is split over several senders (its replicas) only while a part exceeds 1/SENDER_SPREAD_FACTOR of a
+receiver's fair share."""
 
 UNIT_SHARE = 16
 """Items of equal geometry move together in units of at most 1/UNIT_SHARE of a destination rank's mean bytes, so
 that choosing one sender and relay for a whole unit still spreads the load, and at most half a chunk, so that a
 rank can still send one unit and receive another in the same chunk."""
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 """Part of every fingerprint: bumped when the same inputs plan differently (2: first-fit chunk placement over bit
-sets, relay forwards after all stage-0 transfers in plan order, items of equal geometry in units)."""
+sets, relay forwards after all stage-0 transfers in plan order, items of equal geometry in units; 3: a box is split
+over relay receivers only beyond one fair share, `SPREAD_FACTOR = 1`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,17 +189,23 @@ class _Builder:
             self.nvl_send[src] += nbytes
         return len(self.raw) - 1
 
-    def parts(self, box: Box, num_candidates: int, itemsize: int, fair_share: float = 0.0) -> list[Box]:
-        """Split `box` for spreading over `num_candidates` ranks, then to fit a chunk; row-major order.
+    def parts(self, box: Box, num_candidates: int, itemsize: int, fair_share: float = 0.0,
+              num_senders: int = 1) -> list[Box]:
+        """Split `box` for spreading over `num_candidates` receivers (or senders) and `num_senders` senders, then
+        to fit a chunk; row-major order.
 
-        A box is spread only when it is large next to `fair_share` (the bytes each candidate would carry if the
-        whole plan were spread evenly): many boxes much smaller than that balance by assignment alone, without
-        multiplying transfers.
+        A box is spread over receivers only when it is large next to `fair_share` (the bytes each receiver would
+        carry if the whole plan were spread evenly; see `SPREAD_FACTOR`): boxes smaller than that balance by
+        assignment alone, without multiplying transfers. Spreading over senders (replicas that would otherwise sit
+        idle) stops at `SENDER_SPREAD_FACTOR` times that. No part is smaller than `min_split_bytes` unless the box
+        is.
         """
         nbytes = box.numel * itemsize
-        want = min(num_candidates, max(1, nbytes // self.min_split_bytes))
+        want, senders = num_candidates, num_senders
         if fair_share > 0:
             want = min(want, max(1, math.ceil(SPREAD_FACTOR * nbytes / fair_share)))
+            senders = min(senders, max(1, math.ceil(SENDER_SPREAD_FACTOR * nbytes / fair_share)))
+        want = min(max(want, senders), max(1, nbytes // self.min_split_bytes))
         cap_numel = max(1, self.chunk_cap // itemsize)
         out: list[Box] = []
         for part in split_box(box, want):
@@ -240,7 +255,7 @@ class _NetNeed(NamedTuple):
     holders: list[int]  # ascending
     holder_deltas: list[tuple[int, ...]]  # per holder
     parts: list[_Part]
-    spread: int  # how many parts the box was split for (before fitting chunks)
+    spread: int  # how many senders the box was split for (before fitting chunks); receivers: `needers`
 
 
 @dataclass(slots=True)
@@ -347,8 +362,8 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
             needers = needs[(gid, x)]
             holders = group_holders[gid]
             if b.relay:
-                k = max(len(needers), -(-len(holders) // net_demand[gid]))
-                boxes = b.parts(x, k, itemsize, b.fair_recv.get(dom, 0.0))
+                k = -(-len(holders) // net_demand[gid])  # senders per part, so that no replica sits idle
+                boxes = b.parts(x, len(needers), itemsize, b.fair_recv.get(dom, 0.0), num_senders=k)
             else:
                 k = -(-len(holders) // (net_demand[gid] * len(needers)))
                 boxes = b.parts(x, k, itemsize)
@@ -409,7 +424,8 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
                            1, relayed, a_idx)
             if remaining != [x]:
                 parts = [_part(box, rc.itemsize, n_deltas, h_deltas) for rem in remaining
-                         for box in b.parts(rem, spread, rc.itemsize, b.fair_recv.get(dom, 0.0))]
+                         for box in b.parts(rem, len(needers), rc.itemsize, b.fair_recv.get(dom, 0.0),
+                                            num_senders=spread)]
         for part in parts:
             n = _least(needers, net_recv)
             h = _least(holders, net_send)
@@ -554,6 +570,7 @@ class Plan:
         _check_chunks(data, cols, chunks)
         self._chunks = chunks.tolist()
         self._transfers: tuple[Transfer, ...] | None = None
+        self._transfer_columns: TransferColumns | None = None
         self._rank_cols = (cols.src, cols.dst)  # (N,) each: find a rank's transfers without building them all
         self._by_rank: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._rank_plans: dict[int, RankPlan] = {}
@@ -567,6 +584,13 @@ class Plan:
         if self._transfers is None:
             self._transfers = tuple(x for t, c in zip(self._raw, self._chunks) for x in _unit_transfers(t, c))
         return self._transfers
+
+    def transfer_columns(self) -> TransferColumns:
+        """Every transfer as numeric columns (`TransferColumns`, entry i is `transfers[i]`), built once: for sums
+        over a whole plan, which need no `Transfer` objects."""
+        if self._transfer_columns is None:
+            self._transfer_columns = transfer_columns(self._raw, self._raw.columns(), np.asarray(self._chunks))
+        return self._transfer_columns
 
     # ---- derived values -------------------------------------------------------------------------------------
     def _compute_stats(self, cols: _Columns, chunks: np.ndarray, network_lower_bound: int,
