@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -51,9 +52,9 @@ import torch
 from reshard.comm._alias import overlap_errors
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import EXACT_SUFFIX, agree
-from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
+from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
-from reshard.planner import PIPELINE_DEPTH, BoxList, Plan, RankChunk, RankPlan
+from reshard.planner import PIPELINE_DEPTH, Box, BoxList, Message, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
 
@@ -303,13 +304,14 @@ def _prepared_for(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tenso
 
 
 class _Paths:
-    """Which messages of one chunk take the zero-copy path, for one set of tensors: the plan's `Message.direct`,
-    where the box's view of the actual tensor is contiguous (a strided tensor takes the staged path instead).
+    """How the messages of one chunk go on the wire, for one set of tensors: the plan's `Message.direct` where the
+    box's view of the actual tensor is contiguous (a strided tensor takes the staged path instead), and each
+    message's parts (`Message.parts`).
 
     Attributes:
         sends, recvs: per message, the `uint8` view of the tensor it is sent from (received into), or None:
             staged.
-        pack_groups: the chunk's pack groups (`BoxList.groups`) without the direct boxes.
+        pack_groups: the chunk's pack groups (`BoxList.groups`) without the direct boxes (one copy per chunk).
         unpack_boxes: indices of the unpack boxes that are staged.
         direct_bytes: bytes of the direct messages.
     """
@@ -341,6 +343,65 @@ class _Paths:
             out.append(view)
         return out
 
+    @staticmethod
+    def wire(messages: Sequence[Message], views: list[torch.Tensor | None],
+             area: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`(peer, tensor)` per wire send (or receive) of `messages`, in wire order: each message's parts, cut from
+        its view (direct) or from its range of the slot's staging `area`."""
+        out = []
+        for m, v in zip(messages, views):
+            whole = area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v
+            out.extend((m.peer, whole.narrow(0, off, n)) for off, n in m.parts) if m.cuts else out.append((m.peer,
+                                                                                                         whole))
+        return out
+
+
+def _part_boxes(m: Message, box: Box) -> list[tuple[int, Box]]:
+    """`(byte offset in the message, sub-box)` of each part of a one-box message `m` whose box (in the local
+    tensor) is `box`: the parts cut `box` along its outermost dim of extent > 1 (see `Message.cuts`)."""
+    if not m.cuts:
+        return [(0, box)]
+    d = next(k for k, n in enumerate(box.shape) if n > 1)
+    row_bytes = m.nbytes // box.shape[d]
+    out = []
+    for off, n in m.parts:
+        r0, rows = off // row_bytes, n // row_bytes
+        out.append((off, Box(tuple(o + r0 if k == d else o for k, o in enumerate(box.offsets)),
+                             tuple(rows if k == d else s for k, s in enumerate(box.shape)))))
+    return out
+
+
+class _SendUnits:
+    """The CPU send program of one chunk from one slot: per wire send, the pack copies that fill it (none when
+    direct) and the send itself, so part k+1 is packed while part k is on the wire (gloo sends on its own threads).
+
+    Attributes:
+        units: `(copies, peer, tensor)` per wire send, in wire order.
+    """
+
+    def __init__(self, step: RankChunk, paths: _Paths, tensors: list[torch.Tensor], area: torch.Tensor) -> None:
+        self.units: list[tuple[list[PreparedCopy], int, torch.Tensor]] = []
+        pk = step.pack
+        for m, view in zip(step.sends, paths.sends):
+            whole = area.narrow(0, m.buffer_offset, m.nbytes) if view is None else view
+            ks = range(m.first_box, m.first_box + len(m.transfers))
+            if view is not None:
+                for off, n in m.parts:
+                    self.units.append(([], m.peer, whole.narrow(0, off, n)))
+                continue
+            if m.cuts:  # one box, packed part by part
+                (k,) = ks
+                for (off, box), (_, n) in zip(_part_boxes(m, pk.boxes[k]), m.parts):
+                    copy = prepare_pack([tensors[k]], [box], area, [pk.offsets[k] + off], dtype=pk.wire[k])
+                    self.units.append(([copy], m.peer, whole.narrow(0, off, n)))
+                continue
+            by_wire: dict[Any, list[int]] = {}
+            for k in ks:
+                by_wire.setdefault(pk.wire[k], []).append(k)
+            copies = [prepare_pack([tensors[k] for k in ix], [pk.boxes[k] for k in ix], area,
+                                   [pk.offsets[k] for k in ix], dtype=w) for w, ix in by_wire.items()]
+            self.units.append((copies, m.peer, whole))
+
 
 @dataclass
 class _InFlight:
@@ -369,6 +430,7 @@ class _Run:
         self.streams = staging.streams
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
+        self.prepacked = -1  # the chunk whose sends `start_prepack`'s thread packs (CPU), or -1
 
     def _tensors(self, copies: BoxList) -> list[torch.Tensor]:
         src, dst = self.src, self.dst
@@ -382,7 +444,69 @@ class _Run:
                                                 self.zero_copy)
         return paths
 
+    def _send_units(self, step: RankChunk, slot: int) -> _SendUnits:
+        key = ("units", step.index, slot, self.zero_copy)
+        units = self.prepared.get(key)
+        if units is None:
+            units = self.prepared[key] = _SendUnits(step, self._paths(step), self._tensors(step.pack),
+                                                    self.staging.send(slot, step))
+        return units
+
     # -- stages ---------------------------------------------------------------------------------------------
+
+    def start_prepack(self) -> None:
+        """CPU: start packing the first chunk's staged sends into slot 0 on a helper thread, part after part, so
+        that packing runs while the plan handshake waits for the other ranks and, after it, while the first parts
+        are on the wire (`pack_and_post` posts each part once it is packed). Reads only the source tensors and
+        writes only staging: no destination is written and no byte moves before the verdict. The copies are
+        prepared (checked) here, on the calling thread, so a refusal is reported before the handshake."""
+        if self.streams is not None or not self.prog.chunks or not self.prog.chunks[0].pack.boxes:
+            return
+        step = self.prog.chunks[0]
+        units = self._send_units(step, 0).units
+        self.prepacked = step.index
+        self._packed = 0
+        self._pack_error: BaseException | None = None
+        self._cancel = False
+        self._cond = threading.Condition()
+
+        def work() -> None:
+            try:
+                with torch.no_grad():
+                    for copies, _, _ in units:
+                        if self._cancel:
+                            return
+                        t0 = time.perf_counter()
+                        for copy in copies:
+                            copy.run()
+                        self.report.seconds_pack += time.perf_counter() - t0
+                        with self._cond:
+                            self._packed += 1
+                            self._cond.notify_all()
+            except BaseException as e:  # noqa: BLE001 - raised on the calling thread by `_wait_packed`
+                with self._cond:
+                    self._pack_error = e
+                    self._cond.notify_all()
+
+        self._thread = threading.Thread(target=work, name=f"reshard-prepack-{self.prog.rank}", daemon=True)
+        self._thread.start()
+
+    def stop_prepack(self) -> None:
+        """Cancel and wait for the helper thread of `start_prepack` (the handshake refused the call)."""
+        if self.prepacked >= 0:
+            self._cancel = True
+            self._join_prepack()
+
+    def _join_prepack(self) -> None:
+        self._thread.join()
+        self.prepacked = -1
+
+    def _wait_packed(self, k: int) -> None:
+        """Block until the helper thread packed the first `k + 1` send units of the first chunk."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._packed > k or self._pack_error is not None)
+            if self._pack_error is not None:
+                raise self._pack_error
 
     def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
         if not step.pack.boxes:
@@ -408,27 +532,35 @@ class _Run:
             for copy in copies:
                 copy.run()
             if self.verify:
-                tensors = self._tensors(step.pack)
-                sums = self.staging.send_sums[slot]
-                for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
-                    _checksum(t[box.slices()], sums[k], wire)
+                self._send_sums(step, slot)
             if s is not None:
                 s.packed[slot].record(s.pack)
         self.report.seconds_pack += time.perf_counter() - t0
 
-    def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
-        st = self.staging
-        send_area, recv_area = st.send(slot, step), st.recv(slot, step)
-        paths = self._paths(step)
-        sends = [(m.peer, send_area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v)
-                 for m, v in zip(step.sends, paths.sends)]
-        recvs = [(m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v)
-                 for m, v in zip(step.recvs, paths.recvs)]
+    def _send_sums(self, step: RankChunk, slot: int) -> None:
+        tensors = self._tensors(step.pack)
+        sums = self.staging.send_sums[slot]
+        for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
+            _checksum(t[box.slices()], sums[k], wire)
+
+    def _count(self, step: RankChunk, paths: _Paths) -> None:
         self.report.bytes_direct += paths.direct_bytes
         if self.debug:
             logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
                          [(m.peer, m.nbytes) for m in step.sends], [(m.peer, m.nbytes) for m in step.recvs],
                          len(step.local))
+        self.report.messages_sent += len(step.sends)
+        self.report.messages_received += len(step.recvs)
+        self.report.bytes_sent += step.send_bytes
+        self.report.bytes_received += step.recv_bytes
+
+    def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
+        st = self.staging
+        paths = self._paths(step)
+        sends = _Paths.wire(step.sends, paths.sends, st.send(slot, step))
+        recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
+        num_sends, num_recvs = len(sends), len(recvs)
+        self._count(step, paths)
         s = self.streams
         with _on(s and s.comm):
             if s is not None:
@@ -439,16 +571,41 @@ class _Run:
             if self.verify:
                 sends += [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
                 recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
-            handle = _post_tagged(sends, recvs, self.group, len(step.sends), len(step.recvs), self.verify,
-                                  self.timeout, what)
+            handle = _post_tagged(sends, recvs, self.group, num_sends, num_recvs, self.verify, self.timeout, what)
             if s is not None:
                 handle.wait()  # CUDA: the comm stream waits for NCCL; the host does not
                 s.transferred[slot].record(s.comm)
-        self.report.messages_sent += len(step.sends)
-        self.report.messages_received += len(step.recvs)
-        self.report.bytes_sent += step.send_bytes
-        self.report.bytes_received += step.recv_bytes
         return handle
+
+    def pack_and_post(self, step: RankChunk, slot: int) -> TransferHandle:
+        """CPU: post the chunk's receives, then pack each wire send and post it at once, so packing the next one
+        overlaps the transfer of this one (gloo moves posted messages on its own threads)."""
+        st = self.staging
+        paths = self._paths(step)
+        recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
+        self._count(step, paths)
+        what = f"chunk {step.index}"
+        handles = [post([], recvs, self.group, tag=TAG_DATA, timeout=self.timeout, what=what)]
+        if self.verify:
+            if step.pack.boxes:
+                self._send_sums(step, slot)
+            handles.append(post(
+                [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends],
+                [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs],
+                self.group, tag=TAG_CHECKSUM, timeout=self.timeout, what=f"{what} checksums"))
+        prepacked = self.prepacked == step.index
+        for k, (copies, peer, tensor) in enumerate(self._send_units(step, slot).units if step.sends else ()):
+            if prepacked:
+                self._wait_packed(k)
+            elif copies:
+                t0 = time.perf_counter()
+                for copy in copies:
+                    copy.run()
+                self.report.seconds_pack += time.perf_counter() - t0
+            handles.append(post([(peer, tensor)], [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
+        if prepacked:
+            self._join_prepack()
+        return joined(handles, self.group, self.timeout, what)
 
     def local(self, step: RankChunk) -> None:
         if not step.local:
@@ -536,9 +693,12 @@ class _Run:
                 slot = k % NUM_SLOTS
                 while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.unpack_before_pack):
                     finish_oldest()
-                relay_ready = last_unpacked["event"] if step.unpack_before_pack >= 0 else None
-                self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
-                handle = self.post(step, slot, k >= NUM_SLOTS)
+                if s is None:  # CPU: pack and post message by message
+                    handle = self.pack_and_post(step, slot)
+                else:
+                    relay_ready = last_unpacked["event"] if step.unpack_before_pack >= 0 else None
+                    self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
+                    handle = self.post(step, slot, k >= NUM_SLOTS)
                 pending.append(_InFlight(step, slot, handle))
                 self.local(step)
                 while len(pending) > 1:  # unpack chunk i-1 while chunk i is in flight
@@ -547,6 +707,7 @@ class _Run:
             while pending:
                 finish_oldest()
         finally:
+            self.stop_prepack()  # a failure before the first chunk was posted: the helper thread stops here
             if s is not None:
                 # pipeline -> caller: whatever happened, the caller's stream runs after every stage's work
                 caller = torch.cuda.current_stream(self.staging.device)
@@ -675,18 +836,30 @@ def execute(
                 staging = _staging_for(group, prog, device, verify)
             except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
                 errors.append(f"rank {rank}: cannot reserve staging on {device}: {e}")
+        run: _Run | None = None
+        if staging is not None and not errors:
+            srcs, dsts = src_tensors or (), dst_tensors or ()
+            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
+            try:
+                run.start_prepack()  # packs the first chunk into staging while the handshake waits
+            except (ValueError, RuntimeError) as e:  # refused by the kernels: reported like bad input
+                errors.append(f"rank {rank}: cannot prepare packing: {e}")
+                run = None
         if len(ranks) > 1:
-            agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=td,
-                  what="plan handshake")
+            try:
+                agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=td,
+                      what="plan handshake")
+            except BaseException:
+                if run is not None:
+                    run.stop_prepack()
+                raise
         elif errors:
             raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
-        if staging is not None:
+        if run is not None:
             report.staging_bytes = staging.nbytes
-            srcs, dsts = src_tensors or (), dst_tensors or ()
-            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
-            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
             run.run()
             verify_errors = run.errors
         if (verify or confirm) and len(ranks) > 1:
