@@ -585,14 +585,16 @@ class _Run:
         recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
         self._count(step, paths)
         what = f"chunk {step.index}"
-        handles = [post([], recvs, self.group, tag=TAG_DATA, timeout=self.timeout, what=what)]
+        num_recvs = len(recvs)
+        sums: list[tuple[int, torch.Tensor]] = []
         if self.verify:
             if step.pack.boxes:
                 self._send_sums(step, slot)
-            handles.append(post(
-                [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends],
-                [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs],
-                self.group, tag=TAG_CHECKSUM, timeout=self.timeout, what=f"{what} checksums"))
+            sums = [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
+            recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
+        # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed
+        first = _post_tagged(sums, recvs, self.group, 0, num_recvs, self.verify, self.timeout, what)
+        handles: list[TransferHandle] = []
         prepacked = self.prepacked == step.index
         for k, (copies, peer, tensor) in enumerate(self._send_units(step, slot).units if step.sends else ()):
             if prepacked:
@@ -605,7 +607,7 @@ class _Run:
             handles.append(post([(peer, tensor)], [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
         if prepacked:
             self._join_prepack()
-        return joined(handles, self.group, self.timeout, what)
+        return _Both(first, joined(handles, self.group, self.timeout, what)) if handles else first
 
     def local(self, step: RankChunk) -> None:
         if not step.local:
