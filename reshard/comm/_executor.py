@@ -460,9 +460,10 @@ class _Run:
         are on the wire (`pack_and_post` posts each part once it is packed). Reads only the source tensors and
         writes only staging: no destination is written and no byte moves before the verdict. The copies are
         prepared (checked) here, on the calling thread, so a refusal is reported before the handshake."""
-        if self.streams is not None or not self.prog.chunks or not self.prog.chunks[0].pack.boxes:
+        first = self.prog.chunks[0] if self.prog.chunks else None
+        if self.streams is not None or first is None or not first.pack.boxes or first.unpack_before_pack >= 0:
             return
-        step = self.prog.chunks[0]
+        step = first
         units = self._send_units(step, 0).units
         self.prepacked = step.index
         self._packed = 0
