@@ -6,13 +6,19 @@ One call, on every rank of the plan:
    other ranks (plan fingerprint + error flags, see `_handshake.agree`): bad input raises on every rank before any
    byte moves;
 2. for each of the rank's chunks, in increasing chunk index:
-   pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post all the chunk's
-   sends and receives together, make its local copies, then finish the *previous* chunk (wait for it and unpack
-   it into the destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is
-   packed and chunk i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed.
-   Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor) skips pack and unpack:
-   it is sent from the tensor's view and received into it (relays forward from the destination tensor), and only
-   after step 1's agreement, so a refused call leaves every destination untouched;
+   pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post the chunk's sends
+   and receives, make its local copies, then finish the *previous* chunk (wait for it and unpack it into the
+   destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is packed and chunk
+   i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed. On CPU the chunk's
+   receives are posted first, then each wire send is packed and posted at once (`Message.parts`: a strided box is
+   sent in parts), so packing the next part overlaps the transfer of this one; the first chunk is packed into
+   staging on a helper thread while step 1's handshake waits (staging only: nothing is sent or received, and no
+   destination written, before the verdict). On CUDA the chunk is packed in one call on the pack stream and its
+   sends posted together on the comm stream.
+   Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor; large boxes are messages
+   of their own, see `Message`) skips pack and unpack: it is sent from the tensor's view and received into it
+   (relays forward from the destination tensor), and only after step 1's agreement, so a refused call leaves every
+   destination untouched;
 3. with `verify=True`, per-box checksums travel next to the data, every receiver checks them after unpacking, and
    a last agreement round makes every rank raise if any box was corrupted.
 
