@@ -458,6 +458,11 @@ class _Run:
                                                     self.staging.send(slot, step))
         return units
 
+    def _staged(self, step: RankChunk) -> bool:
+        """Whether the chunk uses its staging slot: some message packed or unpacked there, or checksums."""
+        paths = self._paths(step)
+        return self.verify or bool(paths.pack_groups) or bool(paths.unpack_boxes)
+
     # -- stages ---------------------------------------------------------------------------------------------
 
     def start_prepack(self) -> None:
@@ -697,20 +702,33 @@ class _Run:
             last_unpacked["index"] = flight.step.index
             last_unpacked["event"] = s.unpacked[flight.slot] if s is not None else None
 
+        def staged_in_flight() -> int:
+            return sum(self._staged(f.step) for f in pending)
+
         try:
+            num_staged = 0
             for k, step in enumerate(self.prog.chunks):
-                slot = k % NUM_SLOTS
-                while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.unpack_before_pack):
-                    finish_oldest()
-                if s is None:  # CPU: pack and post message by message
-                    handle = self.pack_and_post(step, slot)
+                if s is None:
+                    # CPU: a chunk whose messages are all direct takes no slot: it is only waited for when a later
+                    # chunk forwards what it brought, or at the end, so such chunks are all in flight together
+                    staged = self._staged(step)
+                    slot = num_staged % NUM_SLOTS if staged else 0
+                    num_staged += staged
+                    while pending and ((staged and staged_in_flight() >= NUM_SLOTS)
+                                       or pending[0].step.index <= step.unpack_before_pack):
+                        finish_oldest()
+                    handle = self.pack_and_post(step, slot)  # packed and posted message by message
                 else:
+                    slot = k % NUM_SLOTS
+                    while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.unpack_before_pack):
+                        finish_oldest()
                     relay_ready = last_unpacked["event"] if step.unpack_before_pack >= 0 else None
                     self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
                     handle = self.post(step, slot, k >= NUM_SLOTS)
                 pending.append(_InFlight(step, slot, handle))
                 self.local(step)
-                while len(pending) > 1:  # unpack chunk i-1 while chunk i is in flight
+                # unpack chunk i-1 while chunk i is in flight (CPU: only chunks that hold a slot count)
+                while len(pending) > 1 and (s is not None or staged_in_flight() > 1):
                     finish_oldest()
                 self.report.chunks += 1
             while pending:
