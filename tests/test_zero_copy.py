@@ -162,7 +162,7 @@ def test_split_and_cut_messages_give_dtensor_bytes_on_both_paths(pool, name) -> 
 
 def on_rank_plan_differs(w) -> None:
     """Rank 6 plans with a smaller staging budget: other chunks, other messages; every destination stays
-    untouched and every rank raises. The source ranks pack their first chunk while the handshake fails."""
+    untouched (and every source unchanged), and every rank raises."""
     from reshard.comm import execute
 
     with small_thresholds():

@@ -11,10 +11,9 @@ One call, on every rank of the plan:
    destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is packed and chunk
    i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed. On CPU the chunk's
    receives are posted first, then each wire send is packed and posted at once (`Message.parts`: a strided box is
-   sent in parts), so packing the next part overlaps the transfer of this one; the first chunk is packed into
-   staging on a helper thread while step 1's handshake waits (staging only: nothing is sent or received, and no
-   destination written, before the verdict). On CUDA the chunk is packed in one call on the pack stream and its
-   sends posted together on the comm stream.
+   sent in parts), so packing the next part overlaps the transfer of this one. Chunks whose messages are all
+   direct use no staging slot, so they are all in flight together. On CUDA the chunk is packed in one call on the
+   pack stream and its sends posted together on the comm stream.
    Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor; large boxes are messages
    of their own, see `Message`) skips pack and unpack: it is sent from the tensor's view and received into it
    (relays forward from the destination tensor), and only after step 1's agreement, so a refused call leaves every
@@ -46,7 +45,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -436,7 +434,6 @@ class _Run:
         self.streams = staging.streams
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
-        self.prepacked = -1  # the chunk whose sends `start_prepack`'s thread packs (CPU), or -1
 
     def _tensors(self, copies: BoxList) -> list[torch.Tensor]:
         src, dst = self.src, self.dst
@@ -464,61 +461,6 @@ class _Run:
         return self.verify or bool(paths.pack_groups) or bool(paths.unpack_boxes)
 
     # -- stages ---------------------------------------------------------------------------------------------
-
-    def start_prepack(self) -> None:
-        """CPU: start packing the first chunk's staged sends into slot 0 on a helper thread, part after part, so
-        that packing runs while the plan handshake waits for the other ranks and, after it, while the first parts
-        are on the wire (`pack_and_post` posts each part once it is packed). Reads only the source tensors and
-        writes only staging: no destination is written and no byte moves before the verdict. The copies are
-        prepared (checked) here, on the calling thread, so a refusal is reported before the handshake."""
-        first = self.prog.chunks[0] if self.prog.chunks else None
-        if self.streams is not None or first is None or not first.pack.boxes or first.unpack_before_pack >= 0:
-            return
-        step = first
-        units = self._send_units(step, 0).units
-        self.prepacked = step.index
-        self._packed = 0
-        self._pack_error: BaseException | None = None
-        self._cancel = False
-        self._cond = threading.Condition()
-
-        def work() -> None:
-            try:
-                with torch.no_grad():
-                    for copies, _, _ in units:
-                        if self._cancel:
-                            return
-                        t0 = time.perf_counter()
-                        for copy in copies:
-                            copy.run()
-                        self.report.seconds_pack += time.perf_counter() - t0
-                        with self._cond:
-                            self._packed += 1
-                            self._cond.notify_all()
-            except BaseException as e:  # noqa: BLE001 - raised on the calling thread by `_wait_packed`
-                with self._cond:
-                    self._pack_error = e
-                    self._cond.notify_all()
-
-        self._thread = threading.Thread(target=work, name=f"reshard-prepack-{self.prog.rank}", daemon=True)
-        self._thread.start()
-
-    def stop_prepack(self) -> None:
-        """Cancel and wait for the helper thread of `start_prepack` (the handshake refused the call)."""
-        if self.prepacked >= 0:
-            self._cancel = True
-            self._join_prepack()
-
-    def _join_prepack(self) -> None:
-        self._thread.join()
-        self.prepacked = -1
-
-    def _wait_packed(self, k: int) -> None:
-        """Block until the helper thread packed the first `k + 1` send units of the first chunk."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._packed > k or self._pack_error is not None)
-            if self._pack_error is not None:
-                raise self._pack_error
 
     def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
         if not step.pack.boxes:
@@ -607,18 +549,13 @@ class _Run:
         # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed
         first = _post_tagged(sums, recvs, self.group, 0, num_recvs, self.verify, self.timeout, what)
         handles: list[TransferHandle] = []
-        prepacked = self.prepacked == step.index
-        for k, (copies, peer, tensor) in enumerate(self._send_units(step, slot).units if step.sends else ()):
-            if prepacked:
-                self._wait_packed(k)
-            elif copies:
+        for copies, peer, tensor in self._send_units(step, slot).units if step.sends else ():
+            if copies:
                 t0 = time.perf_counter()
                 for copy in copies:
                     copy.run()
                 self.report.seconds_pack += time.perf_counter() - t0
             handles.append(post([(peer, tensor)], [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
-        if prepacked:
-            self._join_prepack()
         return _Both(first, joined(handles, self.group, self.timeout, what)) if handles else first
 
     def local(self, step: RankChunk) -> None:
@@ -734,7 +671,6 @@ class _Run:
             while pending:
                 finish_oldest()
         finally:
-            self.stop_prepack()  # a failure before the first chunk was posted: the helper thread stops here
             if s is not None:
                 # pipeline -> caller: whatever happened, the caller's stream runs after every stage's work
                 caller = torch.cuda.current_stream(self.staging.device)
@@ -863,30 +799,18 @@ def execute(
                 staging = _staging_for(group, prog, device, verify)
             except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
                 errors.append(f"rank {rank}: cannot reserve staging on {device}: {e}")
-        run: _Run | None = None
-        if staging is not None and not errors:
-            srcs, dsts = src_tensors or (), dst_tensors or ()
-            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
-            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
-            try:
-                run.start_prepack()  # packs the first chunk into staging while the handshake waits
-            except (ValueError, RuntimeError) as e:  # refused by the kernels: reported like bad input
-                errors.append(f"rank {rank}: cannot prepare packing: {e}")
-                run = None
         if len(ranks) > 1:
-            try:
-                agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=td,
-                      what="plan handshake")
-            except BaseException:
-                if run is not None:
-                    run.stop_prepack()
-                raise
+            agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=td,
+                  what="plan handshake")
         elif errors:
             raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
-        if run is not None:
+        if staging is not None:
             report.staging_bytes = staging.nbytes
+            srcs, dsts = src_tensors or (), dst_tensors or ()
+            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
             run.run()
             verify_errors = run.errors
         if (verify or confirm) and len(ranks) > 1:
