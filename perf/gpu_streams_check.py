@@ -6,7 +6,9 @@ to its receive, and the bytes are copied on a link stream after a delay that sta
 real one (`reshard.comm.execute`, with its pack, comm and unpack streams and their events); only the process group
 is replaced.
 
-The check runs one plan (each rank sends its whole shard to the other, in `--chunks` chunks) three ways:
+First, `check_paths` runs the executor's message paths (many tensors sent box by box from and into the tensors;
+a strided slab packed and sent in parts) zero-copy and staged, bit for bit. Then the check runs one plan (each rank
+sends its whole shard to the other, in `--chunks` chunks) three ways:
 
 1. `serial, no link delay`: one pipeline slot; calibrates the per-chunk cost of pack + copy + unpack, `T`;
 2. `serial`: one slot (`NUM_SLOTS = 1`: pack, transfer and unpack of a chunk run one after another), with a link
@@ -214,6 +216,64 @@ def _run_pair(p: Any, groups: list[Group], srcs: list[torch.Tensor], dsts: list[
     return elapsed
 
 
+def check_paths(device: torch.device) -> list[str]:
+    """The executor's message paths on `device`, zero-copy and staged, each bit for bit against the source bytes:
+    many tensors whose boxes go direct box by box (`DIRECT_SPLIT_BYTES`), and one strided column slab per rank
+    packed and sent in parts (`PART_BYTES`), received straight into the destination. Returns the failures."""
+    from reshard.planner import plan_many
+
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    cases = {}
+    # 12 tensors, each rank's half of 1024 x 512 bf16 (512 KiB boxes): one direct message per box
+    shapes = [(1024, 512)] * 12
+    cases["many-box direct"] = [(Layout(s, Mesh([0, 1]), [Shard(0)], bf16), Layout(s, Mesh([1, 0]), [Shard(0)], bf16))
+                                for s in shapes]
+    # S(0) -> S(1) of 4096 x 8192 bf16: 2048 x 4096 slabs (16 MiB), strided in the source: packed in 2 parts
+    cases["strided slab in parts"] = [(Layout((4096, 8192), Mesh([0, 1]), [Shard(0)], bf16),
+                                       Layout((4096, 8192), Mesh([0, 1]), [Shard(1)], bf16))]
+    failures = []
+    for name, pairs in cases.items():
+        p = plan_many(pairs, staging_bytes=64 << 20)
+        fulls = [torch.randint(-(2**15), 2**15, a.shape, dtype=torch.int16, generator=g).view(bf16) for a, _ in pairs]
+
+        def local(full: torch.Tensor, layout: Any, r: int) -> torch.Tensor:
+            (piece,) = layout.pieces(r)
+            return full[piece.global_box.slices()].contiguous().to(device)
+
+        srcs = [[local(f, a, r) for f, (a, _) in zip(fulls, pairs)] for r in range(2)]
+        want = [[local(f, b, r) for f, (_, b) in zip(fulls, pairs)] for r in range(2)]
+        for zero_copy in (True, False):
+            dsts = [[torch.zeros_like(t) for t in want[r]] for r in range(2)]
+            groups = _groups(LoopbackHub(device))
+            errors: list[BaseException] = []
+
+            def rank_main(r: int, zc: bool = zero_copy, d: list = dsts, gr: list = groups, pl: Any = p,
+                          s: list = srcs, err: list = errors) -> None:
+                try:
+                    execute(pl, r, s[r], d[r], gr[r], timeout=60, zero_copy=zc)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    err.append(e)
+
+            threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            path = "zero-copy" if zero_copy else "staged"
+            if errors:
+                failures.append(f"{name} ({path}): {type(errors[0]).__name__}: {errors[0]}")
+            elif not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                         for r in range(2) for a, b in zip(dsts[r], want[r])):
+                failures.append(f"{name} ({path}): wrong bytes")
+            msgs = [m for r in range(2) for c in p.for_rank(r).chunks for m in c.sends]
+            print(f"paths: {name:<24} {path:<9} {'ok' if not failures else 'FAILED'} ({len(msgs)} messages, "
+                  f"{sum(m.direct for m in msgs)} direct at the sender, {sum(len(m.parts) for m in msgs)} wire sends)")
+    return failures
+
+
 def _sleep_cycles_per_s(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0
@@ -239,6 +299,9 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu for the plumbing")
         return 2
+    failures = check_paths(device)
+    for f in failures:
+        print(f"WRONG: {f}")
     cols = 4096
     rows = max(2, int(args.mib * 2**20 / (cols * 2)) // 2 * 2) * 2  # each rank holds rows/2 rows of bf16
     shape = (rows, cols)
@@ -303,7 +366,7 @@ def main() -> int:
     serial, _ = measure("serial", 1, delay)
     piped, _ = measure("pipelined (2 slots)", 2, delay)
     speedup = serial / piped
-    ok = speedup >= args.min_speedup
+    ok = speedup >= args.min_speedup and not failures
     print(f"pipelined is {speedup:.2f}x faster than serial (want >= {args.min_speedup}); link time per chunk "
           f"{per_chunk * 1e3:.2f} ms = the pack + copy + unpack work per chunk: {'ok' if ok else 'NO OVERLAP'}")
 

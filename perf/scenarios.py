@@ -650,7 +650,8 @@ def _speed_case(rank: int, world: int, ci: int, case: SpeedCase, rounds: int, wa
                                              "seconds_unpack", "seconds_confirm")} for r in reports[warmup:]]
     return {"case": case.key, "name": case.name, "nbytes": case.nbytes, "tensors": len(case.shapes), "times": times,
             "verified": verified, "breakdown": breakdown, "wire_bytes": sum(wsend.values()),
-            "messages": p.stats.messages, "chunks": p.stats.num_chunks}
+            "messages": p.stats.messages, "chunks": p.stats.num_chunks,
+            "wire_sends": sum(len(m.parts) for c in prog.chunks for m in c.sends)}
 
 
 @dataclass
@@ -695,7 +696,8 @@ def merge_speed(per_rank: list[list[dict]]) -> list[SpeedResult]:
             last = max(bs, key=lambda b: b["seconds_pack"] + b["seconds_wait"] + b["seconds_unpack"])
             parts["confirm"].append(last["seconds_confirm"])
         breakdown = {k: statistics.median(v) for k, v in parts.items() if v}
-        note = f"{row['messages']} messages, {row['chunks']} chunks, {row['wire_bytes']} B sent by rank 0"
+        note = (f"{row['messages']} messages (chunk, sender, receiver), {row['chunks']} chunks, "
+                f"{row.get('wire_sends', '?')} wire sends and {row['wire_bytes']} B sent by rank 0")
         out.append(SpeedResult(row["case"], row["name"], row["nbytes"], row["tensors"], seconds, verified, breakdown,
                                note))
     return out

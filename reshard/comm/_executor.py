@@ -6,13 +6,18 @@ One call, on every rank of the plan:
    other ranks (plan fingerprint + error flags, see `_handshake.agree`): bad input raises on every rank before any
    byte moves;
 2. for each of the rank's chunks, in increasing chunk index:
-   pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post all the chunk's
-   sends and receives together, make its local copies, then finish the *previous* chunk (wait for it and unpack
-   it into the destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is
-   packed and chunk i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed.
-   Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor) skips pack and unpack:
-   it is sent from the tensor's view and received into it (relays forward from the destination tensor), and only
-   after step 1's agreement, so a refused call leaves every destination untouched;
+   pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post the chunk's sends
+   and receives, make its local copies, then finish the *previous* chunk (wait for it and unpack it into the
+   destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is packed and chunk
+   i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed. On CPU the chunk's
+   receives are posted first, then each wire send is packed and posted at once (`Message.parts`: a strided box is
+   sent in parts), so packing the next part overlaps the transfer of this one. Chunks whose messages are all
+   direct use no staging slot, so they are all in flight together. On CUDA the chunk is packed in one call on the
+   pack stream and its sends posted together on the comm stream.
+   Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor; large boxes are messages
+   of their own, see `Message`) skips pack and unpack: it is sent from the tensor's view and received into it
+   (relays forward from the destination tensor), and only after step 1's agreement, so a refused call leaves every
+   destination untouched;
 3. with `verify=True`, per-box checksums travel next to the data, every receiver checks them after unpacking, and
    a last agreement round makes every rank raise if any box was corrupted.
 
@@ -51,9 +56,9 @@ import torch
 from reshard.comm._alias import overlap_errors
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import EXACT_SUFFIX, agree
-from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, post
+from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
-from reshard.planner import PIPELINE_DEPTH, BoxList, Plan, RankChunk, RankPlan
+from reshard.planner import PIPELINE_DEPTH, Box, BoxList, Message, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
 
@@ -303,13 +308,14 @@ def _prepared_for(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tenso
 
 
 class _Paths:
-    """Which messages of one chunk take the zero-copy path, for one set of tensors: the plan's `Message.direct`,
-    where the box's view of the actual tensor is contiguous (a strided tensor takes the staged path instead).
+    """How the messages of one chunk go on the wire, for one set of tensors: the plan's `Message.direct` where the
+    box's view of the actual tensor is contiguous (a strided tensor takes the staged path instead), and each
+    message's parts (`Message.parts`).
 
     Attributes:
         sends, recvs: per message, the `uint8` view of the tensor it is sent from (received into), or None:
             staged.
-        pack_groups: the chunk's pack groups (`BoxList.groups`) without the direct boxes.
+        pack_groups: the chunk's pack groups (`BoxList.groups`) without the direct boxes (one copy per chunk).
         unpack_boxes: indices of the unpack boxes that are staged.
         direct_bytes: bytes of the direct messages.
     """
@@ -340,6 +346,65 @@ class _Paths:
                     view = None
             out.append(view)
         return out
+
+    @staticmethod
+    def wire(messages: Sequence[Message], views: list[torch.Tensor | None],
+             area: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`(peer, tensor)` per wire send (or receive) of `messages`, in wire order: each message's parts, cut from
+        its view (direct) or from its range of the slot's staging `area`."""
+        out = []
+        for m, v in zip(messages, views):
+            whole = area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v
+            out.extend((m.peer, whole.narrow(0, off, n)) for off, n in m.parts) if m.cuts else out.append((m.peer,
+                                                                                                         whole))
+        return out
+
+
+def _part_boxes(m: Message, box: Box) -> list[tuple[int, Box]]:
+    """`(byte offset in the message, sub-box)` of each part of a one-box message `m` whose box (in the local
+    tensor) is `box`: the parts cut `box` along its outermost dim of extent > 1 (see `Message.cuts`)."""
+    if not m.cuts:
+        return [(0, box)]
+    d = next(k for k, n in enumerate(box.shape) if n > 1)
+    row_bytes = m.nbytes // box.shape[d]
+    out = []
+    for off, n in m.parts:
+        r0, rows = off // row_bytes, n // row_bytes
+        out.append((off, Box(tuple(o + r0 if k == d else o for k, o in enumerate(box.offsets)),
+                             tuple(rows if k == d else s for k, s in enumerate(box.shape)))))
+    return out
+
+
+class _SendUnits:
+    """The CPU send program of one chunk from one slot: per wire send, the pack copies that fill it (none when
+    direct) and the send itself, so part k+1 is packed while part k is on the wire (gloo sends on its own threads).
+
+    Attributes:
+        units: `(copies, peer, tensor)` per wire send, in wire order.
+    """
+
+    def __init__(self, step: RankChunk, paths: _Paths, tensors: list[torch.Tensor], area: torch.Tensor) -> None:
+        self.units: list[tuple[list[PreparedCopy], int, torch.Tensor]] = []
+        pk = step.pack
+        for m, view in zip(step.sends, paths.sends):
+            whole = area.narrow(0, m.buffer_offset, m.nbytes) if view is None else view
+            ks = range(m.first_box, m.first_box + len(m.transfers))
+            if view is not None:
+                for off, n in m.parts:
+                    self.units.append(([], m.peer, whole.narrow(0, off, n)))
+                continue
+            if m.cuts:  # one box, packed part by part
+                (k,) = ks
+                for (off, box), (_, n) in zip(_part_boxes(m, pk.boxes[k]), m.parts):
+                    copy = prepare_pack([tensors[k]], [box], area, [pk.offsets[k] + off], dtype=pk.wire[k])
+                    self.units.append(([copy], m.peer, whole.narrow(0, off, n)))
+                continue
+            by_wire: dict[Any, list[int]] = {}
+            for k in ks:
+                by_wire.setdefault(pk.wire[k], []).append(k)
+            copies = [prepare_pack([tensors[k] for k in ix], [pk.boxes[k] for k in ix], area,
+                                   [pk.offsets[k] for k in ix], dtype=w) for w, ix in by_wire.items()]
+            self.units.append((copies, m.peer, whole))
 
 
 @dataclass
@@ -382,6 +447,19 @@ class _Run:
                                                 self.zero_copy)
         return paths
 
+    def _send_units(self, step: RankChunk, slot: int) -> _SendUnits:
+        key = ("units", step.index, slot, self.zero_copy)
+        units = self.prepared.get(key)
+        if units is None:
+            units = self.prepared[key] = _SendUnits(step, self._paths(step), self._tensors(step.pack),
+                                                    self.staging.send(slot, step))
+        return units
+
+    def _staged(self, step: RankChunk) -> bool:
+        """Whether the chunk uses its staging slot: some message packed or unpacked there, or checksums."""
+        paths = self._paths(step)
+        return self.verify or bool(paths.pack_groups) or bool(paths.unpack_boxes)
+
     # -- stages ---------------------------------------------------------------------------------------------
 
     def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
@@ -408,27 +486,35 @@ class _Run:
             for copy in copies:
                 copy.run()
             if self.verify:
-                tensors = self._tensors(step.pack)
-                sums = self.staging.send_sums[slot]
-                for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
-                    _checksum(t[box.slices()], sums[k], wire)
+                self._send_sums(step, slot)
             if s is not None:
                 s.packed[slot].record(s.pack)
         self.report.seconds_pack += time.perf_counter() - t0
 
-    def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
-        st = self.staging
-        send_area, recv_area = st.send(slot, step), st.recv(slot, step)
-        paths = self._paths(step)
-        sends = [(m.peer, send_area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v)
-                 for m, v in zip(step.sends, paths.sends)]
-        recvs = [(m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v)
-                 for m, v in zip(step.recvs, paths.recvs)]
+    def _send_sums(self, step: RankChunk, slot: int) -> None:
+        tensors = self._tensors(step.pack)
+        sums = self.staging.send_sums[slot]
+        for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
+            _checksum(t[box.slices()], sums[k], wire)
+
+    def _count(self, step: RankChunk, paths: _Paths) -> None:
         self.report.bytes_direct += paths.direct_bytes
         if self.debug:
             logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
                          [(m.peer, m.nbytes) for m in step.sends], [(m.peer, m.nbytes) for m in step.recvs],
                          len(step.local))
+        self.report.messages_sent += len(step.sends)
+        self.report.messages_received += len(step.recvs)
+        self.report.bytes_sent += step.send_bytes
+        self.report.bytes_received += step.recv_bytes
+
+    def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
+        st = self.staging
+        paths = self._paths(step)
+        sends = _Paths.wire(step.sends, paths.sends, st.send(slot, step))
+        recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
+        num_sends, num_recvs = len(sends), len(recvs)
+        self._count(step, paths)
         s = self.streams
         with _on(s and s.comm):
             if s is not None:
@@ -439,16 +525,38 @@ class _Run:
             if self.verify:
                 sends += [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
                 recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
-            handle = _post_tagged(sends, recvs, self.group, len(step.sends), len(step.recvs), self.verify,
-                                  self.timeout, what)
+            handle = _post_tagged(sends, recvs, self.group, num_sends, num_recvs, self.verify, self.timeout, what)
             if s is not None:
                 handle.wait()  # CUDA: the comm stream waits for NCCL; the host does not
                 s.transferred[slot].record(s.comm)
-        self.report.messages_sent += len(step.sends)
-        self.report.messages_received += len(step.recvs)
-        self.report.bytes_sent += step.send_bytes
-        self.report.bytes_received += step.recv_bytes
         return handle
+
+    def pack_and_post(self, step: RankChunk, slot: int) -> TransferHandle:
+        """CPU: post the chunk's receives, then pack each wire send and post it at once, so packing the next one
+        overlaps the transfer of this one (gloo moves posted messages on its own threads)."""
+        st = self.staging
+        paths = self._paths(step)
+        recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
+        self._count(step, paths)
+        what = f"chunk {step.index}"
+        num_recvs = len(recvs)
+        sums: list[tuple[int, torch.Tensor]] = []
+        if self.verify:
+            if step.pack.boxes:
+                self._send_sums(step, slot)
+            sums = [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
+            recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
+        # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed
+        first = _post_tagged(sums, recvs, self.group, 0, num_recvs, self.verify, self.timeout, what)
+        handles: list[TransferHandle] = []
+        for copies, peer, tensor in self._send_units(step, slot).units if step.sends else ():
+            if copies:
+                t0 = time.perf_counter()
+                for copy in copies:
+                    copy.run()
+                self.report.seconds_pack += time.perf_counter() - t0
+            handles.append(post([(peer, tensor)], [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
+        return _Both(first, joined(handles, self.group, self.timeout, what)) if handles else first
 
     def local(self, step: RankChunk) -> None:
         if not step.local:
@@ -531,17 +639,33 @@ class _Run:
             last_unpacked["index"] = flight.step.index
             last_unpacked["event"] = s.unpacked[flight.slot] if s is not None else None
 
+        def staged_in_flight() -> int:
+            return sum(self._staged(f.step) for f in pending)
+
         try:
+            num_staged = 0
             for k, step in enumerate(self.prog.chunks):
-                slot = k % NUM_SLOTS
-                while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.unpack_before_pack):
-                    finish_oldest()
-                relay_ready = last_unpacked["event"] if step.unpack_before_pack >= 0 else None
-                self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
-                handle = self.post(step, slot, k >= NUM_SLOTS)
+                if s is None:
+                    # CPU: a chunk whose messages are all direct takes no slot: it is only waited for when a later
+                    # chunk forwards what it brought, or at the end, so such chunks are all in flight together
+                    staged = self._staged(step)
+                    slot = num_staged % NUM_SLOTS if staged else 0
+                    num_staged += staged
+                    while pending and ((staged and staged_in_flight() >= NUM_SLOTS)
+                                       or pending[0].step.index <= step.unpack_before_pack):
+                        finish_oldest()
+                    handle = self.pack_and_post(step, slot)  # packed and posted message by message
+                else:
+                    slot = k % NUM_SLOTS
+                    while pending and (len(pending) >= NUM_SLOTS or pending[0].step.index <= step.unpack_before_pack):
+                        finish_oldest()
+                    relay_ready = last_unpacked["event"] if step.unpack_before_pack >= 0 else None
+                    self.pack(step, slot, k >= NUM_SLOTS, relay_ready)
+                    handle = self.post(step, slot, k >= NUM_SLOTS)
                 pending.append(_InFlight(step, slot, handle))
                 self.local(step)
-                while len(pending) > 1:  # unpack chunk i-1 while chunk i is in flight
+                # unpack chunk i-1 while chunk i is in flight (CPU: only chunks that hold a slot count)
+                while len(pending) > 1 and (s is not None or staged_in_flight() > 1):
                     finish_oldest()
                 self.report.chunks += 1
             while pending:

@@ -178,6 +178,14 @@ class TransferHandle:
         return all(w.is_completed() for _, _, w in self._works)
 
 
+def joined(handles: Sequence[TransferHandle], group: Group, timeout: datetime.timedelta, what: str) -> TransferHandle:
+    """One handle over the operations of several `post` calls on one device: one `wait()` completes them all (in
+    the order they were posted), with one timeout for all."""
+    works = [w for h in handles for w in h._works]
+    device_type = next((h._device_type for h in handles if h._works), "cpu")
+    return TransferHandle(works, group, timeout, what, device_type)
+
+
 def post(
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],

@@ -82,7 +82,18 @@ rank can still send one unit and receive another in the same chunk."""
 PLAN_VERSION = 3
 """Part of every fingerprint: bumped when the same inputs plan differently (2: first-fit chunk placement over bit
 sets, relay forwards after all stage-0 transfers in plan order, items of equal geometry in units; 3: a box is split
-over relay receivers only beyond one fair share, `SPREAD_FACTOR = 1`)."""
+over relay receivers only beyond one fair share, `SPREAD_FACTOR = 1`; large boxes contiguous at one end travel as
+messages of their own, strided one-box messages are cut into parts)."""
+
+DIRECT_SPLIT_BYTES = 256 << 10
+"""A box of at least this many bytes that is contiguous in its local tensor at one end (sender or receiver) or both
+is a message of its own, sent from (received into) the tensor at that end, instead of being packed with the
+peer's other boxes of the chunk: above this size one more message on the wire costs less than packing and
+unpacking the box (gloo on CPU)."""
+
+PART_BYTES = 8 << 20
+"""A one-box message that is strided at one end is cut into wire sends of about this many bytes, so packing part
+k+1 (or unpacking part k) overlaps the transfer of the other parts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -716,22 +727,24 @@ class Plan:
         peers: set[int] = set()
         shapes: dict[tuple[bool, int], tuple[int, ...]] = {}
 
-        def direct(t: Transfer, sending: bool) -> bool:
-            """A box read from (written to) its local tensor as it is: contiguous there, no cast while packing."""
+        def contiguous_at(t: Transfer, sending: bool) -> bool:
+            """Whether the box is read from (written to) the local tensor of its sender (receiver) as it is:
+            contiguous there, no cast while packing. Pure geometry of the plan, so both ends compute the same."""
             item = self.items[t.item]
             if sending and t.stage == 0 and item.casts:
                 return False
             on_dst = not sending or t.stage > 0
-            key = (on_dst, t.item)
+            end = t.src_rank if sending else t.dst_rank
+            key = (on_dst, t.item, end)
             shape = shapes.get(key)
             if shape is None:
-                shape = shapes[key] = tuple((item.dst if on_dst else item.src).local_shape(rank))
+                shape = shapes[key] = tuple((item.dst if on_dst else item.src).local_shape(end))
             return _contiguous_in(t.src_box if sending else t.dst_box, shape)
 
         for c in sorted(per_chunk):
             local, sends, recvs = per_chunk[c]
-            send_msgs = _messages(sends, lambda t: direct(t, True))
-            recv_msgs = _messages(recvs, lambda t: direct(t, False))
+            send_msgs = _messages(sends, lambda t: contiguous_at(t, True), contiguous_at)
+            recv_msgs = _messages(recvs, lambda t: contiguous_at(t, False), contiguous_at)
             peers.update(sends)
             peers.update(recvs)
             chunks.append(RankChunk(c, send_msgs, recv_msgs, tuple(local), sum(m.nbytes for m in send_msgs),
@@ -774,24 +787,64 @@ def _contiguous_in(box: Box, shape: Sequence[int]) -> bool:
     return all(box.offsets[d] == 0 and box.shape[d] == shape[d] for d in range(k + 1, dims))
 
 
+def _cuts(t: Transfer) -> tuple[int, ...]:
+    """Byte offsets cutting a one-box message of `t` into parts of about `PART_BYTES`, at boundaries of the box's
+    outermost dimension of extent > 1 (each part a sub-box); empty when the box fits one part or cannot be cut."""
+    if t.nbytes <= PART_BYTES:
+        return ()
+    shape = t.src_box.shape
+    d = next((k for k, n in enumerate(shape) if n > 1), None)
+    if d is None:
+        return ()
+    rows = shape[d]
+    row_bytes = t.nbytes // rows
+    per = max(1, -(-rows // -(-t.nbytes // PART_BYTES)))
+    return tuple(k * row_bytes for k in range(per, rows, per))
+
+
 def _messages(by_peer: dict[int, list[Transfer]],
-              direct: Callable[[Transfer], bool] = lambda t: False) -> tuple[Message, ...]:
-    """One message per peer with bytes to move, by peer, back to back in the staging area; a message of one box
-    for which `direct` holds takes the zero-copy path (`Message.direct`)."""
+              direct: Callable[[Transfer], bool] = lambda t: False,
+              contiguous_at: Callable[[Transfer, bool], bool] | None = None) -> tuple[Message, ...]:
+    """The messages of one rank's side of one chunk, by peer, back to back in the staging area.
+
+    Per peer: the boxes that are small (< `DIRECT_SPLIT_BYTES`) or strided at both ends go into one packed
+    message, in plan order; each other box is a message of its own after it. A message of one box for which
+    `direct` (this rank's end) holds takes the zero-copy path (`Message.direct`); a one-box message that is strided
+    at one end or both is cut into parts (`Message.cuts`, see `_cuts`). The split and the cuts depend only on the
+    transfers and on `contiguous_at(t, sending)` (both ends' geometry, from the plan), so sender and receiver list
+    the same messages. Without `contiguous_at`, one message per peer, never cut.
+    """
     out = []
     buf = boxes = 0
     for peer in sorted(by_peer):
         ts = by_peer[peer]
-        offsets = []
-        pos = 0
+        groups: list[list[Transfer]] = []
+        ends: list[tuple[bool, bool]] = []
+        packed: list[Transfer] = []
         for t in ts:
-            offsets.append(pos)
-            pos += t.nbytes
-        if not pos:
-            continue
-        out.append(Message(peer, tuple(ts), tuple(offsets), buf, pos, boxes, len(ts) == 1 and direct(ts[0])))
-        buf += pos
-        boxes += len(ts)
+            at = (contiguous_at(t, True), contiguous_at(t, False)) if contiguous_at else (False, False)
+            if t.nbytes >= DIRECT_SPLIT_BYTES and any(at):
+                groups.append([t])
+                ends.append(at)
+            else:
+                packed.append(t)
+        if packed:
+            groups.insert(0, packed)
+            ends.insert(0, (contiguous_at(packed[0], True), contiguous_at(packed[0], False))
+                        if contiguous_at and len(packed) == 1 else (False, False))
+        for group, at in zip(groups, ends):
+            offsets = []
+            pos = 0
+            for t in group:
+                offsets.append(pos)
+                pos += t.nbytes
+            if not pos:
+                continue
+            one = len(group) == 1
+            cuts = _cuts(group[0]) if one and contiguous_at and not all(at) else ()
+            out.append(Message(peer, tuple(group), tuple(offsets), buf, pos, boxes, one and direct(group[0]), cuts))
+            buf += pos
+            boxes += len(group)
     return tuple(out)
 
 

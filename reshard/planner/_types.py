@@ -8,6 +8,7 @@ program: the executor runs it as it is and decides nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Literal, NamedTuple
 
 import torch
@@ -66,7 +67,13 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """All the boxes one rank sends to (or receives from) one peer in one chunk, packed back to back.
+    """Boxes one rank sends to (or receives from) one peer in one chunk, packed back to back, as one or more wire
+    sends.
+
+    Per peer and chunk the boxes form at most one packed message, followed by one message per box that is large
+    enough (`reshard.planner._plan.DIRECT_SPLIT_BYTES`) and contiguous in its local tensor on at least one end:
+    that end sends it from (receives it into) the tensor itself. Sender and receiver list the same messages in the
+    same order, and the wire carries them in that order (first in, first out per peer).
 
     Attributes:
         peer: the other rank.
@@ -81,6 +88,11 @@ class Message:
             layout's local shape, row-major), so it is sent from that tensor's view (or received into it) without
             staging; its area in the staging buffer is left unused. False: packed into (unpacked from) staging.
             The wire bytes are the same either way.
+        cuts: byte offsets inside the message where it is cut into separate wire sends (empty: one send). Only a
+            message of one box that is strided on at least one end is cut, at boundaries of the box's outermost
+            dimension of extent > 1 (so each part is a sub-box, contiguous in the message), into parts of about
+            `reshard.planner._plan.PART_BYTES`: the sender packs part k+1 while part k is on the wire, the receiver
+            gets every part at its offset (in staging or in the tensor).
     """
 
     peer: int
@@ -90,6 +102,13 @@ class Message:
     nbytes: int
     first_box: int = 0
     direct: bool = False
+    cuts: tuple[int, ...] = ()
+
+    @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        """`(offset, nbytes)` of each wire send inside the message, in order (one part when not cut)."""
+        bounds = (0, *self.cuts, self.nbytes)
+        return tuple((a, b - a) for a, b in pairwise(bounds))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +146,8 @@ class RankChunk:
 
     Attributes:
         index: the chunk index, equal on every rank that takes part in the chunk.
-        sends, recvs: the messages, by peer (none of zero bytes: every one is posted).
+        sends, recvs: the messages, by peer (none of zero bytes: every one is posted); a peer may have several
+            (see `Message`).
         local: local copies (never a message); a stage >= 1 copy reads the destination tensor.
         send_bytes, recv_bytes: the chunk's send area (packed sends) and receive area (right after it) in a slot.
         unpack_before_pack: the latest earlier chunk whose received bytes this chunk forwards (relay), or -1: the
