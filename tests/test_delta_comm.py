@@ -13,7 +13,7 @@ import traceback
 
 import pytest
 import torch
-from comm_cases import A, B, B2, R, S0, S1, as_bytes, dtensor_local, full_tensor
+from comm_cases import B2, S0, S1, A, B, R, as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard.testing import shared_pool
@@ -72,7 +72,7 @@ def on_rank(w, cases: list, check: str) -> list:
 
     out = []
     for case in cases:
-        cid, shape, sdt, sm, sp, dm, dp, ddt, opts = case
+        _cid, shape, sdt, sm, sp, dm, dp, ddt, opts = case
         try:
             opts = dict(opts)
             topo = Topology(domain_size=opts.pop("domain_size", None))
@@ -150,3 +150,27 @@ def test_overwrite_check_is_what_keeps_the_destination_right(pool) -> None:
     oks = {name: ok for name, ok, *_ in steps}
     assert oks["first"] and oks["same"] and oks["few"] and oks["all"]
     assert not oks["overwritten"], "with check='none' the overwritten destination should stay wrong"
+
+
+def on_rank_mismatch(w) -> tuple[str, str, bool]:
+    """Ranks plan with different staging budgets: every rank must raise before any byte moves."""
+    from reshard import Layout, Mesh, plan
+    from reshard.comm import DeltaSession, execute
+
+    src = Layout((16, 8), Mesh(A), [S0], torch.float32)
+    dst = Layout((16, 8), Mesh(B), [S1], torch.float32)
+    p = plan(src, dst, staging_bytes=4096 if w.rank != 6 else 2048)
+    full = full_tensor((16, 8), torch.float32, "mismatch")
+    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
+    d = torch.full(dst.local_shape(w.rank), 7.0) if w.rank in dst.ranks else None
+    try:
+        execute(p, w.rank, s, None if d is None else [d], w.group, delta=DeltaSession(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        return type(e).__name__, str(e), d is None or bool((d == 7.0).all())
+    return "", "", d is None or bool((d == 7.0).all())
+
+
+def test_mismatched_plans_raise_on_every_rank_and_leave_destinations(pool) -> None:
+    for r, (kind, msg, untouched) in enumerate(pool.run_ok(on_rank_mismatch)):
+        assert kind == "ValueError" and "staging_bytes" in msg, (r, kind, msg[:500])
+        assert untouched, r
