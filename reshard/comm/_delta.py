@@ -56,7 +56,6 @@ from reshard.kernels import (
     delta_encode,
     delta_offsets,
     pack,
-    packed_offsets,
     scan_changes,
     unpack,
 )
@@ -114,7 +113,7 @@ class DeltaReport(ExecutionReport):
 
 
 class _SendBox:
-    __slots__ = ("snap_offset", "nbytes", "version")
+    __slots__ = ("nbytes", "snap_offset", "version")
 
     def __init__(self, snap_offset: int, nbytes: int) -> None:
         self.snap_offset = snap_offset
