@@ -101,7 +101,7 @@ class DeltaLinkStats:
 @dataclass
 class DeltaReport(ExecutionReport):
     """`ExecutionReport` of a delta run, plus per link kind (`"nvlink"`, `"network"`) what this rank sent
-    (`links`), the bytes of the state and size messages (`control_bytes`), the messages that went raw
+    (`links`), the bytes of the state and size messages it sent (`control_bytes`), the messages that went raw
     (`raw_messages`), the boxes whose receiver was stale (`stale_boxes`, received side) and the size of this
     rank's snapshot (`snapshot_bytes`)."""
 
@@ -277,7 +277,7 @@ class _Run:
         recvs = [(p, torch.empty(n, dtype=torch.int64)) for p, n in sorted(expect.items())]
         post(sends, recvs, self.group, tag=TAG_CONTROL, timeout=self.timeout, what="delta state round",
              control=True).wait()
-        self.report.control_bytes += sum(t.numel() * 8 for _, t in sends + recvs)
+        self.report.control_bytes += sum(t.numel() * 8 for _, t in sends)
         got = {p: t.tolist() for p, t in recvs}
         pos = dict.fromkeys(got, 0)
         for k, step in enumerate(self.prog.chunks):
@@ -378,7 +378,7 @@ class _Run:
         what = f"delta chunk {step.index}"
         post(size_sends, size_recvs, self.group, tag=TAG_CONTROL, timeout=self.timeout, what=f"{what} sizes",
              control=True).wait()
-        self.report.control_bytes += sum(t.numel() * 8 for _, t in size_sends + size_recvs)
+        self.report.control_bytes += sum(t.numel() * 8 for _, t in size_sends)
         words = [t.tolist() for _, t in size_recvs]
         recvs, plans = [], []
         for m, w in zip(step.recvs, words):

@@ -810,6 +810,33 @@ def _changed_positions(changed: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.int32) if changed.numel() <= _MAX_INDEX else idx
 
 
+def _word_positions(view: torch.Tensor, snap: torch.Tensor) -> torch.Tensor | None:
+    """`_changed_positions(view != snap)` compared 8 bytes at a time, on CPU, for a contiguous box of elements
+    narrower than 8 bytes whose bytes (and the snapshot slot's) are whole aligned int64 words; None otherwise.
+
+    The words are compared first (a quarter of the comparisons for 2-byte elements), then only the elements of
+    the changed words; the positions come out ascending as `_changed_positions` gives them."""
+    size = view.element_size()
+    n = view.numel()
+    if (view.device.type != "cpu" or size == 8 or not view.is_contiguous() or (n * size) % 8
+            or view.data_ptr() % 8 or snap.data_ptr() % 8 or n > _MAX_INDEX):
+        return None
+    per = 8 // size
+    cur, old = view.reshape(-1).numpy(), snap.numpy()  # numpy: its small gathers beat torch's on a busy CPU
+    words = np.flatnonzero(cur.view(np.int64) != old.view(np.int64))
+    rows, cols = np.nonzero(cur.reshape(-1, per)[words] != old.reshape(-1, per)[words])
+    return torch.from_numpy((words[rows] * per + cols).astype(np.int32))
+
+
+def _scatter(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """`flat[where] = values` (`where` unique): numpy's fancy assignment on CPU (tens of times faster there than
+    `index_put_` on the 2-core dev VM), `index_put_` elsewhere."""
+    if flat.device.type == "cpu" and where.numel():
+        flat.numpy()[where.numpy()] = values.numpy()
+    elif where.numel():
+        flat.index_put_((where,), values)
+
+
 def _positions(view: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(flat, offsets)`: a 1-D view of all of `view`'s storage and the element offsets in it of the row-major
     indices `idx` of `view`, so `flat[offsets]` gathers and `flat.index_put_((offsets,), v)` scatters."""
@@ -850,6 +877,12 @@ def scan_changes_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         if not numel:
             counts.append(0)
             positions.append(torch.zeros(0, dtype=torch.int32, device=snapshot.device))
+            continue
+        fast = _word_positions(view, snap)
+        if fast is not None:
+            count = fast.numel()
+            counts.append(count)
+            positions.append(fast if count <= keep_fraction * numel else None)
             continue
         changed = view != snap.view(view.shape)
         count = int(torch.count_nonzero(changed))
@@ -966,7 +999,10 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         elif scan is not None and scan.positions[i] is not None:
             positions.append(scan.positions[i])
         else:
-            idx = _changed_positions(view != _slot(snapshot, soff, numel, view.dtype).view(view.shape))
+            snap_slot = _slot(snapshot, soff, numel, view.dtype)
+            idx = _word_positions(view, snap_slot)
+            if idx is None:
+                idx = _changed_positions(view != snap_slot.view(view.shape))
             if idx.numel() != count_list[i]:
                 raise ValueError(f"{op}: counts[{i}] = {count_list[i]} but box {i} {box!r} has {idx.numel()} changed "
                                  "elements now: the tensor changed after count_changed; count again")
@@ -995,7 +1031,7 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         values = _slot(buffer, pos, h.count, view.dtype)
         torch.index_select(flat, 0, where, out=values)
         if update_snapshot and h.count:
-            snap.index_put_((idx,), values)
+            _scatter(snap, idx, values)
     return headers
 
 
@@ -1071,7 +1107,7 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
             continue
         pos += _round8((h.numel + 7) // 8) if h.format == DeltaFormat.BITMASK else _round8(4 * h.count)
         flat, where = _positions(view, idx)
-        flat.index_put_((where,), _slot(buffer, pos, h.count, view.dtype))
+        _scatter(flat, where, _slot(buffer, pos, h.count, view.dtype))
     return headers
 
 

@@ -80,6 +80,8 @@ class RefitReport:
             of elements sent as changed (DENSE boxes count whole), the payload bytes sent, and the bytes a full run
             sends. Empty without delta. Local copies are always full and not counted.
         snapshot_bytes: with delta, the size of this rank's snapshots of what it last sent.
+        execution: this rank's `reshard.comm.ExecutionReport` of the plan (a `DeltaReport` with delta: wire bytes,
+            state and size message bytes, raw messages, stale boxes); None when the plan moved nothing.
     """
 
     seconds: dict[str, float]
@@ -95,6 +97,7 @@ class RefitReport:
     encoded_bytes: dict[str, int] = field(default_factory=dict)
     dense_bytes: dict[str, int] = field(default_factory=dict)
     snapshot_bytes: int = 0
+    execution: Any = None
 
 
 @dataclass(frozen=True)
@@ -364,6 +367,7 @@ class Refit:
             report.encoded_bytes[link] = st.encoded_bytes
             report.dense_bytes[link] = st.dense_bytes
         report.snapshot_bytes = getattr(rep, "snapshot_bytes", 0)
+        report.execution = rep
         logger.debug("refit rank %d: %s", self.rank, report)
         return report
 
