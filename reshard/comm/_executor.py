@@ -658,8 +658,6 @@ def execute(
         raise ValueError(f"execute: rank {rank} is not this process's rank {group.rank} in {group}")
     td = as_timedelta(timeout, default=group.timeout)
     if delta is not None:
-        from reshard.comm._delta import execute_delta  # imports this module
-
         return execute_delta(plan, rank, src_tensors, dst_tensors, group, delta, verify=verify, timeout=td)
     if zero_copy is None:
         zero_copy = os.environ.get(ZERO_COPY_ENV, "1").strip() != "0"
@@ -708,3 +706,6 @@ def execute(
     report.seconds = time.perf_counter() - start
     logger.debug("rank %d: executed plan %s: %s", rank, plan.fingerprint[:12], report)
     return report
+
+
+from reshard.comm._delta import execute_delta  # last: reshard.comm._delta builds on the helpers above

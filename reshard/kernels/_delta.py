@@ -824,8 +824,8 @@ def _word_positions(view: torch.Tensor, snap: torch.Tensor) -> torch.Tensor | No
     per = 8 // size
     cur, old = view.reshape(-1).numpy(), snap.numpy()  # numpy: its small gathers beat torch's on a busy CPU
     words = np.flatnonzero(cur.view(np.int64) != old.view(np.int64))
-    rows, cols = np.nonzero(cur.reshape(-1, per)[words] != old.reshape(-1, per)[words])
-    return torch.from_numpy((words[rows] * per + cols).astype(np.int32))
+    hit = np.flatnonzero(np.take(cur.reshape(-1, per), words, axis=0) != np.take(old.reshape(-1, per), words, axis=0))
+    return torch.from_numpy((words[hit // per] * per + hit % per).astype(np.int32))
 
 
 def _scatter(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
