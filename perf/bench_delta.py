@@ -2,9 +2,10 @@
 
 Usage:
     python perf/bench_delta.py [--numel 4194304] [--steps 5] [--lrs 1e-6,1e-5] [--seed 0]
-        [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0] [--out perf/out]
+        [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0]
+        [--refit-numel 16777216] [--refit-weights 4] [--refit-steps 5] [--out perf/out]
 
-Three parts, all on this machine's CPU with the torch path of `reshard.kernels`:
+Four parts, all on this machine's CPU with the torch path of `reshard.kernels`:
     synthetic  fp32 master weights `~N(0, 0.02)` (`--numel` elements), AdamW (torch defaults: betas (0.9, 0.999),
                eps 1e-8, weight decay 0.01) at each `--lrs` learning rate on fresh `N(0, 1)` gradients every step;
                after each step the bf16 inference copy (`w.bfloat16()`) is compared bit for bit with the previous
@@ -16,6 +17,13 @@ Three parts, all on this machine's CPU with the torch path of `reshard.kernels`:
     timing     a 64 MiB bf16 weight (`--time-mib`) with `--time-frac` of its elements changed: scan + encode
                (source; also count + encode, which compares twice) and decode (destination) next to a plain
                prepared pack + unpack of the whole weight. The snapshot is restored (untimed) before each encode.
+    refit      delta vs full refit side by side on 8 gloo ranks (`refit_job`): trainer ranks 0-3 hold fp32 master
+               weights `S(0)` (`--refit-numel` elements in `--refit-weights` weights of 1024 rows) and their bf16
+               copies, AdamW as above; inference ranks 4-7 (one NVLink domain, `[R, S(1)]`: relays) hold the
+               destinations of a full `Refit` and of a `Refit(delta=True)`. Per step both run, in alternating order,
+               each between barriers; rows give the slowest rank's time, the paired time ratio, the wire bytes of
+               both (the delta's including its state and size messages), their ratio, and the delta's wire bytes
+               over the encoded size of the changed elements; destinations are compared bit for bit.
 
 For every step the encoded bytes of each format (DENSE, BITMASK, INDICES; `delta_nbytes`) and of the chosen one are
 reported next to the dense bytes; the chosen encoding is also really encoded and decoded (`delta_encode`,
