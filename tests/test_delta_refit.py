@@ -104,3 +104,8 @@ def test_delta_refit_refuses_verify() -> None:
         Refit(_G(), delta=True, verify=True)
     with pytest.raises(ValueError, match="delta_snapshot"):
         Refit(_G(), delta=True, delta_snapshot="disk")
+    from reshard.comm import DeltaSession
+
+    for kw, what in (({"snapshot": "disk"}, "snapshot"), ({"check": "crc"}, "check"), ({"threshold": 2.0}, "threshold")):
+        with pytest.raises(ValueError, match=what):
+            DeltaSession(**kw)
