@@ -344,9 +344,9 @@ class _Run:
                 rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
                 msg = area.narrow(0, m.buffer_offset, m.nbytes)
                 pack(views, bxs, msg, rel)
-                for b, o in zip(ix, snap_offs):
+                for b, o, r in zip(ix, snap_offs, rel):
                     n = boxes[b].nbytes
-                    snap.narrow(0, o, n).copy_(msg.narrow(0, rel[ix.index(b)], n))
+                    snap.narrow(0, o, n).copy_(msg.narrow(0, r, n))
                 words = [-1, self.version, *([0] * len(ix))]
                 payload = msg
                 self.report.raw_messages += 1
