@@ -2,9 +2,10 @@
 
 Usage:
     python perf/bench_delta.py [--numel 4194304] [--steps 5] [--lrs 1e-6,1e-5] [--seed 0]
-        [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0] [--out perf/out]
+        [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0]
+        [--refit-numel 16777216] [--refit-weights 4] [--refit-steps 5] [--out perf/out]
 
-Three parts, all on this machine's CPU with the torch path of `reshard.kernels`:
+Four parts, all on this machine's CPU with the torch path of `reshard.kernels`:
     synthetic  fp32 master weights `~N(0, 0.02)` (`--numel` elements), AdamW (torch defaults: betas (0.9, 0.999),
                eps 1e-8, weight decay 0.01) at each `--lrs` learning rate on fresh `N(0, 1)` gradients every step;
                after each step the bf16 inference copy (`w.bfloat16()`) is compared bit for bit with the previous
@@ -16,6 +17,13 @@ Three parts, all on this machine's CPU with the torch path of `reshard.kernels`:
     timing     a 64 MiB bf16 weight (`--time-mib`) with `--time-frac` of its elements changed: scan + encode
                (source; also count + encode, which compares twice) and decode (destination) next to a plain
                prepared pack + unpack of the whole weight. The snapshot is restored (untimed) before each encode.
+    refit      delta vs full refit side by side on 8 gloo ranks (`refit_job`): trainer ranks 0-3 hold fp32 master
+               weights `S(0)` (`--refit-numel` elements in `--refit-weights` weights of 1024 rows) and their bf16
+               copies, AdamW as above; inference ranks 4-7 (one NVLink domain, `[R, S(1)]`: relays) hold the
+               destinations of a full `Refit` and of a `Refit(delta=True)`. Per step both run, in alternating order,
+               each between barriers; rows give the slowest rank's time, the paired time ratio, the wire bytes of
+               both (the delta's including its state and size messages), their ratio, and the delta's wire bytes
+               over the encoded size of the changed elements; destinations are compared bit for bit.
 
 For every step the encoded bytes of each format (DENSE, BITMASK, INDICES; `delta_nbytes`) and of the chosen one are
 reported next to the dense bytes; the chosen encoding is also really encoded and decoded (`delta_encode`,
@@ -222,6 +230,135 @@ def timing(mib: int, frac: float, repeat: int, seed: int) -> list[dict[str, obje
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Delta refit vs full refit on gloo ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+REFIT_WORLD = 8
+
+
+def _barrier(group, timeout) -> None:
+    from reshard.comm._handshake import all_gather_json
+
+    all_gather_json(group, 0, timeout=timeout, what="bench barrier")
+
+
+def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int) -> list[dict[str, object]]:
+    """On every rank: trainer ranks 0-3 hold fp32 master weights `S(0)` and their bf16 copies, AdamW on random
+    gradients; inference ranks 4-7 (one NVLink domain, 2 x 2 `[R, S(1)]`: relays) hold two sets of bf16
+    destinations, one for a full `Refit` and one for `Refit(delta=True)`. Per step the two refits run in
+    alternating order, each timed between barriers; the destinations are compared bit for bit."""
+    import datetime
+
+    from reshard import Layout, Mesh, Replicate, Shard, Topology
+    from reshard.refit import Refit
+
+    rank, group = w.rank, w.group
+    td = datetime.timedelta(seconds=300)
+    rows_per_weight = 1024
+    shape = (rows_per_weight, numel // num_weights // rows_per_weight)
+    topo = Topology(domain_size=4)
+    refits = {mode: Refit(group, topology=topo, delta=mode == "delta", staging_bytes=64 * MiB, policy="reshard")
+              for mode in ("full", "delta")}
+    masters, copies, opt = [], [], None
+    dests: dict[str, list[torch.Tensor]] = {"full": [], "delta": []}
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    for k in range(num_weights):
+        name = f"w{k}"
+        train = Layout(shape, Mesh([0, 1, 2, 3]), [Shard(0)], torch.bfloat16, name=name)
+        infer = Layout(shape, Mesh([[4, 5], [6, 7]]), [Replicate(), Shard(1)], torch.bfloat16, name=name)
+        if rank in train.ranks:
+            m = (torch.randn(train.local_shape(rank), generator=gen) * 0.02).requires_grad_()
+            masters.append(m)
+            copies.append(m.detach().bfloat16())
+            for r in refits.values():
+                r.add_source(name, copies[-1], train)
+        if rank in infer.ranks:
+            for mode, r in refits.items():
+                dests[mode].append(torch.zeros(infer.local_shape(rank), dtype=torch.bfloat16))
+                r.add_destination(name, dests[mode][-1], infer)
+    if masters:
+        opt = torch.optim.AdamW(masters, lr=lr)
+    for r in refits.values():  # first runs: metadata, plan, and the delta side's first (full) run
+        r.run()
+    rows = []
+    for step in range(1, steps + 1):
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+            for m in masters:
+                m.grad = torch.randn(m.shape, generator=gen)
+            opt.step()
+            for m, c in zip(masters, copies):
+                c.copy_(m.detach())
+        order = ("full", "delta") if step % 2 else ("delta", "full")
+        times, reports = {}, {}
+        for mode in order:
+            _barrier(group, td)
+            t0 = time.perf_counter()
+            reports[mode] = refits[mode].run()
+            times[mode] = time.perf_counter() - t0
+        equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(dests["full"],
+                                                                                          dests["delta"]))
+        ex = reports["delta"].execution
+        full_ex = reports["full"].execution
+        links = ex.links if ex is not None else {}
+        rows.append({"step": step, "rank": rank, "full_s": times["full"], "delta_s": times["delta"], "equal": equal,
+                     "elements": sum(v.elements for v in links.values()),
+                     "changed": sum(v.changed for v in links.values()),
+                     "encoded_bytes": sum(v.encoded_bytes for v in links.values()),
+                     "dense_bytes": sum(v.dense_bytes for v in links.values()),
+                     "network_encoded": links["network"].encoded_bytes if "network" in links else 0,
+                     "nvlink_encoded": links["nvlink"].encoded_bytes if "nvlink" in links else 0,
+                     "delta_wire_bytes": (ex.bytes_sent + ex.control_bytes) if ex is not None else 0,
+                     "full_wire_bytes": full_ex.bytes_sent if full_ex is not None else 0,
+                     "snapshot_bytes": reports["delta"].snapshot_bytes,
+                     "delta_pack_s": ex.seconds_pack if ex is not None else 0.0,
+                     "delta_unpack_s": ex.seconds_unpack if ex is not None else 0.0,
+                     "delta_handshake_s": ex.seconds_handshake if ex is not None else 0.0})
+    group.cache.clear()
+    return rows
+
+
+def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, seed: int) -> list[dict[str, object]]:
+    """`refit_job` on `REFIT_WORLD` gloo ranks per learning rate; one row per step (summed over ranks, times as
+    the slowest rank's) and one summary row per learning rate with median paired ratios."""
+    from reshard.testing import RankPool
+
+    out = []
+    with RankPool(REFIT_WORLD) as pool:
+        for lr in lrs:
+            per_rank = pool.run_ok(refit_job, numel, num_weights, lr, steps, seed, timeout=1800)
+            for k in range(steps):
+                rs = [per_rank[r][k] for r in range(REFIT_WORLD)]
+                row = {"part": "refit", "lr": lr, "step": k + 1, "numel": numel, "ranks": REFIT_WORLD,
+                       "full_s": max(r["full_s"] for r in rs), "delta_s": max(r["delta_s"] for r in rs),
+                       "equal": all(r["equal"] for r in rs)}
+                for key in ("elements", "changed", "encoded_bytes", "dense_bytes", "network_encoded",
+                            "nvlink_encoded", "delta_wire_bytes", "full_wire_bytes", "snapshot_bytes"):
+                    row[key] = sum(r[key] for r in rs)
+                row["changed_pct"] = round(100 * row["changed"] / max(row["elements"], 1), 3)
+                row["bytes_ratio"] = round(row["full_wire_bytes"] / max(row["delta_wire_bytes"], 1), 2)
+                row["wire_over_encoded"] = round(row["delta_wire_bytes"] / max(row["encoded_bytes"], 1), 4)
+                row["time_ratio"] = round(row["full_s"] / row["delta_s"], 3)
+                row["delta_pack_s"] = max(r["delta_pack_s"] for r in rs)
+                row["delta_unpack_s"] = max(r["delta_unpack_s"] for r in rs)
+                out.append(row)
+                logger.info("refit lr=%g step %d: %.2f%% changed, full %.3f s vs delta %.3f s (%.2fx), bytes %d vs "
+                            "%d (%.1fx), wire/encoded %.3f, equal=%s", lr, k + 1, row["changed_pct"], row["full_s"],
+                            row["delta_s"], row["time_ratio"], row["full_wire_bytes"], row["delta_wire_bytes"],
+                            row["bytes_ratio"], row["wire_over_encoded"], row["equal"])
+            sel = [r for r in out if r.get("lr") == lr and r["part"] == "refit" and "step" in r]
+            summary = {"part": "refit_summary", "lr": lr, "numel": numel, "ranks": REFIT_WORLD, "steps": steps,
+                       "median_time_ratio": statistics.median(r["time_ratio"] for r in sel),
+                       "median_bytes_ratio": statistics.median(r["bytes_ratio"] for r in sel),
+                       "max_wire_over_encoded": max(r["wire_over_encoded"] for r in sel),
+                       "median_changed_pct": statistics.median(r["changed_pct"] for r in sel),
+                       "all_equal": all(r["equal"] for r in sel)}
+            out.append(summary)
+            logger.info("refit lr=%g summary: %s", lr, summary)
+    return out
+
+
 def plot(rows: list[dict[str, object]], path: Path) -> None:
     try:
         import matplotlib
@@ -231,8 +368,16 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
-    series = sorted({(r["part"], r["lr"]) for r in rows if r["part"] != "timing"})
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4))
+    for lr in sorted({r["lr"] for r in rows if r["part"] == "refit"}):
+        sel = [r for r in rows if r["part"] == "refit" and r["lr"] == lr]
+        ax2.plot([r["step"] for r in sel], [r["bytes_ratio"] for r in sel], "-o", label=f"bytes full/delta lr={lr:g}")
+        ax2.plot([r["step"] for r in sel], [r["time_ratio"] for r in sel], "--s", label=f"time full/delta lr={lr:g}")
+    ax2.set(xlabel="step", ylabel="full / delta", yscale="log",
+            title=f"refit on {REFIT_WORLD} gloo ranks, delta vs full")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=7)
+    series = sorted({(r["part"], r["lr"]) for r in rows if r["part"] in ("synthetic", "model")})
     for part, lr in series:
         sel = [r for r in rows if r["part"] == part and r["lr"] == lr]
         steps = [r["step"] for r in sel]
@@ -241,7 +386,7 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
         for fmt, marker in (("bitmask", "^"), ("indices", "v")):
             ax1.plot(steps, [r["dense_bytes"] / r[f"{fmt}_bytes"] for r in sel], style[:-1] + marker,
                      label=f"{part} lr={lr:g} {fmt}")
-    steps_all = sorted({r["step"] for r in rows if r["part"] != "timing"})
+    steps_all = sorted({r["step"] for r in rows if r["part"] in ("synthetic", "model")})
     ax0.set_xticks(steps_all)
     ax1.set_xticks(steps_all)
     ax0.set(xlabel="step", ylabel="bf16 elements changed (%)", yscale="log", title="changed fraction per step")
@@ -267,6 +412,9 @@ def main() -> None:
     ap.add_argument("--time-frac", type=float, default=0.02)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--refit-numel", type=int, default=16 * MiB, help="bf16 elements of the refit part (0: skip)")
+    ap.add_argument("--refit-weights", type=int, default=4)
+    ap.add_argument("--refit-steps", type=int, default=5)
     ap.add_argument("--out", default="perf/out")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -299,6 +447,8 @@ def main() -> None:
             else:
                 logger.info("timing %s: median %.4f s (min %.4f, max %.4f), %d bytes", r["op"], r["median_s"],
                             r["min_s"], r["max_s"], r["bytes"])
+    if args.refit_numel:
+        rows.extend(refit_compare(args.refit_numel, args.refit_weights, lrs, args.refit_steps, args.seed))
     out = Path(args.out)
     config = {"numel_arg": args.numel, "seed": args.seed, "repeat": args.repeat}
     write_csv(out / "bench_delta.csv", [{**r, **config, **info} for r in rows])

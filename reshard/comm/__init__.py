@@ -8,10 +8,13 @@ Exports:
     reshard_dtensor, exchange_layouts: reshard DTensors on their own meshes; a side may be None on ranks not on it.
     CommError, ChecksumError: a peer failed or timed out; a received box failed verification.
     DEFAULT_TIMEOUT, NUM_SLOTS: the default wait timeout and the pipeline depth.
+    DeltaSession, DeltaReport, DeltaLinkStats: delta runs (`execute(..., delta=session)`): after the first run only
+        the changed elements of each box move; the session keeps snapshots and versions, the report what was sent.
     ZERO_COPY_ENV: `RESHARD_ZERO_COPY=0` sends every message through staging (`execute(zero_copy=None)`).
 """
 
 from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
+from reshard.comm._delta import DeltaLinkStats, DeltaReport, DeltaSession
 from reshard.comm._executor import NUM_SLOTS, ZERO_COPY_ENV, ChecksumError, ExecutionReport, Staging, execute
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group
 from reshard.comm._transfer import TransferHandle, transfer
@@ -22,6 +25,9 @@ __all__ = [
     "ZERO_COPY_ENV",
     "ChecksumError",
     "CommError",
+    "DeltaLinkStats",
+    "DeltaReport",
+    "DeltaSession",
     "ExecutionReport",
     "Group",
     "Staging",

@@ -734,6 +734,7 @@ def execute(
     timeout: Timeout | None = None,
     confirm: bool = True,
     zero_copy: bool | None = None,
+    delta: Any = None,
 ) -> ExecutionReport:
     """Run `rank`'s part of `plan`: send what it holds, receive and write what it needs, forward relayed boxes.
 
@@ -760,6 +761,8 @@ def execute(
             straight from and into the local tensors; False: every message goes through staging (same wire bytes).
             None: True unless the environment variable `RESHARD_ZERO_COPY` is `0`. Destinations are written only
             after the plan handshake either way.
+        delta: a `reshard.comm.DeltaSession`: after the first run, send per box only the changed elements (see
+            `reshard.comm._delta`; returns a `DeltaReport`; `zero_copy` does not apply). None: a full run.
 
     Returns:
         An `ExecutionReport` of this rank's work.
@@ -778,6 +781,8 @@ def execute(
     if rank != group.rank:
         raise ValueError(f"execute: rank {rank} is not this process's rank {group.rank} in {group}")
     td = as_timedelta(timeout, default=group.timeout)
+    if delta is not None:
+        return execute_delta(plan, rank, src_tensors, dst_tensors, group, delta, verify=verify, timeout=td)
     if zero_copy is None:
         zero_copy = os.environ.get(ZERO_COPY_ENV, "1").strip() != "0"
     report = ExecutionReport(rank)
@@ -825,3 +830,6 @@ def execute(
     report.seconds = time.perf_counter() - start
     logger.debug("rank %d: executed plan %s: %s", rank, plan.fingerprint[:12], report)
     return report
+
+
+from reshard.comm._delta import execute_delta  # last: reshard.comm._delta builds on the helpers above

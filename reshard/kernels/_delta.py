@@ -43,9 +43,11 @@ Every op has a pure-torch reference of the same signature (`count_changed_refere
 (`_backend.choose_backend`: Triton for CUDA tensors, torch for CPU tensors, `$RESHARD_KERNEL_BACKEND` or an
 explicit argument otherwise; Triton on CPU tensors runs under its interpreter). The Triton kernels
 (`_delta_triton.py`) count (per-tile comparison) and encode (comparison, compaction by an exclusive scan over tiles
-and lanes, bitmask bits by atomic OR, snapshot update), bit for bit as the references; DENSE boxes go through the
-pack kernel. `scan_changes` on Triton returns counts only (the encode compares again). `delta_decode` is the torch
-scatter on every backend (its header checks read the headers on the host).
+and lanes, bitmask bits by atomic OR, snapshot update) and decode (scatter-apply: INDICES values to the storage offsets
+of their row-major indices; BITMASK elements whose bit is set take their value by an exclusive scan over blocks,
+after a per-block popcount that also checks the header's count), bit for bit as the references; DENSE boxes go
+through the pack and unpack kernels. `scan_changes` on Triton returns counts only (the encode compares again). The
+header checks of `delta_decode` read the headers on the host on both backends.
 
 Layout of this file: constants and the header type, sizes and format choice, argument checks, the Triton launcher,
 the public functions, then the pure-torch references.
@@ -65,7 +67,7 @@ import torch
 
 from reshard.kernels._backend import choose_backend
 from reshard.kernels._loader import launch_in_mode, load_device_module
-from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_table
+from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_table, unpack
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
 
@@ -474,6 +476,79 @@ def _encode_triton(args, buffer: torch.Tensor, offs: list[int], headers: list[De
                  _storage_view(buffer, g.word), _storage_view(buffer, torch.int32), UPDATE=update_snapshot)
 
 
+def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tensor], boxes: list[Box],
+                   headers: list[DeltaHeader]) -> None:
+    """The Triton half of `delta_decode` after the shared header checks: check the sparse payloads (mask bits,
+    index range) before any write, then DENSE boxes by the unpack kernel and sparse boxes by one scatter launch per
+    element size."""
+    op = "delta_decode"
+    sparse = [i for i, h in enumerate(headers) if h.format != DeltaFormat.DENSE and h.count]
+    storage = buffer.untyped_storage().data_ptr()
+    launches = []
+    by_size: dict[int, list[int]] = {}
+    for i in sparse:
+        by_size.setdefault(headers[i].itemsize, []).append(i)
+    interpret = buffer.device.type != "cuda"
+    code = _device_code(interpret)
+    for itemsize, idx in by_size.items():
+        word = INT_DTYPE_BY_SIZE[itemsize]
+        block = launch_config(itemsize, buffer.device.type)[0]
+        ndim = max(1, max(boxes[i].ndim for i in idx))
+        base = dests[idx[0]]
+        base_ptr = base.untyped_storage().data_ptr()
+        rows, nblocks = [], []
+        for i in idx:
+            h, t, box, o = headers[i], dests[i], boxes[i], offs[i]
+            if t.untyped_storage().data_ptr() != base_ptr and (t.data_ptr() - base_ptr) % itemsize:
+                raise NotImplementedError(f"{op}: destination storages are not aligned to each other; use "
+                                          "backend='torch'")
+            start = (t.data_ptr() - base_ptr) // itemsize + sum(a * st for a, st in zip(box.offsets, t.stride()))
+            sizes = [1] * (ndim - box.ndim) + list(box.shape)
+            strides = [0] * (ndim - box.ndim) + list(t.stride())
+            at = buffer.data_ptr() - storage + o
+            n = h.count if h.format == DeltaFormat.INDICES else h.numel
+            rows.append([n, (at + encoded_values_offset(h)) // itemsize, (at + DELTA_HEADER_BYTES) // 4, int(h.format),
+                         start, *sizes, *strides])
+            nblocks.append(-(-n // block))
+        table = torch.tensor(rows, dtype=torch.int64).to(buffer.device)
+        counts = torch.tensor(nblocks, dtype=torch.int64)
+        block_box = torch.repeat_interleave(torch.arange(len(idx)), counts).to(buffer.device)
+        first = (torch.cumsum(counts, 0) - counts).to(buffer.device)
+        words = _storage_view(buffer, torch.int32)
+        grid = (int(counts.sum()),)
+        bits = torch.zeros(grid[0], dtype=torch.int32, device=buffer.device)
+        launch_in_mode(code._delta_bits_kernel[grid], interpret, table, block_box, first, words, bits,
+                       NUM_DIMS=ndim, BLOCK=block)
+        per_box = torch.zeros(len(idx), dtype=torch.int64, device=buffer.device).index_add_(
+            0, block_box, bits.to(torch.int64)).tolist()
+        for k, i in enumerate(idx):
+            h = headers[i]
+            if h.format == DeltaFormat.BITMASK:
+                last = buffer[offs[i] + DELTA_HEADER_BYTES + (h.numel - 1) // 8] if h.numel % 8 else None
+                pad = int(last) >> (h.numel % 8) if last is not None else 0
+                if per_box[k] != h.count or pad:
+                    raise ValueError(f"{op}: box {i}: the bitmask has {per_box[k]} bits set (padding bits "
+                                     f"{pad:#x}) but the header counts {h.count}: a corrupt box")
+            else:
+                idx_t = _slot(buffer, offs[i] + DELTA_HEADER_BYTES, h.count, torch.int32)
+                low, high = (int(v) for v in torch.aminmax(idx_t))
+                if low < 0 or high >= h.numel:
+                    raise ValueError(f"{op}: box {i}: indices must lie in [0, {h.numel}), got [{low}, {high}]: a "
+                                     "corrupt box")
+        tc64 = bits.to(torch.int64)
+        before = torch.cumsum(tc64, 0) - tc64
+        block_base = before - before[first][block_box]
+        launches.append((word, base, table, block_box, first, block_base, grid, ndim))
+    dense = [i for i, h in enumerate(headers) if h.format == DeltaFormat.DENSE and h.numel]
+    if dense:
+        unpack(buffer, [offs[i] + DELTA_HEADER_BYTES for i in dense], [dests[i] for i in dense],
+               [boxes[i] for i in dense], backend="triton")
+    for word, base, table, block_box, first, block_base, grid, ndim in launches:
+        launch_in_mode(code._delta_scatter_kernel[grid], interpret, _storage_view(base, word), table, block_box,
+                       first, block_base, _storage_view(buffer, word), _storage_view(buffer, torch.int32),
+                       NUM_DIMS=ndim, BLOCK=block)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------------------------
@@ -661,7 +736,7 @@ def delta_decode(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, b
         boxes: `Box` per tensor, inside its shape; `numel` must match the header's.
         versions: the version each destination box holds now (one for all or one per box); None (or a None entry)
             for unknown, which accepts only DENSE boxes.
-        backend: accepted as elsewhere; the scatter is torch on every backend.
+        backend: "triton", "torch" or None (see the module docstring).
 
     Returns:
         The header of each box; the caller records `header.version` as the destination's new version.
@@ -670,8 +745,11 @@ def delta_decode(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, b
         DeltaVersionError: a BITMASK / INDICES box whose `base_version` is not `versions[i]` (a ValueError).
         ValueError: malformed or mismatched headers, buffers or boxes, naming the box.
     """
-    # the scatter is torch on every backend: checking the headers needs them on the host anyway
-    _resolve("delta_decode", backend, buffer.device if isinstance(buffer, torch.Tensor) else torch.device("cpu"))
+    device = buffer.device if isinstance(buffer, torch.Tensor) else torch.device("cpu")
+    if _resolve("delta_decode", backend, device) == "triton":
+        buffer, offs, dests, boxes, headers = _check_decode(buffer, offsets, tensors, boxes, versions)
+        _decode_triton(buffer, offs, dests, boxes, headers)
+        return headers
     return delta_decode_reference(buffer, offsets, tensors, boxes, versions=versions)
 
 
@@ -732,6 +810,33 @@ def _changed_positions(changed: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.int32) if changed.numel() <= _MAX_INDEX else idx
 
 
+def _word_positions(view: torch.Tensor, snap: torch.Tensor) -> torch.Tensor | None:
+    """`_changed_positions(view != snap)` compared 8 bytes at a time, on CPU, for a contiguous box of elements
+    narrower than 8 bytes whose bytes (and the snapshot slot's) are whole aligned int64 words; None otherwise.
+
+    The words are compared first (a quarter of the comparisons for 2-byte elements), then only the elements of
+    the changed words; the positions come out ascending as `_changed_positions` gives them."""
+    size = view.element_size()
+    n = view.numel()
+    if (view.device.type != "cpu" or size == 8 or not view.is_contiguous() or (n * size) % 8
+            or view.data_ptr() % 8 or snap.data_ptr() % 8 or n > _MAX_INDEX):
+        return None
+    per = 8 // size
+    cur, old = view.reshape(-1).numpy(), snap.numpy()  # numpy: its small gathers beat torch's on a busy CPU
+    words = np.flatnonzero(cur.view(np.int64) != old.view(np.int64))
+    hit = np.flatnonzero(np.take(cur.reshape(-1, per), words, axis=0) != np.take(old.reshape(-1, per), words, axis=0))
+    return torch.from_numpy((words[hit // per] * per + hit % per).astype(np.int32))
+
+
+def _scatter(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """`flat[where] = values` (`where` unique): numpy's fancy assignment on CPU (tens of times faster there than
+    `index_put_` on the 2-core dev VM), `index_put_` elsewhere."""
+    if flat.device.type == "cpu" and where.numel():
+        flat.numpy()[where.numpy()] = values.numpy()
+    elif where.numel():
+        flat.index_put_((where,), values)
+
+
 def _positions(view: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(flat, offsets)`: a 1-D view of all of `view`'s storage and the element offsets in it of the row-major
     indices `idx` of `view`, so `flat[offsets]` gathers and `flat.index_put_((offsets,), v)` scatters."""
@@ -772,6 +877,12 @@ def scan_changes_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         if not numel:
             counts.append(0)
             positions.append(torch.zeros(0, dtype=torch.int32, device=snapshot.device))
+            continue
+        fast = _word_positions(view, snap)
+        if fast is not None:
+            count = fast.numel()
+            counts.append(count)
+            positions.append(fast if count <= keep_fraction * numel else None)
             continue
         changed = view != snap.view(view.shape)
         count = int(torch.count_nonzero(changed))
@@ -888,7 +999,10 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         elif scan is not None and scan.positions[i] is not None:
             positions.append(scan.positions[i])
         else:
-            idx = _changed_positions(view != _slot(snapshot, soff, numel, view.dtype).view(view.shape))
+            snap_slot = _slot(snapshot, soff, numel, view.dtype)
+            idx = _word_positions(view, snap_slot)
+            if idx is None:
+                idx = _changed_positions(view != snap_slot.view(view.shape))
             if idx.numel() != count_list[i]:
                 raise ValueError(f"{op}: counts[{i}] = {count_list[i]} but box {i} {box!r} has {idx.numel()} changed "
                                  "elements now: the tensor changed after count_changed; count again")
@@ -917,23 +1031,13 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         values = _slot(buffer, pos, h.count, view.dtype)
         torch.index_select(flat, 0, where, out=values)
         if update_snapshot and h.count:
-            snap.index_put_((idx,), values)
+            _scatter(snap, idx, values)
     return headers
 
 
-@torch.no_grad()
-def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, boxes: Sequence[Box], *,
-                           versions: int | Sequence[int | None] | None,
-                           backend: str | None = None) -> list[DeltaHeader]:
-    """Pure-torch `delta_decode`, same signature and semantics; `backend` must be None or "torch".
-
-    Sparse boxes scatter with one `index_put_` into the destination's storage, at the storage offsets of the
-    row-major positions from the mask (BITMASK) or from the indices (INDICES; checked to lie inside the box, not to
-    be ascending: a corrupt buffer cannot write outside the box, but is not otherwise detected).
-    """
+def _check_decode(buffer, offsets, tensors, boxes, versions):
+    """The header checks of `delta_decode`, shared by both backends: `(buffer, offs, dests, boxes, headers)`."""
     op = "delta_decode"
-    if backend not in (None, "torch"):
-        raise ValueError(f"delta_decode_reference: backend must be None or 'torch', got {backend!r}")
     buffer = _check_buffer(op, buffer)
     boxes = list(boxes)
     offs = [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
@@ -952,6 +1056,23 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
         if h.format != DeltaFormat.DENSE and held[i] != h.base_version:
             raise DeltaVersionError(f"{op}: box {i} {box!r} is a {h.format.name} delta from version {h.base_version} "
                                     f"but the destination holds version {held[i]}; it needs a full (DENSE) box")
+    return buffer, offs, dests, boxes, headers
+
+
+@torch.no_grad()
+def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: TensorArg, boxes: Sequence[Box], *,
+                           versions: int | Sequence[int | None] | None,
+                           backend: str | None = None) -> list[DeltaHeader]:
+    """Pure-torch `delta_decode`, same signature and semantics; `backend` must be None or "torch".
+
+    Sparse boxes scatter with one `index_put_` into the destination's storage, at the storage offsets of the
+    row-major positions from the mask (BITMASK) or from the indices (INDICES; checked to lie inside the box, not to
+    be ascending: a corrupt buffer cannot write outside the box, but is not otherwise detected).
+    """
+    if backend not in (None, "torch"):
+        raise ValueError(f"delta_decode_reference: backend must be None or 'torch', got {backend!r}")
+    op = "delta_decode"
+    buffer, offs, dests, boxes, headers = _check_decode(buffer, offsets, tensors, boxes, versions)
 
     # Sparse positions, checked before any write.
     positions: list[torch.Tensor | None] = []
@@ -986,7 +1107,7 @@ def delta_decode_reference(buffer: torch.Tensor, offsets: OffsetArg, tensors: Te
             continue
         pos += _round8((h.numel + 7) // 8) if h.format == DeltaFormat.BITMASK else _round8(4 * h.count)
         flat, where = _positions(view, idx)
-        flat.index_put_((where,), _slot(buffer, pos, h.count, view.dtype))
+        _scatter(flat, where, _slot(buffer, pos, h.count, view.dtype))
     return headers
 
 

@@ -1,4 +1,5 @@
-"""Triton device code for delta encoding: the comparison (per-tile changed counts) and the compaction.
+"""Triton device code for delta encoding and decoding: the comparison (per-tile changed counts), the compaction,
+and the scatter-apply of sparse boxes (`_delta_bits_kernel`, `_delta_scatter_kernel`).
 
 Only `@triton.jit` functions; `_delta.py` loads this file twice (interpreted for CPU tensors, compiled for CUDA
 tensors), as `_pack.py` loads `_triton.py`. Tiles and the descriptor table are those of the pack kernels
@@ -112,3 +113,95 @@ def _delta_compact_kernel(
     tl.atomic_or(words_ptr + mask_base + (index >> 5), (1 << (index & 31)).to(tl.int32), mask=as_bitmask)
     if UPDATE:
         tl.store(snap_ptr + snap_off, cur, mask=changed)
+
+
+_DECODE_HEAD = tl.constexpr(5)  # count (INDICES) or numel (BITMASK), values base, words base, format, tensor start
+
+
+@triton.jit
+def _decode_locate(pid, block_box_ptr, block_first_ptr, table_ptr, NUM_DIMS: tl.constexpr, BLOCK: tl.constexpr):
+    """The box of program `pid` of a decode launch, its descriptor row and the block's first element."""
+    box = tl.load(block_box_ptr + pid)
+    j0 = (pid - tl.load(block_first_ptr + box)) * BLOCK
+    row = table_ptr + box * (_DECODE_HEAD + 2 * NUM_DIMS)
+    return row, j0
+
+
+@triton.jit
+def _decode_offsets(row, index, NUM_DIMS: tl.constexpr):
+    """Element offsets in the tensor's storage of the row-major indices `index` of the box of descriptor `row`."""
+    off = tl.load(row + 4) + index * 0
+    rest = index
+    for k in tl.static_range(NUM_DIMS):
+        d = NUM_DIMS - 1 - k
+        size = tl.load(row + _DECODE_HEAD + d)
+        stride = tl.load(row + _DECODE_HEAD + NUM_DIMS + d)
+        off += (rest % size) * stride
+        rest = rest // size
+    return off
+
+
+@triton.jit
+def _delta_bits_kernel(
+    table_ptr,  # [num_boxes, 5 + 2 * NUM_DIMS] int64 descriptor rows (see `_DECODE_HEAD`), then sizes, strides
+    block_box_ptr,  # [num_blocks] int64: the box of each program
+    block_first_ptr,  # [num_boxes] int64: the first program of each box
+    words_ptr,  # the encoded buffer as int32
+    block_counts_ptr,  # [num_blocks] int32 out: mask bits set in the block's elements
+    NUM_DIMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """block_counts[pid] = bits set in the BITMASK of block `pid`'s BLOCK row-major elements (inside the box).
+
+    Example: a box of 10 elements with mask bits 0b1000000101 and BLOCK 8: block 0 counts 2, block 1 counts 1.
+    """
+    pid = tl.program_id(0)
+    row, j0 = _decode_locate(pid, block_box_ptr, block_first_ptr, table_ptr, NUM_DIMS, BLOCK)
+    numel = tl.load(row)
+    j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+    inside = j < numel
+    word = tl.load(words_ptr + tl.load(row + 2) + (j >> 5), mask=inside, other=0)
+    bits = ((word >> (j & 31).to(tl.int32)) & 1) * inside.to(tl.int32)
+    tl.store(block_counts_ptr + pid, tl.reduce(bits, 0, _ADD))
+
+
+@triton.jit
+def _delta_scatter_kernel(
+    tensor_ptr,  # destination elements as same-width ints; box starts are offsets from here
+    table_ptr,  # [num_boxes, 5 + 2 * NUM_DIMS] int64 descriptor rows (see `_DECODE_HEAD`)
+    block_box_ptr,  # [num_blocks] int64
+    block_first_ptr,  # [num_boxes] int64
+    block_base_ptr,  # [num_blocks] int64: BITMASK: set bits of the box before this block; INDICES: unused
+    values_ptr,  # the encoded buffer as same-width ints
+    words_ptr,  # the encoded buffer as int32 (indices, mask words)
+    NUM_DIMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Scatter-apply the changed values of sparse boxes into their destination boxes.
+
+    INDICES box: block `pid` takes values `j0 .. j0 + BLOCK` (of `count`), each to the storage offset of its
+    row-major index. BITMASK box: block `pid` takes row-major elements `j0 .. j0 + BLOCK` (of `numel`); an element
+    whose bit is set takes value number `block_base[pid]` + (set bits before it in the block).
+    Example: INDICES `[1, 4]`, values `[a, b]` into a 2 x 3 box of a tensor with row stride 8 at offset 0:
+    `t[1] = a`, `t[9] = b`.
+    """
+    pid = tl.program_id(0)
+    row, j0 = _decode_locate(pid, block_box_ptr, block_first_ptr, table_ptr, NUM_DIMS, BLOCK)
+    n = tl.load(row)
+    values_base = tl.load(row + 1)
+    words_base = tl.load(row + 2)
+    fmt = tl.load(row + 3)
+    j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+    inside = j < n
+    if fmt == 2:
+        index = tl.load(words_ptr + words_base + j, mask=inside, other=0).to(tl.int64)
+        v = tl.load(values_ptr + values_base + j, mask=inside, other=0)
+        tl.store(tensor_ptr + _decode_offsets(row, index, NUM_DIMS), v, mask=inside)
+    else:
+        word = tl.load(words_ptr + words_base + (j >> 5), mask=inside, other=0)
+        flags = ((word >> (j & 31).to(tl.int32)) & 1) * inside.to(tl.int32)
+        rank = tl.associative_scan(flags, 0, _ADD) - flags
+        pos = tl.load(block_base_ptr + pid) + rank.to(tl.int64)
+        hit = flags != 0
+        v = tl.load(values_ptr + values_base + pos, mask=hit, other=0)
+        tl.store(tensor_ptr + _decode_offsets(row, j, NUM_DIMS), v, mask=hit)

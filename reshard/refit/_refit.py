@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from reshard.comm import CommError, Group, execute
+from reshard.comm import CommError, DeltaSession, Group, execute
+from reshard.comm._delta import SNAPSHOTS
 from reshard.comm._group import as_timedelta
 from reshard.comm._handshake import agree, all_gather_json
 from reshard.cost import get_hardware
@@ -74,6 +75,13 @@ class RefitReport:
             `policy="auto"` each is a `reshard.refit.Choice` (a `str`) carrying the modelled seconds and
             bytes of both methods (`.reshard_s`, `.gather_broadcast_s`, `.reshard_bytes`,
             `.gather_broadcast_bytes`).
+        changed_fraction, encoded_bytes, dense_bytes: with `Refit(delta=True)`, per link kind (`"nvlink"`,
+            `"network"`), what *this rank* sent in this run (sum them over ranks for the whole model): the fraction
+            of elements sent as changed (DENSE boxes count whole), the payload bytes sent, and the bytes a full run
+            sends. Empty without delta. Local copies are always full and not counted.
+        snapshot_bytes: with delta, the size of this rank's snapshots of what it last sent.
+        execution: this rank's `reshard.comm.ExecutionReport` of the plan (a `DeltaReport` with delta: wire bytes,
+            state and size message bytes, raw messages, stale boxes); None when the plan moved nothing.
     """
 
     seconds: dict[str, float]
@@ -85,6 +93,11 @@ class RefitReport:
     messages: int
     first_run: bool
     choices: dict[str, str] = field(default_factory=dict)
+    changed_fraction: dict[str, float] = field(default_factory=dict)
+    encoded_bytes: dict[str, int] = field(default_factory=dict)
+    dense_bytes: dict[str, int] = field(default_factory=dict)
+    snapshot_bytes: int = 0
+    execution: Any = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,14 @@ class Refit:
             (cast to the engine's dtype while packing, bit-exact to torch) or `"fp8_block"` (the engine holds
             float8_e4m3fn weights with float32 scales per 128 x 128 block, registered with `scale=`; see
             `reshard.refit._fp8` for where quantization happens).
+        delta: after the first run, send per transfer box only the elements whose bits changed since the last run
+            that reached that destination (`execute(..., delta=...)`, see `reshard.comm._delta`); a destination
+            that holds another version (reloaded, overwritten, a failed run) gets full boxes. FP8 destinations
+            delta their quantized bytes and scales (quantized on the source) or the high-precision halo
+            (quantized on the destination). Weights sent by gather-and-broadcast are sent whole. Not with
+            `verify`.
+        delta_snapshot: where the senders keep their snapshots: `"device"` or `"host"` (pinned CPU memory).
+        delta_check: how a destination finds its bytes changed since it applied them (`DeltaSession.check`).
 
     Example (the trainer and inference sides are different processes of one group):
         trainer rank:   refit.add_source("model.layers.0.mlp.up_proj.weight", dtensor)
@@ -144,12 +165,23 @@ class Refit:
         timeout: Any = None,
         precision: str | Mapping[str, str] | Callable[[str], str] = "same",
         check_replicas: bool = False,
+        delta: bool = False,
+        delta_snapshot: str = "device",
+        delta_check: str = "sum",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")
         for n, p in (policies or {}).items():
             if p not in POLICIES:
                 raise ValueError(f"Refit: policy of {n!r} must be one of {POLICIES}, got {p!r}")
+        if not isinstance(delta, bool):
+            raise TypeError(f"Refit: delta must be a bool, got {type(delta).__name__}")
+        if delta and verify:
+            raise ValueError("Refit: delta=True and verify=True cannot be combined (delta boxes carry checked headers "
+                             "and versions; verify by checksums runs without delta)")
+        if delta_snapshot not in SNAPSHOTS:
+            raise ValueError(f"Refit: delta_snapshot must be one of {SNAPSHOTS}, got {delta_snapshot!r}")
+        self.delta = DeltaSession(snapshot=delta_snapshot, check=delta_check) if delta else None
         self.group = group if group is not None else Group.world()
         self.rank: int = self.group.rank
         self.name_map = name_map
@@ -317,8 +349,10 @@ class Refit:
         dst += [None] * (b.num_dst - len(dst))
         for w in b.fp8:
             w.before(self.rank, src, dst)
+        rep = None
         if b.plan.items:
-            execute(b.plan, self.rank, src, dst, self.group, verify=self.verify, timeout=self.timeout)
+            rep = execute(b.plan, self.rank, src, dst, self.group, verify=self.verify, timeout=self.timeout,
+                          delta=self.delta)
         for w in b.fp8:
             w.after(self.rank, dst)
         for gb in b.gather_broadcast:
@@ -328,6 +362,12 @@ class Refit:
         report = RefitReport(seconds, s.network_bytes, s.nvlink_bytes, s.local_bytes,
                              sum(g.nbytes for g in b.gather_broadcast), len(b.choices), s.messages, first,
                              dict(b.choices))
+        for link, st in getattr(rep, "links", {}).items():
+            report.changed_fraction[link] = st.changed_fraction
+            report.encoded_bytes[link] = st.encoded_bytes
+            report.dense_bytes[link] = st.dense_bytes
+        report.snapshot_bytes = getattr(rep, "snapshot_bytes", 0)
+        report.execution = rep
         logger.debug("refit rank %d: %s", self.rank, report)
         return report
 

@@ -1,0 +1,526 @@
+"""Delta execution: after the first run of a plan, send per transfer box only the elements whose bits changed.
+
+`execute(plan, ..., delta=session)` runs here (`execute_delta`) with a `DeltaSession` that keeps, per plan and rank,
+what the rank last sent and what it last received:
+
+- every sender (source ranks and relays) keeps a *snapshot* of each box it sends (the wire bytes: a casting item's
+  box after its cast), on the device or in pinned host memory (`DeltaSession(snapshot=...)`), and the *version*
+  (a random 62-bit number drawn per run) that snapshot was sent as;
+- every receiver keeps, per box, the version it holds and a fingerprint of the box's bytes after it applied it.
+
+One run, on every rank of the plan:
+
+1. the checks and the plan agreement of `execute` (bad input raises on every rank, before any byte moves);
+2. the *state round*: every receiver tells each sender, per box, the version it holds, or -1 when it holds none or
+   its box's bytes no longer match the fingerprint taken when it applied it (a destination overwritten between
+   runs, an engine reloaded, a failed run); one small message per pair on the control backend;
+3. per chunk, in increasing order: each sender compares each box with its snapshot (`reshard.kernels.scan_changes`)
+   and encodes it (`delta_encode`: DENSE, BITMASK + values or INDICES + values, versioned headers) into the chunk's
+   staging area of the message, sparse only where the receiver holds the snapshot's version, DENSE otherwise. If a
+   message's encoding does not fit its planned bytes (less 7 bytes of alignment), the message goes *raw*: packed as
+   the plan packs it, exactly the planned bytes. Then a *size round* (per message `[encoded bytes or -1, version,
+   bytes per box]`, control backend) and the payload of exactly those bytes; receivers decode (`delta_decode`,
+   which refuses a sparse box of another base version) or unpack, record version and fingerprint, and the chunk's
+   local copies run (always full). So staging stays what the plan reserved, within `staging_bytes`;
+4. the completion round: any rank's error raises on every rank.
+
+Relays re-encode what they forward against their own snapshot of it (the same changed elements, so the same
+bytes), so each hop chooses its format for its own receiver's state. The zero-copy path is not used.
+
+Chunks run one after another (the size round needs the encoding); the state and size messages cost one small
+message per pair and chunk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from reshard.comm._executor import ExecutionReport, _check_tensors, _describe_plan, _staging_for
+from reshard.comm._group import Group
+from reshard.comm._handshake import agree
+from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, post
+from reshard.kernels import (
+    DELTA_DENSE_FRACTION,
+    DeltaFormat,
+    checksum,
+    delta_decode,
+    delta_encode,
+    delta_offsets,
+    pack,
+    scan_changes,
+    unpack,
+)
+from reshard.planner import Box, Plan, RankChunk, RankPlan
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOTS = ("device", "host")
+CHECKS = ("sum", "checksum", "none")
+_NO_VERSION = -1
+_ALIGN_SLACK = 7  # an encoded message starts at an 8-aligned address inside the message's planned bytes
+_KEPT_PLANS = 2
+
+
+@dataclass
+class DeltaLinkStats:
+    """What one rank sent over one link kind in one delta run.
+
+    Attributes:
+        elements: elements of the boxes sent.
+        changed: elements sent as changed (every element of a DENSE or raw box counts as changed).
+        dense_bytes: the boxes' planned (dense) bytes.
+        encoded_bytes: payload bytes sent (headers included; raw messages count their planned bytes).
+        dense_boxes, sparse_boxes: boxes sent DENSE (or raw) and BITMASK / INDICES.
+    """
+
+    elements: int = 0
+    changed: int = 0
+    dense_bytes: int = 0
+    encoded_bytes: int = 0
+    dense_boxes: int = 0
+    sparse_boxes: int = 0
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    def add(self, other: DeltaLinkStats) -> None:
+        for k in ("elements", "changed", "dense_bytes", "encoded_bytes", "dense_boxes", "sparse_boxes"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass
+class DeltaReport(ExecutionReport):
+    """`ExecutionReport` of a delta run, plus per link kind (`"nvlink"`, `"network"`) what this rank sent
+    (`links`), the bytes of the state and size messages it sent (`control_bytes`), the messages that went raw
+    (`raw_messages`), the boxes whose receiver was stale (`stale_boxes`, received side) and the size of this
+    rank's snapshot (`snapshot_bytes`)."""
+
+    links: dict[str, DeltaLinkStats] = field(default_factory=dict)
+    control_bytes: int = 0
+    raw_messages: int = 0
+    stale_boxes: int = 0
+    snapshot_bytes: int = 0
+
+
+class _SendBox:
+    __slots__ = ("nbytes", "snap_offset", "version")
+
+    def __init__(self, snap_offset: int, nbytes: int) -> None:
+        self.snap_offset = snap_offset
+        self.nbytes = nbytes
+        self.version = _NO_VERSION  # the version the snapshot was last sent as
+
+
+class _RankState:
+    """One rank's delta state for one plan: snapshot slots of its send boxes, held versions of its receive boxes."""
+
+    def __init__(self, prog: RankPlan, wire_itemsizes: list[list[int]], device: torch.device, where: str) -> None:
+        self.send: list[list[_SendBox]] = []
+        pos = 0
+        for step, sizes in zip(prog.chunks, wire_itemsizes):
+            boxes = []
+            for box, size in zip(step.pack.boxes, sizes):
+                n = box.numel * size
+                boxes.append(_SendBox(pos, n))
+                pos += (n + 7) & -8
+            self.send.append(boxes)
+        pin = where == "host" and torch.cuda.is_available()
+        snap_device = device if where == "device" else torch.device("cpu")
+        self.snapshot = torch.empty(pos, dtype=torch.uint8, device=snap_device, pin_memory=pin)
+        self.device = device
+        # per chunk, per unpack box: (version, fingerprint) after the last apply, or None
+        self.held: list[list[tuple[int, tuple] | None]] = [[None] * len(s.unpack.boxes) for s in prog.chunks]
+
+    @property
+    def nbytes(self) -> int:
+        return self.snapshot.numel()
+
+
+class DeltaSession:
+    """What delta runs remember between calls: pass the same session to every `execute(..., delta=session)`.
+
+    Args:
+        snapshot: where senders keep their snapshots: `"device"` (the tensors' device) or `"host"` (CPU memory,
+            pinned when CUDA is available; on CUDA each message's snapshot is copied to the device to compare).
+        check: how a receiver finds that its box changed since it applied it (then it asks for a DENSE box):
+            `"sum"` (the wrapping 64-bit sums of the box's elements as same-width integers, all and every other
+            one: any changed element, any reload of other weights; not a permutation of equal sums), `"checksum"`
+            (`reshard.kernels.checksum`, position-sensitive, slower) or `"none"` (versions only: a reloaded engine or
+            a failed run, not an in-place overwrite).
+        threshold: the fraction of changed elements above which a box goes DENSE (`choose_delta_format`).
+
+    The first run of a plan on a session is full; so is any box whose receiver holds another version. State is kept
+    for the last two plans per rank.
+    """
+
+    def __init__(self, *, snapshot: str = "device", check: str = "sum",
+                 threshold: float = DELTA_DENSE_FRACTION) -> None:
+        if snapshot not in SNAPSHOTS:
+            raise ValueError(f"DeltaSession: snapshot must be one of {SNAPSHOTS}, got {snapshot!r}")
+        if check not in CHECKS:
+            raise ValueError(f"DeltaSession: check must be one of {CHECKS}, got {check!r}")
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"DeltaSession: threshold must be in [0, 1], got {threshold}")
+        self.snapshot = snapshot
+        self.check = check
+        self.threshold = threshold
+        self._states: OrderedDict[tuple[str, int], _RankState] = OrderedDict()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of every snapshot this session holds."""
+        return sum(s.nbytes for s in self._states.values())
+
+    def reset(self) -> None:
+        """Forget everything: the next run of every plan is full."""
+        self._states.clear()
+
+    def _state(self, plan: Plan, prog: RankPlan, wire: list[list[int]], device: torch.device) -> _RankState:
+        key = (plan.fingerprint, prog.rank)
+        st = self._states.get(key)
+        if st is None or st.device != device or [[b.nbytes for b in c] for c in st.send] != [
+                [box.numel * s for box, s in zip(step.pack.boxes, sizes)] for step, sizes in zip(prog.chunks, wire)]:
+            st = self._states[key] = _RankState(prog, wire, device, self.snapshot)
+        self._states.move_to_end(key)
+        while len(self._states) > _KEPT_PLANS:
+            self._states.popitem(last=False)
+        return st
+
+    def __repr__(self) -> str:
+        return f"DeltaSession(snapshot={self.snapshot!r}, check={self.check!r}, {self.snapshot_bytes} snapshot bytes)"
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Helpers
+# -------------------------------------------------------------------------------------------------------------
+
+
+def _fingerprint(view: torch.Tensor, check: str) -> tuple:
+    """A fingerprint of `view`'s bytes (see `DeltaSession.check`)."""
+    if check == "none" or view.numel() == 0:
+        return ()
+    if check == "checksum":
+        return (int(checksum(view)),)
+    ints = view.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[view.element_size()])
+    flat = ints.reshape(-1) if ints.is_contiguous() else None
+    if flat is not None and flat.numel() * flat.element_size() % 8 == 0 and flat.data_ptr() % 8 == 0:
+        words = flat.view(torch.int64)  # same bytes, 8 at a time: far faster than widening small ints
+        return int(words.sum()), int(words[::2].sum())
+    return int(ints.sum(dtype=torch.int64)), int(ints.reshape(-1)[::2].sum(dtype=torch.int64))
+
+
+def _aligned(area: torch.Tensor, offset: int, nbytes: int) -> tuple[int, int]:
+    """`(start, room)`: the first 8-aligned byte of `area[offset: offset + nbytes]` and the bytes after it."""
+    addr = area.data_ptr() + offset
+    start = offset + ((-addr) % 8)
+    return start, max(offset + nbytes - start, 0)
+
+
+def _whole(t: torch.Tensor) -> Box:
+    return Box((0,) * t.ndim, tuple(t.shape))
+
+
+class _Run:
+    """One delta `execute` call on one rank (see the module docstring for the order of work)."""
+
+    def __init__(self, prog: RankPlan, plan: Plan, group: Group, src: Sequence[torch.Tensor],
+                 dst: Sequence[torch.Tensor], staging, session: DeltaSession, state: _RankState,
+                 timeout: datetime.timedelta, report: DeltaReport) -> None:
+        self.prog, self.plan, self.group = prog, plan, group
+        self.src, self.dst = src, dst
+        self.staging, self.session, self.state = staging, session, state
+        self.timeout, self.report = timeout, report
+        self.version = secrets.randbits(62) + 1
+        self.errors: list[str] = []
+        self.peer_held: dict[tuple[int, int], list[int]] = {}  # (chunk index in prog, message) -> held versions
+
+    def _pack_tensors(self, step: RankChunk) -> list[torch.Tensor]:
+        p = step.pack
+        return [self.dst[i] if d else self.src[i] for d, i in zip(p.from_dst, p.tensors)]
+
+    def _unpack_tensors(self, step: RankChunk) -> list[torch.Tensor]:
+        return [self.dst[i] for i in step.unpack.tensors]
+
+    # -- state round ----------------------------------------------------------------------------------------
+
+    def state_round(self) -> None:
+        check = self.session.check
+        held_out: dict[int, list[int]] = {}
+        expect: dict[int, int] = {}
+        for k, step in enumerate(self.prog.chunks):
+            tensors = self._unpack_tensors(step)
+            for m in step.recvs:
+                for j in range(len(m.transfers)):
+                    b = m.first_box + j
+                    h = self.state.held[k][b]
+                    v = _NO_VERSION
+                    if h is not None:
+                        if _fingerprint(tensors[b][step.unpack.boxes[b].slices()], check) == h[1]:
+                            v = h[0]
+                        else:
+                            self.state.held[k][b] = None
+                            self.report.stale_boxes += 1
+                    held_out.setdefault(m.peer, []).append(v)
+            for m in step.sends:
+                expect[m.peer] = expect.get(m.peer, 0) + len(m.transfers)
+        sends = [(p, torch.tensor(v, dtype=torch.int64)) for p, v in sorted(held_out.items())]
+        recvs = [(p, torch.empty(n, dtype=torch.int64)) for p, n in sorted(expect.items())]
+        post(sends, recvs, self.group, tag=TAG_CONTROL, timeout=self.timeout, what="delta state round",
+             control=True).wait()
+        self.report.control_bytes += sum(t.numel() * 8 for _, t in sends)
+        got = {p: t.tolist() for p, t in recvs}
+        pos = dict.fromkeys(got, 0)
+        for k, step in enumerate(self.prog.chunks):
+            for i, m in enumerate(step.sends):
+                n = len(m.transfers)
+                self.peer_held[(k, i)] = got[m.peer][pos[m.peer]: pos[m.peer] + n]
+                pos[m.peer] += n
+
+    # -- one chunk ------------------------------------------------------------------------------------------
+
+    def encode(self, k: int, step: RankChunk, area: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
+        """Encode (or pack raw) every send message of chunk `k` into `area`; per message its size words and the
+        bytes to send."""
+        tensors = self._pack_tensors(step)
+        snap_all = self.state.snapshot
+        out = []
+        for i, m in enumerate(step.sends):
+            held = self.peer_held[(k, i)]
+            ix = list(range(m.first_box, m.first_box + len(m.transfers)))
+            boxes = self.state.send[k]
+            views, bxs, formats, bases = [], [], [], []
+            for j, b in enumerate(ix):
+                t = tensors[b]
+                box = step.pack.boxes[b]
+                wire = step.pack.wire[b]
+                if wire is not None and wire != t.dtype:
+                    t, box = t[box.slices()].to(wire), None
+                    box = _whole(t)
+                views.append(t)
+                bxs.append(box)
+                sb = boxes[b]
+                fresh = sb.version != _NO_VERSION and held[j] == sb.version
+                formats.append(None if fresh else DeltaFormat.DENSE)
+                bases.append(sb.version if fresh else 0)
+            snap_offs = [boxes[b].snap_offset for b in ix]
+            snap, snap_base = snap_all, 0
+            if snap_all.device != self.state.device:  # host snapshot, CUDA tensors: this message's part on device
+                lo, hi = snap_offs[0], boxes[ix[-1]].snap_offset + boxes[ix[-1]].nbytes
+                snap, snap_base = snap_all[lo:hi].to(self.state.device, non_blocking=True), lo
+                snap_offs = [o - lo for o in snap_offs]
+            scan = scan_changes(views, bxs, snap, snap_offs)
+            dtypes = [v.dtype for v in views]
+            start, room = _aligned(area, m.buffer_offset, m.nbytes)
+            offs, end = delta_offsets(bxs, dtypes, scan.counts, formats, threshold=self.session.threshold)
+            link = self.report.links
+            if end <= m.nbytes - _ALIGN_SLACK and end <= room:
+                buf = area.narrow(0, start, end)
+                headers = delta_encode(views, bxs, snap, snap_offs, buf, offs, counts=scan, base_version=bases,
+                                       version=self.version, formats=formats, threshold=self.session.threshold)
+                sizes = [h.nbytes for h in headers]
+                words = [end, self.version, *sizes]
+                payload = buf
+                for t, h in zip(m.transfers, headers):
+                    st = link.setdefault(t.link, DeltaLinkStats())
+                    st.elements += h.numel
+                    st.changed += h.count
+                    st.dense_bytes += t.nbytes
+                    st.encoded_bytes += h.nbytes
+                    if h.format == DeltaFormat.DENSE:
+                        st.dense_boxes += 1
+                    else:
+                        st.sparse_boxes += 1
+            else:  # raw: exactly as the plan packs it; the snapshot takes the packed bytes
+                rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
+                msg = area.narrow(0, m.buffer_offset, m.nbytes)
+                pack(views, bxs, msg, rel)
+                for b, o, r in zip(ix, snap_offs, rel):
+                    n = boxes[b].nbytes
+                    snap.narrow(0, o, n).copy_(msg.narrow(0, r, n))
+                words = [-1, self.version, *([0] * len(ix))]
+                payload = msg
+                self.report.raw_messages += 1
+                for t, v in zip(m.transfers, views):
+                    st = link.setdefault(t.link, DeltaLinkStats())
+                    numel = t.global_box.numel
+                    st.elements += numel
+                    st.changed += numel
+                    st.dense_bytes += t.nbytes
+                    st.encoded_bytes += t.nbytes
+                    st.dense_boxes += 1
+            if snap is not snap_all:
+                snap_all[snap_base: snap_base + snap.numel()].copy_(snap)
+            for b in ix:
+                boxes[b].version = self.version
+            out.append((words, payload))
+        return out
+
+    def chunk(self, k: int, step: RankChunk, slot: int) -> None:
+        st = self.staging
+        send_area, recv_area = st.send(slot, step), st.recv(slot, step)
+        t0 = time.perf_counter()
+        encoded = self.encode(k, step, send_area)
+        t1 = time.perf_counter()
+        self.report.seconds_pack += t1 - t0
+        # size round
+        size_sends = [(m.peer, torch.tensor(w, dtype=torch.int64)) for m, (w, _) in zip(step.sends, encoded)]
+        size_recvs = [(m.peer, torch.empty(2 + len(m.transfers), dtype=torch.int64)) for m in step.recvs]
+        what = f"delta chunk {step.index}"
+        post(size_sends, size_recvs, self.group, tag=TAG_CONTROL, timeout=self.timeout, what=f"{what} sizes",
+             control=True).wait()
+        self.report.control_bytes += sum(t.numel() * 8 for _, t in size_sends)
+        words = [t.tolist() for _, t in size_recvs]
+        recvs, plans = [], []
+        for m, w in zip(step.recvs, words):
+            total, version, sizes = w[0], w[1], w[2:]
+            if total == -1:
+                recvs.append((m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes)))
+                plans.append(("raw", version))
+                continue
+            start, room = _aligned(recv_area, m.buffer_offset, m.nbytes)
+            if not 0 < total <= min(room, m.nbytes - _ALIGN_SLACK) or sum(sizes) != total or min(sizes) < 0:
+                # a malformed announcement: receive it (the sender sends it) into nothing, apply nothing
+                self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: rank {m.peer} announced "
+                                   f"{total} bytes for a message of {m.nbytes} planned bytes (box sizes {sizes})")
+                recvs.append((m.peer, torch.empty(max(total, 0), dtype=torch.uint8, device=recv_area.device)))
+                plans.append(None)
+                continue
+            buf = recv_area.narrow(0, start, total)
+            recvs.append((m.peer, buf))
+            offs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
+            plans.append(("encoded", buf, offs))
+        sends = [(m.peer, payload) for m, (_, payload) in zip(step.sends, encoded)]
+        handle = post([s for s in sends if s[1].numel()], [r for r in recvs if r[1].numel()], self.group,
+                      tag=TAG_DATA, timeout=self.timeout, what=what)
+        t2 = time.perf_counter()
+        handle.wait()
+        t3 = time.perf_counter()
+        self.report.seconds_wait += t3 - t2
+        self.report.messages_sent += len(sends)
+        self.report.messages_received += len(recvs)
+        self.report.bytes_sent += sum(p.numel() for _, p in sends)
+        self.report.bytes_received += sum(r.numel() for _, r in recvs)
+        self.decode(k, step, recv_area, plans)
+        self.local(step)
+        self.report.seconds_unpack += time.perf_counter() - t3
+
+    def decode(self, k: int, step: RankChunk, recv_area: torch.Tensor, plans: list) -> None:
+        tensors = self._unpack_tensors(step)
+        held = self.state.held[k]
+        check = self.session.check
+        for m, p in zip(step.recvs, plans):
+            ix = list(range(m.first_box, m.first_box + len(m.transfers)))
+            ts, bxs = [tensors[b] for b in ix], [step.unpack.boxes[b] for b in ix]
+            versions = [held[b][0] if held[b] is not None else None for b in ix]
+            for b in ix:
+                held[b] = None  # until applied
+            if p is None:
+                continue  # a malformed size message (an error is recorded)
+            try:
+                if p[0] == "raw":
+                    msg = recv_area.narrow(0, m.buffer_offset, m.nbytes)
+                    unpack(msg, [step.unpack.offsets[b] - m.buffer_offset for b in ix], ts, bxs)
+                    new = [p[1]] * len(ix)
+                else:
+                    _, buf, offs = p
+                    headers = delta_decode(buf, offs, ts, bxs, versions=versions)
+                    new = [h.version for h in headers]
+            except ValueError as e:
+                self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: message from rank {m.peer}: {e}")
+                continue
+            for b, v, t, box in zip(ix, new, ts, bxs):
+                held[b] = (v, _fingerprint(t[box.slices()], check))
+
+    def local(self, step: RankChunk) -> None:
+        if not step.local:
+            return
+        outs, ins = [], []
+        for t in step.local:
+            source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
+            outs.append(self.dst[t.dst_tensor][t.dst_box.slices()])
+            ins.append(source[t.src_box.slices()])
+        torch._foreach_copy_(outs, ins)
+        self.report.bytes_copied_locally += sum(t.nbytes for t in step.local)
+
+    def run(self) -> None:
+        self.state_round()
+        for k, step in enumerate(self.prog.chunks):
+            self.chunk(k, step, k % len(self.staging.slots))
+            self.report.chunks += 1
+
+
+def wire_itemsizes(prog: RankPlan, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Per chunk, per pack box: the bytes per element on the wire (the cast dtype's, or the tensor's)."""
+    out = []
+    for step in prog.chunks:
+        p = step.pack
+        out.append([(w.itemsize if w is not None else (dst[i] if d else src[i]).element_size())
+                    for w, d, i in zip(p.wire, p.from_dst, p.tensors)])
+    return out
+
+
+def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | None,
+                  dst_tensors: Sequence[torch.Tensor] | None, group: Group, session: DeltaSession, *,
+                  verify: bool, timeout: datetime.timedelta) -> DeltaReport:
+    """`execute(..., delta=session)`: see the module docstring. Same arguments and errors as `execute`; the
+    completion round always runs."""
+    report = DeltaReport(rank)
+    ranks = plan.ranks
+    if rank not in ranks:
+        return report
+    if ranks[-1] >= group.size:
+        raise ValueError(f"execute: the plan spans ranks up to {ranks[-1]} but {group} has {group.size} ranks")
+    start = time.perf_counter()
+    with group.exclusive("execute"), torch.no_grad():
+        prog = plan.for_rank(rank)
+        errors, device = _check_tensors(plan, rank, src_tensors, dst_tensors)
+        if not isinstance(session, DeltaSession):
+            errors.append(f"rank {rank}: delta must be a reshard.comm.DeltaSession, got {type(session).__name__}")
+        if verify:
+            errors.append(f"rank {rank}: verify=True is not supported with delta (delta boxes carry checked headers "
+                          "and versions; run without delta to verify by checksums)")
+        staging = state = None
+        if not errors and prog.chunks:
+            device = device or torch.device("cpu")
+            try:
+                if prog.max_chunk_bytes:
+                    group.data_backend(device)
+                staging = _staging_for(group, prog, device, False)
+                srcs, dsts = src_tensors or (), dst_tensors or ()
+                state = session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device)
+            except (ValueError, RuntimeError) as e:
+                errors.append(f"rank {rank}: cannot reserve staging or snapshots on {device}: {e}")
+        if len(ranks) > 1:
+            agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=timeout,
+                  what="plan handshake")
+        elif errors:
+            raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
+        report.seconds_handshake = time.perf_counter() - start
+        run_errors: list[str] = []
+        if staging is not None:
+            report.staging_bytes = staging.nbytes
+            report.snapshot_bytes = state.nbytes
+            run = _Run(prog, plan, group, src_tensors or (), dst_tensors or (), staging, session, state, timeout,
+                       report)
+            run.run()
+            run_errors = run.errors
+        if len(ranks) > 1:  # always: a receiver's decode error must raise on every rank
+            t0 = time.perf_counter()
+            agree(group, ranks, plan.fingerprint, run_errors, lambda: _describe_plan(plan), timeout=timeout,
+                  what="delta completion", failure="delta refit failed")
+            report.seconds_confirm = time.perf_counter() - t0
+        elif run_errors:
+            raise ValueError("delta refit failed:\n  " + "\n  ".join(run_errors))
+    report.seconds = time.perf_counter() - start
+    logger.debug("rank %d: delta-executed plan %s: %s", rank, plan.fingerprint[:12], report)
+    return report

@@ -1,0 +1,176 @@
+"""Delta execution (`execute(..., delta=DeltaSession())`) on 8 gloo ranks, against DTensor as ground truth.
+
+Every case runs a sequence of updates through one session: the first run (full), an unchanged source (0%), a few
+changed elements, every element changed (100%), a destination overwritten between runs (it must get full boxes),
+and a few changes again. After every run each destination local tensor must equal, bit for bit, DTensor's
+`distribute_tensor(full_i).to_local()` of that step's global tensor. A negative control shows that the overwrite
+check is what keeps the overwritten destination right: with `check="none"` the same sequence leaves it wrong.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from comm_cases import B2, S0, S1, A, B, R, as_bytes, dtensor_local, full_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from reshard.testing import shared_pool
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 8
+A2 = [[0, 1], [2, 3]]
+M3 = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+# (id, shape, src dtype, src mesh, src placements, dst mesh, dst placements, dst dtype, options)
+CASES = [
+    ("relay-S0-to-R-domain4", (64, 32), torch.float32, A, (S0,), B, (R,), None,
+     {"domain_size": 4, "staging_bytes": 4096, "min_split_bytes": 256}),
+    ("relay-R-to-R-domain2", (40, 20), torch.bfloat16, A2, (R, S0), B2, (S1, R), None,
+     {"domain_size": 2, "staging_bytes": 2048, "min_split_bytes": 128}),
+    ("strided-fsdp-tp-to-tp", (48, 64), torch.bfloat16, A2, (_StridedShard(0, split_factor=2), S0), B, (S0,), None,
+     {}),
+    ("tp-to-strided", (40, 40), torch.float32, A, (S0,), B2, (_StridedShard(1, split_factor=2), S1), None, {}),
+    ("uneven-rows-cols", (37, 29), torch.float32, A, (S0,), B2, (S1, S0), None, {}),
+    ("m2m-tiny-chunks", (64, 64), torch.float32, list(range(8)), (S0,), [3, 6, 1, 4, 7, 2, 5, 0], (S1,), None,
+     {"staging_bytes": 2048, "min_split_bytes": 64}),
+    ("overlap-local-copies", (24, 40), torch.float32, [0, 1, 2, 3, 4, 5], (S0,), [2, 3, 4, 5, 6, 7], (S1,), None, {}),
+    ("3dmesh-nested", (32, 24), torch.bfloat16, M3, (R, S0, S0), [[[7, 6], [5, 4]], [[3, 2], [1, 0]]], (S1, R, S0),
+     None, {}),
+    ("cast-f32-to-bf16", (64, 48), torch.float32, A, (S0,), B2, (R, S1), torch.bfloat16, {}),
+]
+STEPS = ("first", "same", "few", "all", "overwritten", "few-after")
+OVERWRITTEN_RANK = 5  # a destination rank of every case
+
+
+def _values(case, step: int) -> torch.Tensor:
+    """The global tensor at `step` (the same on every rank): a few changed elements, or all, per `STEPS`."""
+    cid, shape, dtype = case[0], case[1], case[2]
+    if dtype == torch.float32 and case[7] is not None:  # cast: finite values (NaN payloads are not what is tested)
+        g = torch.Generator().manual_seed(len(cid))
+        x = torch.randn(shape, generator=g)
+    else:
+        x = full_tensor(shape, dtype, cid)
+    for k, name in enumerate(STEPS[: step + 1]):
+        if name == "all":
+            x = (full_tensor(shape, dtype, cid + "-all") if case[7] is None
+                 else torch.randn(shape, generator=torch.Generator().manual_seed(99)))
+        elif name in ("few", "few-after"):
+            flat = x.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                       8: torch.int64}[x.element_size()])
+            g = torch.Generator().manual_seed(1000 + k)
+            pick = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)]
+            flat[pick] ^= 1 << (8 * x.element_size() - 10)  # a high mantissa bit: survives a cast to bf16
+    return x
+
+
+def on_rank(w, cases: list, check: str) -> list:
+    from reshard import Layout, Mesh, Topology, plan
+    from reshard.comm import DeltaSession, execute
+
+    out = []
+    for case in cases:
+        _cid, shape, sdt, sm, sp, dm, dp, ddt, opts = case
+        try:
+            opts = dict(opts)
+            topo = Topology(domain_size=opts.pop("domain_size", None))
+            src = Layout(shape, Mesh(torch.as_tensor(sm)), list(sp), sdt)
+            dst = Layout(shape, Mesh(torch.as_tensor(dm)), list(dp), ddt or sdt)
+            p = plan(src, dst, topo, precision="cast" if ddt else "same", **opts)
+            session = DeltaSession(check=check)
+            d = torch.zeros(dst.local_shape(w.rank), dtype=dst.dtype) if w.rank in dst.ranks else None
+            steps = []
+            for i, name in enumerate(STEPS):
+                full = _values(case, i)
+                s = dtensor_local(full, src).clone() if w.rank in src.ranks else None
+                if name == "overwritten" and d is not None and w.rank == OVERWRITTEN_RANK:
+                    as_bytes(d).fill_(0x3C)  # in place: the engine's tensor now holds other bytes
+                rep = execute(p, w.rank, None if s is None else [s], None if d is None else [d], w.group,
+                              delta=session, timeout=60)
+                ok = True
+                if d is not None:
+                    expected = dtensor_local(full.to(dst.dtype), dst)
+                    ok = torch.equal(as_bytes(d), as_bytes(expected))
+                links = {k: (v.elements, v.changed, v.dense_bytes, v.encoded_bytes, v.sparse_boxes)
+                         for k, v in getattr(rep, "links", {}).items()}
+                steps.append((name, ok, links, rep.stale_boxes, rep.raw_messages, rep.bytes_sent,
+                              rep.snapshot_bytes))
+            w.group.cache.clear()
+            out.append((True, steps))
+        except Exception as e:  # noqa: BLE001 - reported per case
+            out.append((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(WORLD)
+
+
+@pytest.fixture(scope="module")
+def results(pool):
+    outs = pool.run_ok(on_rank, CASES, "sum", timeout=600)
+    return {c[0]: [outs[r][i] for r in range(WORLD)] for i, c in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_delta_runs_equal_dtensor(case, results) -> None:
+    per_rank = results[case[0]]
+    errors = [f"rank {r}: {res}" for r, (ok, res) in enumerate(per_rank) if not ok]
+    assert not errors, "\n".join(errors)
+    for r, (_, steps) in enumerate(per_rank):
+        for name, ok, *_ in steps:
+            assert ok, f"rank {r}: destination differs from DTensor after step {name!r}"
+    by_step = {name: [dict(zip(("links", "stale", "raw", "sent", "snap"), steps[i][2:]))
+                      for _, steps in per_rank] for i, name in enumerate(STEPS)}
+
+    def total(step: str, k: int) -> int:
+        return sum(v[k] for rr in by_step[step] for v in rr["links"].values())
+
+    # the first run sends every element; an unchanged source sends no changed element, and fewer bytes
+    assert total("first", 0) > 0 and total("first", 1) == total("first", 0)
+    assert total("same", 1) == 0, by_step["same"]
+    assert total("same", 4) > 0 and total("few", 4) > 0, by_step["same"]  # sparse boxes were sent
+    assert sum(rr["sent"] for rr in by_step["same"]) < sum(rr["sent"] for rr in by_step["first"])
+    assert 0 < total("few", 1) < total("few", 0)
+    # the overwritten destination found its boxes stale; no other rank did
+    stale = [rr["stale"] for rr in by_step["overwritten"]]
+    assert stale[OVERWRITTEN_RANK] > 0 and sum(stale) == stale[OVERWRITTEN_RANK], stale
+    assert all(rr["snap"] >= 0 for rr in by_step["first"])
+
+
+def test_overwrite_check_is_what_keeps_the_destination_right(pool) -> None:
+    """Negative control: without the destination check, the overwritten destination keeps wrong bytes (the sender
+    cannot know), so the check above is what makes the delta exact there."""
+    case = CASES[4]
+    outs = pool.run_ok(on_rank, [case], "none", timeout=300)
+    steps = outs[OVERWRITTEN_RANK][0][1]
+    oks = {name: ok for name, ok, *_ in steps}
+    assert oks["first"] and oks["same"] and oks["few"] and oks["all"]
+    assert not oks["overwritten"], "with check='none' the overwritten destination should stay wrong"
+
+
+def on_rank_mismatch(w) -> tuple[str, str, bool]:
+    """Ranks plan with different staging budgets: every rank must raise before any byte moves."""
+    from reshard import Layout, Mesh, plan
+    from reshard.comm import DeltaSession, execute
+
+    src = Layout((16, 8), Mesh(A), [S0], torch.float32)
+    dst = Layout((16, 8), Mesh(B), [S1], torch.float32)
+    p = plan(src, dst, staging_bytes=4096 if w.rank != 6 else 2048)
+    full = full_tensor((16, 8), torch.float32, "mismatch")
+    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
+    d = torch.full(dst.local_shape(w.rank), 7.0) if w.rank in dst.ranks else None
+    try:
+        execute(p, w.rank, s, None if d is None else [d], w.group, delta=DeltaSession(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        return type(e).__name__, str(e), d is None or bool((d == 7.0).all())
+    return "", "", d is None or bool((d == 7.0).all())
+
+
+def test_mismatched_plans_raise_on_every_rank_and_leave_destinations(pool) -> None:
+    for r, (kind, msg, untouched) in enumerate(pool.run_ok(on_rank_mismatch)):
+        assert kind == "ValueError" and "staging_bytes" in msg, (r, kind, msg[:500])
+        assert untouched, r
