@@ -137,7 +137,7 @@ class Case:
 
 
 def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float = 0.5, scan: bool = False,
-               backend: str = "torch"):
+               backend: str = "torch", decode_backend: str | None = None):
     """count (or scan) -> offsets -> encode (buffer filled with a sentinel) -> decode; checks everything; returns
     the headers. With `backend="triton"` the encode also runs on the torch reference, on copies of the snapshot
     and buffer, and both must write the same bytes."""
@@ -169,7 +169,8 @@ def round_trip(case: Case, formats=None, *, version: int = 0, threshold: float =
     pack_reference(case.sources, case.boxes, fresh, case.snap_offsets)
     assert torch.equal(fresh, case.snapshot)
     assert walk_delta_offsets(buf, len(case.boxes), start=8) == (offsets, end)  # the receiver's view
-    got = delta_decode(buf, offsets, case.dests, case.boxes, versions=version, backend=backend)
+    got = delta_decode(buf, offsets, case.dests, case.boxes, versions=version,
+                       backend=backend if decode_backend is None else decode_backend)
     assert got == headers
     for after, want in zip(case.dest_state(), case.expected_dest_state(before)):
         assert torch.equal(after, want)
@@ -200,7 +201,9 @@ def test_round_trip_dtypes_formats(dtype: torch.dtype, fmt: DeltaFormat | None, 
         ((131,), dtype, "contiguous", Box((0,), (131,)), frac),  # prime
         ((5, 4), dtype, "contiguous", Box((2, 0), (0, 4)), frac),  # empty
     ], seed=DTYPES.index(dtype) * 100 + int(frac * 100))
-    headers = round_trip(case, fmt, scan=scan, backend=backend)
+    # the Triton decode at a few percent changed only (its 0% and 100% boxes are header-only or dense): test time
+    decode = backend if frac == 0.03 else "torch"
+    headers = round_trip(case, fmt, scan=scan, backend=backend, decode_backend=decode)
     for h, box, k in zip(headers, case.boxes, case.changed):
         assert h.numel == box.numel
         if fmt is not None:
