@@ -144,8 +144,9 @@ def run_one(w: Any, case: Case) -> dict:
     s = p.stats
     direct = sum(m.nbytes for c in p.for_rank(w.rank).chunks for m in (*c.sends, *c.recvs) if m.direct) \
         if w.rank in p.ranks else 0
-    return {"checked": in_dst, "direct_bytes": direct, "messages": s.messages, "network": s.network_bytes, "nvlink": s.nvlink_bytes,
-            "local": s.local_bytes, "chunks": s.num_chunks, "relays": sum(t.stage > 0 for t in p.transfers)}
+    return {"checked": in_dst, "direct_bytes": direct, "messages": s.messages, "network": s.network_bytes,
+            "nvlink": s.nvlink_bytes, "local": s.local_bytes, "chunks": s.num_chunks,
+            "relays": sum(t.stage > 0 for t in p.transfers)}
 
 
 def run_cases(w: Any, cases: list[Case], *, staged: bool = False) -> list[tuple[bool, Any]]:

@@ -106,6 +106,7 @@ def test_delta_refit_refuses_verify() -> None:
         Refit(_G(), delta=True, delta_snapshot="disk")
     from reshard.comm import DeltaSession
 
-    for kw, what in (({"snapshot": "disk"}, "snapshot"), ({"check": "crc"}, "check"), ({"threshold": 2.0}, "threshold")):
+    bad = (({"snapshot": "disk"}, "snapshot"), ({"check": "crc"}, "check"), ({"threshold": 2.0}, "threshold"))
+    for kw, what in bad:
         with pytest.raises(ValueError, match=what):
             DeltaSession(**kw)

@@ -15,8 +15,9 @@ Exports:
 
 from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
 from reshard.comm._delta import DeltaLinkStats, DeltaReport, DeltaSession
-from reshard.comm._executor import NUM_SLOTS, ZERO_COPY_ENV, ChecksumError, ExecutionReport, Staging, execute
+from reshard.comm._executor import ZERO_COPY_ENV, ChecksumError, execute
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group
+from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging
 from reshard.comm._transfer import TransferHandle, transfer
 
 __all__ = [

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from reshard.comm._executor import ExecutionReport, _check_tensors, _describe_plan, _staging_for
 from reshard.comm._group import Group
 from reshard.comm._handshake import agree
+from reshard.comm._prepare import ExecutionReport, check_tensors, describe_plan, staging_for
 from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, post
 from reshard.kernels import (
     DELTA_DENSE_FRACTION,
@@ -483,7 +483,7 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
     start = time.perf_counter()
     with group.exclusive("execute"), torch.no_grad():
         prog = plan.for_rank(rank)
-        errors, device = _check_tensors(plan, rank, src_tensors, dst_tensors)
+        errors, device = check_tensors(plan, rank, src_tensors, dst_tensors)
         if not isinstance(session, DeltaSession):
             errors.append(f"rank {rank}: delta must be a reshard.comm.DeltaSession, got {type(session).__name__}")
         if verify:
@@ -495,13 +495,13 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
             try:
                 if prog.max_chunk_bytes:
                     group.data_backend(device)
-                staging = _staging_for(group, prog, device, False)
+                staging = staging_for(group, prog, device, False)
                 srcs, dsts = src_tensors or (), dst_tensors or ()
                 state = session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device)
             except (ValueError, RuntimeError) as e:
                 errors.append(f"rank {rank}: cannot reserve staging or snapshots on {device}: {e}")
         if len(ranks) > 1:
-            agree(group, ranks, plan.fingerprint, errors, lambda: _describe_plan(plan), timeout=timeout,
+            agree(group, ranks, plan.fingerprint, errors, lambda: describe_plan(plan), timeout=timeout,
                   what="plan handshake")
         elif errors:
             raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
@@ -516,7 +516,7 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
             run_errors = run.errors
         if len(ranks) > 1:  # always: a receiver's decode error must raise on every rank
             t0 = time.perf_counter()
-            agree(group, ranks, plan.fingerprint, run_errors, lambda: _describe_plan(plan), timeout=timeout,
+            agree(group, ranks, plan.fingerprint, run_errors, lambda: describe_plan(plan), timeout=timeout,
                   what="delta completion", failure="delta refit failed")
             report.seconds_confirm = time.perf_counter() - t0
         elif run_errors:

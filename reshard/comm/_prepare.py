@@ -1,0 +1,200 @@
+"""What every run of a plan does before data moves: check the local tensors against the plan, reserve staging, and
+describe the plan for the agreement round; and the report a run returns.
+
+Shared by the full executor (`reshard.comm._executor`) and delta runs (`reshard.comm._delta`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from reshard.comm._alias import overlap_errors
+from reshard.comm._group import Group
+from reshard.comm._handshake import EXACT_SUFFIX
+from reshard.planner import PIPELINE_DEPTH, Plan, RankChunk, RankPlan
+
+__all__ = ["NUM_SLOTS", "ExecutionReport", "Staging", "check_tensors", "describe_plan", "staging_for"]
+
+NUM_SLOTS = PIPELINE_DEPTH
+"""Pipeline slots: chunk i and chunk i+1 are in flight together (the plan's `PIPELINE_DEPTH`)."""
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Staging
+# -------------------------------------------------------------------------------------------------------------
+
+
+class Staging:
+    """Staging memory of one rank: `NUM_SLOTS` slots, each one `uint8` buffer for one chunk's sends and receives.
+
+    A chunk with `send_bytes` and `recv_bytes` packs its sends into `slot[:send_bytes]` and receives into
+    `slot[send_bytes:send_bytes + recv_bytes]`; the planner keeps their sum within `staging_bytes // PIPELINE_DEPTH`
+    (`NUM_SLOTS == PIPELINE_DEPTH`), so all slots together stay within `staging_bytes`. Reserved once per plan and
+    reused for every chunk; `execute` keeps it on the group so later calls with the same (or a smaller) plan reuse
+    it too. On CUDA it also holds the pipeline's streams and events.
+
+    Attributes:
+        device: where the buffers live.
+        slots: `NUM_SLOTS` 1-D `uint8` tensors of `slot_bytes` each (separate allocations: no slot aliases another).
+        send_sums, recv_sums: `NUM_SLOTS` 1-D `int64` checksum buffers (`verify=True`), one entry per box.
+    """
+
+    def __init__(self, device: torch.device, slot_bytes: int, send_boxes: int = 0, recv_boxes: int = 0) -> None:
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.send_boxes, self.recv_boxes = send_boxes, recv_boxes
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(NUM_SLOTS)]
+        self.send_sums = [torch.zeros(send_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
+        self.recv_sums = [torch.zeros(recv_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
+        self.streams = _Streams(device) if device.type == "cuda" else None
+
+    def fits(self, device: torch.device, slot_bytes: int, send_boxes: int, recv_boxes: int) -> bool:
+        return (self.device == device and self.slot_bytes >= slot_bytes and self.send_boxes >= send_boxes
+                and self.recv_boxes >= recv_boxes)
+
+    def send(self, slot: int, step: RankChunk) -> torch.Tensor:
+        """The slot's send area for `step`: `step.send_bytes` bytes."""
+        return self.slots[slot].narrow(0, 0, step.send_bytes)
+
+    def recv(self, slot: int, step: RankChunk) -> torch.Tensor:
+        """The slot's receive area for `step`: `step.recv_bytes` bytes after its send area."""
+        return self.slots[slot].narrow(0, step.send_bytes, step.recv_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return NUM_SLOTS * self.slot_bytes
+
+    def __repr__(self) -> str:
+        return f"Staging({self.device}, {NUM_SLOTS} slots x {self.slot_bytes} B)"
+
+
+class _Streams:
+    """The CUDA streams of the pipeline and the events that order them; one event per hand-off and slot."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pack = torch.cuda.Stream(device)
+        self.comm = torch.cuda.Stream(device)
+        self.unpack = torch.cuda.Stream(device)
+        # pack -> comm: the slot's send buffer holds the chunk's packed boxes
+        self.packed = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
+        # comm -> unpack: the slot's receive buffer holds the chunk's bytes; comm -> pack: its send buffer is free
+        self.transferred = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
+        # unpack -> comm: the slot's receive buffer is free; unpack -> pack: relayed boxes have landed
+        self.unpacked = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
+        # caller -> pipeline: inputs are ready; pipeline -> caller: outputs are ready (per stream)
+        self.inputs_ready = torch.cuda.Event()
+        self.done = [torch.cuda.Event() for _ in range(3)]
+
+
+def staging_for(group: Group | None, prog: RankPlan, device: torch.device, verify: bool) -> Staging:
+    need = (prog.max_chunk_bytes, prog.max_send_boxes if verify else 0, prog.max_recv_boxes if verify else 0)
+    cached = group.cache.get("staging") if group is not None else None
+    if isinstance(cached, Staging) and cached.fits(device, *need):
+        return cached
+    staging = Staging(device, *need)
+    if group is not None:
+        group.cache["staging"] = staging
+    return staging
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Report
+# -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecutionReport:
+    """What one rank did in one `execute` call (bytes exclude checksums; seconds are host wall time).
+
+    `bytes_direct`: bytes sent or received on the zero-copy path (straight from or into the local tensors).
+    `seconds_handshake`: checks, staging and the plan agreement round; `seconds_confirm`: the completion (or verify)
+    round at the end, which includes waiting for the slowest rank.
+    """
+
+    rank: int
+    chunks: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied_locally: int = 0
+    bytes_direct: int = 0
+    staging_bytes: int = 0
+    seconds: float = 0.0
+    seconds_handshake: float = 0.0
+    seconds_pack: float = 0.0
+    seconds_wait: float = 0.0
+    seconds_unpack: float = 0.0
+    seconds_confirm: float = 0.0
+    verified_boxes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Validation
+# -------------------------------------------------------------------------------------------------------------
+
+
+def check_tensors(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
+                   dst: Sequence[torch.Tensor] | None) -> tuple[list[str], torch.device | None]:
+    """Local shapes, dtypes and devices against the plan's layouts; returns error messages and the device."""
+    errors: list[str] = []
+    devices: dict[str, torch.device] = {}
+    seen: set[tuple[str, int]] = set()
+    for i, item in enumerate(plan.items):
+        for side, layout, tensors, idx in (("source", item.src, src, item.src_tensor),
+                                           ("destination", item.dst, dst, item.dst_tensor)):
+            if rank not in layout.ranks or (side, idx) in seen:
+                continue
+            seen.add((side, idx))
+            who = f"tensor {item.label!r} (item {i}): rank {rank}"
+            expected = tuple(layout.local_shape(rank))
+            if tensors is None:
+                errors.append(f"{who} holds a {side} shard of {layout!r} but got no {side} tensors (None); expected "
+                              f"a {side} local tensor of shape {expected} and dtype {layout.dtype}")
+                continue
+            if idx >= len(tensors) or tensors[idx] is None:
+                errors.append(f"{who}: {side} local tensor {idx} is missing (got {len(tensors)} {side} tensors); "
+                              f"expected shape {expected} and dtype {layout.dtype}")
+                continue
+            t = tensors[idx]
+            if not isinstance(t, torch.Tensor):
+                errors.append(f"{who}: {side} local tensor {idx} must be a torch.Tensor, got {type(t).__name__}")
+                continue
+            if tuple(t.shape) != expected:
+                errors.append(f"{who}: {side} local tensor {idx} has shape {tuple(t.shape)}, expected {expected} "
+                              f"(the local shape of {layout!r})")
+            if t.dtype != layout.dtype:
+                errors.append(f"{who}: {side} local tensor {idx} has dtype {t.dtype}, expected {layout.dtype}")
+            if side == "destination" and t.numel() > 1 and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+                errors.append(f"{who}: destination local tensor {idx} has stride 0 (expanded) along a dim of "
+                              f"shape {tuple(t.shape)}, strides {t.stride()}; it cannot be written")
+            devices.setdefault(str(t.device), t.device)
+    if len(devices) > 1:
+        errors.append(f"rank {rank}: local tensors are on several devices {sorted(devices)}; expected one")
+    errors.extend(overlap_errors(plan, rank, src, dst))  # a destination sharing memory with a source or destination
+    device = next(iter(devices.values())) if len(devices) == 1 else None
+    return errors, device
+
+
+def describe_plan(plan: Plan) -> list[tuple[str, str]]:
+    """What a plan was built from, field by field, for saying what differs between ranks."""
+    out = [
+        ("topology", repr(plan.topology)),
+        ("relay", repr(plan.relay)),
+        ("staging_bytes", repr(plan.staging_bytes)),
+        ("min_split_bytes", repr(plan.min_split_bytes)),
+        ("number of tensors", repr(len(plan.items))),
+    ]
+    for i, it in enumerate(plan.items):
+        who = f"tensor {it.label!r} (item {i})"
+        for side, lay in (("source", it.src), ("destination", it.dst)):
+            text = repr(lay)
+            out.append((f"{who} {side} layout", text))
+            # the exact key catches what the repr does not show; shown only when the reprs agree
+            out.append((f"{who} {side} layout{EXACT_SUFFIX}", repr(getattr(lay, "key", text))))
+        out.append((f"{who} local tensor indices", repr((it.src_tensor, it.dst_tensor))))
+    return out
