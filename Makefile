@@ -61,9 +61,11 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -e ".[test]"
 	touch $(VLLM_STAMP)
 
+# One process (-n 0): two vLLM CPU engines at once contend for the same cores and each runs about 3 times slower,
+# so the engine sessions and the vLLM example run one after another.
 test-vllm:
 	@if $(MAKE) vllm-env && $(VLLM_PY) -c "import vllm" >/dev/null 2>&1; then \
-		$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_examples.py; \
+		$(VLLM_PY) -m pytest -q -n 0 -m vllm tests/test_vllm_engine.py tests/test_examples.py; \
 	else \
 		echo "SKIPPED vllm tests: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
 	fi

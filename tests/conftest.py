@@ -9,13 +9,10 @@ Tiers (markers, registered in pyproject.toml; `--strict-markers` refuses others)
 The device: the `device` fixture, from `RESHARD_TEST_DEVICE` (`cpu` unless set to `cuda`; see
 `reshard.testing.device_under_test`). Modules that need it at import time call `device_under_test()` themselves.
 
-Parallel runs (pytest-xdist, on by default through `addopts = -n auto --dist loadgroup`; `-n 0` turns it off):
-`pytest_xdist_auto_num_workers` picks the workers (the CPUs this process may use, at most 4). Tests spread one by
-one, except those of one `xdist_group`, which run in order on one worker: every `distributed` test is in group
-`rank_pool` unless its module names another group, so one worker at a time holds the shared rank pools (one
-start-up of the ranks, and never two 8-rank pools at once); modules that start their processes by themselves
-(`test_examples.py`: subprocesses) or hold a large module fixture (`test_kernels_large.py`: a 2 GiB arena) name
-their own group, so they run once, beside the rest.
+Parallel runs (pytest-xdist, on by default through `addopts = -n auto --dist loadfile`; `-n 0` turns it off):
+`pytest_xdist_auto_num_workers` picks the workers (the CPUs this process may use, at most 4). Each test file runs
+whole on one worker, so a module's fixtures (its rank pool, the 2 GiB arena of `test_kernels_large.py`, the vLLM
+trainers) are built once; each worker has its own `shared_pool`s and runs torch with one intra-op thread.
 """
 
 from __future__ import annotations
@@ -50,11 +47,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(cpus, MAX_WORKERS))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if "distributed" in item.keywords and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group("rank_pool"))
     on_gpu = device_under_test().type == "cuda"
     has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:

@@ -16,7 +16,6 @@ from reshard.testing import device_under_test
 
 DEVICE = device_under_test()
 ON_GPU = DEVICE.type == "cuda"
-pytestmark = pytest.mark.xdist_group("kernels_large")  # one worker builds the 2 GiB arena, once
 
 ROWS, COLS = 2**16 + 3, 2**15 + 1  # odd row length: no dims merge and no word wider than a byte fits
 NUMEL = ROWS * COLS

@@ -22,7 +22,7 @@ import cloudpickle  # noqa: E402  (ships with vLLM)
 import torch  # noqa: E402
 import vllm_cases as vc  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_engine")]  # one trainer pool, engines one at a time
+pytestmark = pytest.mark.vllm
 cloudpickle.register_pickle_by_value(vc)
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 17, 42]]
