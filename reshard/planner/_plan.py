@@ -1076,7 +1076,8 @@ def _overlap(boxes: Sequence[Box]) -> bool:
     boxes = sorted(boxes, key=lambda b: b.offsets)
     for i, a in enumerate(boxes):
         end = a.offsets[0] + a.shape[0]
-        for b in boxes[i + 1:]:
+        for j in range(i + 1, len(boxes)):  # indices, not a slice: a slice copies the rest on every step
+            b = boxes[j]
             if b.offsets[0] >= end:
                 break
             if intersect(a, b) is not None:
