@@ -57,7 +57,7 @@ def _sentinel(shape: tuple[int, ...]) -> torch.Tensor:
 def on_rank_dst_views_src(w, verify: bool, check: bool) -> bool:
     """Rank 3 passes `dst = src.view(16, 2)`; the others separate tensors. With `check=False` the overlap check is
     switched off (the negative control). Returns whether this rank's destination holds DTensor's bytes."""
-    import reshard.comm._executor as ex
+    import reshard.comm._prepare as ex  # the module whose check_tensors calls it
 
     src, dst = _layouts()
     p = plan(src, dst, staging_bytes=128, min_split_bytes=16)  # 4 chunks: rank 3 unpacks before it packs again
