@@ -46,7 +46,7 @@ import torch
 
 from reshard.comm._group import Group
 from reshard.comm._handshake import agree
-from reshard.comm._prepare import ExecutionReport, check_tensors, describe_plan, staging_for
+from reshard.comm._prepare import ExecutionReport, describe_plan, prepare_run
 from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, post
 from reshard.kernels import (
     DELTA_DENSE_FRACTION,
@@ -483,35 +483,22 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
     start = time.perf_counter()
     with group.exclusive("execute"), torch.no_grad():
         prog = plan.for_rank(rank)
-        errors, device = check_tensors(plan, rank, src_tensors, dst_tensors)
+        errors: list[str] = []
         if not isinstance(session, DeltaSession):
             errors.append(f"rank {rank}: delta must be a reshard.comm.DeltaSession, got {type(session).__name__}")
         if verify:
             errors.append(f"rank {rank}: verify=True is not supported with delta (delta boxes carry checked headers "
                           "and versions; run without delta to verify by checksums)")
-        staging = state = None
-        if not errors and prog.chunks:
-            device = device or torch.device("cpu")
-            try:
-                if prog.max_chunk_bytes:
-                    group.data_backend(device)
-                staging = staging_for(group, prog, device, False)
-                srcs, dsts = src_tensors or (), dst_tensors or ()
-                state = session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device)
-            except (ValueError, RuntimeError) as e:
-                errors.append(f"rank {rank}: cannot reserve staging or snapshots on {device}: {e}")
-        if len(ranks) > 1:
-            agree(group, ranks, plan.fingerprint, errors, lambda: describe_plan(plan), timeout=timeout,
-                  what="plan handshake")
-        elif errors:
-            raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
+        srcs, dsts = src_tensors or (), dst_tensors or ()
+        staging, state = prepare_run(
+            plan, prog, rank, group, src_tensors, dst_tensors, timeout, errors=errors, reserving="staging or snapshots",
+            reserve=lambda device: session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device))
         report.seconds_handshake = time.perf_counter() - start
         run_errors: list[str] = []
         if staging is not None:
             report.staging_bytes = staging.nbytes
             report.snapshot_bytes = state.nbytes
-            run = _Run(prog, plan, group, src_tensors or (), dst_tensors or (), staging, session, state, timeout,
-                       report)
+            run = _Run(prog, plan, group, srcs, dsts, staging, session, state, timeout, report)
             run.run()
             run_errors = run.errors
         if len(ranks) > 1:  # always: a receiver's decode error must raise on every rank

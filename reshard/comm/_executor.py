@@ -56,7 +56,7 @@ import torch
 from reshard.comm._delta import execute_delta
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import agree
-from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, check_tensors, describe_plan, staging_for
+from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, describe_plan, prepare_run
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
 from reshard.planner import Box, BoxList, Message, Plan, RankChunk, RankPlan
@@ -614,21 +614,7 @@ def execute(
     start = time.perf_counter()
     with group.exclusive("execute"), torch.no_grad():  # one call at a time per group (see Group)
         prog = plan.for_rank(rank)
-        errors, device = check_tensors(plan, rank, src_tensors, dst_tensors)
-        staging: Staging | None = None
-        if not errors and prog.chunks:
-            device = device or torch.device("cpu")
-            try:
-                if prog.max_chunk_bytes:
-                    group.data_backend(device)
-                staging = staging_for(group, prog, device, verify)
-            except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
-                errors.append(f"rank {rank}: cannot reserve staging on {device}: {e}")
-        if len(ranks) > 1:
-            agree(group, ranks, plan.fingerprint, errors, lambda: describe_plan(plan), timeout=td,
-                  what="plan handshake")
-        elif errors:
-            raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errors))
+        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify)
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
         if staging is not None:

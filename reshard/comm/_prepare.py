@@ -6,17 +6,20 @@ Shared by the full executor (`reshard.comm._executor`) and delta runs (`reshard.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from reshard.comm._alias import overlap_errors
 from reshard.comm._group import Group
-from reshard.comm._handshake import EXACT_SUFFIX
+from reshard.comm._handshake import EXACT_SUFFIX, agree
 from reshard.planner import PIPELINE_DEPTH, Plan, RankChunk, RankPlan
 
-__all__ = ["NUM_SLOTS", "ExecutionReport", "Staging", "check_tensors", "describe_plan", "staging_for"]
+__all__ = ["NUM_SLOTS", "ExecutionReport", "Staging", "check_tensors", "describe_plan", "prepare_run",
+           "staging_for"]
 
 NUM_SLOTS = PIPELINE_DEPTH
 """Pipeline slots: chunk i and chunk i+1 are in flight together (the plan's `PIPELINE_DEPTH`)."""
@@ -198,3 +201,35 @@ def describe_plan(plan: Plan) -> list[tuple[str, str]]:
             out.append((f"{who} {side} layout{EXACT_SUFFIX}", repr(getattr(lay, "key", text))))
         out.append((f"{who} local tensor indices", repr((it.src_tensor, it.dst_tensor))))
     return out
+
+
+def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequence[torch.Tensor] | None,
+                dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
+                errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
+                reserving: str = "staging") -> tuple[Staging | None, Any]:
+    """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
+    plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
+    the device, then agree with the other ranks (plan fingerprint + error flags), so bad input raises on every rank
+    before any byte moves (alone, without a round, on a one-rank plan).
+
+    Returns:
+        `(staging, reserve(device))`, or `(None, None)` for a rank without chunks.
+    """
+    errs, device = check_tensors(plan, rank, src, dst)
+    errs.extend(errors)
+    staging, reserved = None, None
+    if not errs and prog.chunks:
+        device = device or torch.device("cpu")
+        try:
+            if prog.max_chunk_bytes:
+                group.data_backend(device)
+            staging = staging_for(group, prog, device, verify)
+            reserved = reserve(device) if reserve is not None else None
+        except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
+            errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
+    if len(plan.ranks) > 1:
+        agree(group, plan.ranks, plan.fingerprint, errs, lambda: describe_plan(plan), timeout=timeout,
+              what="plan handshake")
+    elif errs:
+        raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errs))
+    return staging, reserved
