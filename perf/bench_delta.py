@@ -65,6 +65,7 @@ from reshard.planner._box import Box
 logger = logging.getLogger("bench_delta")
 MiB = 1 << 20
 FORMATS = (DeltaFormat.DENSE, DeltaFormat.BITMASK, DeltaFormat.INDICES)
+PARTS = ("synthetic", "model", "timing", "refit")
 
 
 def whole(t: torch.Tensor) -> Box:
@@ -314,7 +315,9 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int)
                      "snapshot_bytes": reports["delta"].snapshot_bytes,
                      "delta_pack_s": ex.seconds_pack if ex is not None else 0.0,
                      "delta_unpack_s": ex.seconds_unpack if ex is not None else 0.0,
-                     "delta_handshake_s": ex.seconds_handshake if ex is not None else 0.0})
+                     "delta_handshake_s": ex.seconds_handshake if ex is not None else 0.0,
+                     "phases": {"handshake": ex.seconds_handshake, **getattr(ex, "phases", {})} if ex is not None
+                     else {}})
     group.cache.clear()
     return rows
 
@@ -347,6 +350,11 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
                             "%d (%.1fx), wire/encoded %.3f, equal=%s", lr, k + 1, row["changed_pct"], row["full_s"],
                             row["delta_s"], row["time_ratio"], row["full_wire_bytes"], row["delta_wire_bytes"],
                             row["bytes_ratio"], row["wire_over_encoded"], row["equal"])
+            for r in range(REFIT_WORLD):  # per rank, per phase: the median over steps of the delta run's seconds
+                names = sorted({k for row in per_rank[r] for k in row["phases"]})
+                med = {k: round(1000 * statistics.median(row["phases"].get(k, 0.0) for row in per_rank[r]), 1)
+                       for k in names}
+                logger.info("refit lr=%g rank %d delta phases (median ms): %s", lr, r, med)
             sel = [r for r in out if r.get("lr") == lr and r["part"] == "refit" and "step" in r]
             summary = {"part": "refit_summary", "lr": lr, "numel": numel, "ranks": REFIT_WORLD, "steps": steps,
                        "median_time_ratio": statistics.median(r["time_ratio"] for r in sel),
@@ -415,20 +423,25 @@ def main() -> None:
     ap.add_argument("--refit-numel", type=int, default=16 * MiB, help="bf16 elements of the refit part (0: skip)")
     ap.add_argument("--refit-weights", type=int, default=4)
     ap.add_argument("--refit-steps", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated parts to run (synthetic, model, timing, refit); "
+                    "default all")
     ap.add_argument("--out", default="perf/out")
     args = ap.parse_args()
+    parts = set(args.only.split(",")) if args.only else set(PARTS)
+    if parts - set(PARTS):
+        ap.error(f"--only: unknown parts {sorted(parts - set(PARTS))}; choose from {PARTS}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine_info(torch.device("cpu"))
     lrs = [float(x) for x in args.lrs.split(",")]
     rows: list[dict[str, object]] = []
-    for lr in lrs:
+    for lr in lrs if "synthetic" in parts else ():
         for r in synthetic(args.numel, lr, args.steps, args.seed):
             rows.append({"part": "synthetic", "lr": lr, **r})
             logger.info("synthetic lr=%g step %d: %.2f%% changed, dense/encoded %.1fx (%s), %.2f bits/element",
                         lr, r["step"], r["changed_pct"], r["dense_over_encoded"], r["formats"], r["bits_per_element"])
-    if not args.no_model:
+    if not args.no_model and "model" in parts:
         for lr in lrs:
             model_rows = tiny_model(lr, args.model_steps, args.seed)
             if model_rows is None:
@@ -437,7 +450,7 @@ def main() -> None:
                 rows.append({"part": "model", "lr": lr, **r})
                 logger.info("model lr=%g step %d: %.2f%% of %d changed, dense/encoded %.1fx (%s)", lr, r["step"],
                             r["changed_pct"], r["numel"], r["dense_over_encoded"], r["formats"])
-    if args.time_mib:
+    if args.time_mib and "timing" in parts:
         for r in timing(args.time_mib, args.time_frac, args.repeat, args.seed):
             rows.append(r)
             if "full_s" in r:
@@ -447,7 +460,7 @@ def main() -> None:
             else:
                 logger.info("timing %s: median %.4f s (min %.4f, max %.4f), %d bytes", r["op"], r["median_s"],
                             r["min_s"], r["max_s"], r["bytes"])
-    if args.refit_numel:
+    if args.refit_numel and "refit" in parts:
         rows.extend(refit_compare(args.refit_numel, args.refit_weights, lrs, args.refit_steps, args.seed))
     out = Path(args.out)
     config = {"numel_arg": args.numel, "seed": args.seed, "repeat": args.repeat}

@@ -110,6 +110,10 @@ class DeltaReport(ExecutionReport):
     raw_messages: int = 0
     stale_boxes: int = 0
     snapshot_bytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def _time(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
 
 class _SendBox:
@@ -254,6 +258,7 @@ class _Run:
     # -- state round ----------------------------------------------------------------------------------------
 
     def state_round(self) -> None:
+        t0 = time.perf_counter()
         check = self.session.check
         held_out: dict[int, list[int]] = {}
         expect: dict[int, int] = {}
@@ -275,8 +280,11 @@ class _Run:
                 expect[m.peer] = expect.get(m.peer, 0) + len(m.transfers)
         sends = [(p, torch.tensor(v, dtype=torch.int64)) for p, v in sorted(held_out.items())]
         recvs = [(p, torch.empty(n, dtype=torch.int64)) for p, n in sorted(expect.items())]
+        t1 = time.perf_counter()
+        self.report._time("state_fingerprint", t1 - t0)
         post(sends, recvs, self.group, tag=TAG_CONTROL, timeout=self.timeout, what="delta state round",
              control=True).wait()
+        self.report._time("state_round", time.perf_counter() - t1)
         self.report.control_bytes += sum(t.numel() * 8 for _, t in sends)
         got = {p: t.tolist() for p, t in recvs}
         pos = dict.fromkeys(got, 0)
@@ -372,12 +380,14 @@ class _Run:
         encoded = self.encode(k, step, send_area)
         t1 = time.perf_counter()
         self.report.seconds_pack += t1 - t0
+        self.report._time("encode", t1 - t0)
         # size round
         size_sends = [(m.peer, torch.tensor(w, dtype=torch.int64)) for m, (w, _) in zip(step.sends, encoded)]
         size_recvs = [(m.peer, torch.empty(2 + len(m.transfers), dtype=torch.int64)) for m in step.recvs]
         what = f"delta chunk {step.index}"
         post(size_sends, size_recvs, self.group, tag=TAG_CONTROL, timeout=self.timeout, what=f"{what} sizes",
              control=True).wait()
+        self.report._time("size_round", time.perf_counter() - t1)
         self.report.control_bytes += sum(t.numel() * 8 for _, t in size_sends)
         words = [t.tolist() for _, t in size_recvs]
         recvs, plans = [], []
@@ -410,8 +420,11 @@ class _Run:
         self.report.messages_received += len(recvs)
         self.report.bytes_sent += sum(p.numel() for _, p in sends)
         self.report.bytes_received += sum(r.numel() for _, r in recvs)
+        self.report._time("data", t3 - t2)
         self.decode(k, step, recv_area, plans)
+        t4 = time.perf_counter()
         self.local(step)
+        self.report._time("local", time.perf_counter() - t4)
         self.report.seconds_unpack += time.perf_counter() - t3
 
     def decode(self, k: int, step: RankChunk, recv_area: torch.Tensor, plans: list) -> None:
@@ -426,6 +439,7 @@ class _Run:
                 held[b] = None  # until applied
             if p is None:
                 continue  # a malformed size message (an error is recorded)
+            t0 = time.perf_counter()
             try:
                 if p[0] == "raw":
                     msg = recv_area.narrow(0, m.buffer_offset, m.nbytes)
@@ -438,8 +452,11 @@ class _Run:
             except ValueError as e:
                 self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: message from rank {m.peer}: {e}")
                 continue
+            self.report._time("decode", time.perf_counter() - t0)
+            t0 = time.perf_counter()
             for b, v, t, box in zip(ix, new, ts, bxs):
                 held[b] = (v, _fingerprint(t[box.slices()], check))
+            self.report._time("decode_fingerprint", time.perf_counter() - t0)
 
     def local(self, step: RankChunk) -> None:
         if not step.local:
@@ -506,6 +523,7 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
             agree(group, ranks, plan.fingerprint, run_errors, lambda: describe_plan(plan), timeout=timeout,
                   what="delta completion", failure="delta refit failed")
             report.seconds_confirm = time.perf_counter() - t0
+            report._time("completion", report.seconds_confirm)
         elif run_errors:
             raise ValueError("delta refit failed:\n  " + "\n  ".join(run_errors))
     report.seconds = time.perf_counter() - start

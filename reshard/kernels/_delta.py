@@ -573,6 +573,8 @@ class ChangeScan:
     counts: tuple[int, ...]
     positions: tuple[torch.Tensor | None, ...]
     key: tuple
+    values: tuple[torch.Tensor | None, ...] | None = None
+    """Per box the changed values (same-width ints, in `positions` order) where the scan kept them, else None."""
 
 
 def scan_changes(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tensor, snapshot_offsets: OffsetArg, *,
@@ -810,22 +812,56 @@ def _changed_positions(changed: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.int32) if changed.numel() <= _MAX_INDEX else idx
 
 
-def _word_positions(view: torch.Tensor, snap: torch.Tensor) -> torch.Tensor | None:
-    """`_changed_positions(view != snap)` compared 8 bytes at a time, on CPU, for a contiguous box of elements
-    narrower than 8 bytes whose bytes (and the snapshot slot's) are whole aligned int64 words; None otherwise.
+def _word_changes(view: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(positions, values)`: the row-major indices of the elements of `view` whose bits differ from `snap` (the
+    box row-major) and their current values, compared 8 bytes at a time on CPU; None where the words do not line
+    up (not CPU, unaligned, or a strided box whose rows are not whole aligned int64 words).
 
-    The words are compared first (a quarter of the comparisons for 2-byte elements), then only the elements of
-    the changed words; the positions come out ascending as `_changed_positions` gives them."""
+    Works for a contiguous box whose bytes are whole words, and for a strided box whose last dim is contiguous and
+    whose rows (and every other stride) are whole words: the words are compared first (a quarter of the comparisons
+    for 2-byte elements, one pass, no per-element mask), then only the elements of the changed words; the positions
+    come out ascending as `_changed_positions` gives them, the values in the same order."""
     size = view.element_size()
     n = view.numel()
-    if (view.device.type != "cpu" or size == 8 or not view.is_contiguous() or (n * size) % 8
-            or view.data_ptr() % 8 or snap.data_ptr() % 8 or n > _MAX_INDEX):
+    if (view.device.type != "cpu" or not n or n > _MAX_INDEX or view.data_ptr() % 8 or snap.data_ptr() % 8):
         return None
     per = 8 // size
-    cur, old = view.reshape(-1).numpy(), snap.numpy()  # numpy: its small gathers beat torch's on a busy CPU
-    words = np.flatnonzero(cur.view(np.int64) != old.view(np.int64))
-    hit = np.flatnonzero(np.take(cur.reshape(-1, per), words, axis=0) != np.take(old.reshape(-1, per), words, axis=0))
-    return torch.from_numpy((words[hit // per] * per + hit % per).astype(np.int32))
+    wdt = np.dtype(f"<i{size}")
+    if view.is_contiguous():
+        if (n * size) % 8:
+            return None
+        cur = view.reshape(-1).numpy()
+    elif (view.stride(-1) == 1 and (view.shape[-1] * size) % 8 == 0
+          and all((st * size) % 8 == 0 for st, sz in zip(view.stride()[:-1], view.shape[:-1]) if sz > 1)):
+        cur = view.numpy()
+    else:
+        return None
+    cur64 = cur.view(np.int64)  # numpy: its small gathers beat torch's on a busy CPU
+    old64 = snap.numpy().view(np.int64).reshape(cur64.shape)
+    words = np.flatnonzero(cur64 != old64)
+    if cur64.ndim == 1:
+        new_words = np.take(cur64, words)
+    else:  # the changed words' offsets in the storage the view spans, then one 1-D gather
+        where = np.zeros_like(words)
+        rest = words
+        for size_d, stride_d in zip(reversed(cur64.shape), reversed(cur64.strides)):
+            rest, idx_d = np.divmod(rest, size_d)
+            where += idx_d * (stride_d // 8)
+        span = sum((sz - 1) * (st // 8) for sz, st in zip(cur64.shape, cur64.strides)) + 1
+        new_words = np.take(np.lib.stride_tricks.as_strided(cur64, (span,), (8,)), where)
+    if per == 1:
+        return torch.from_numpy(words.astype(np.int32)), torch.from_numpy(new_words.view(wdt))
+    new_el = new_words.view(wdt).reshape(-1, per)
+    old_el = np.take(old64.reshape(-1), words).view(wdt).reshape(-1, per)
+    hit = np.flatnonzero(new_el != old_el)
+    positions = (words[hit // per] * per + hit % per).astype(np.int32)
+    return torch.from_numpy(positions), torch.from_numpy(np.take(new_el.reshape(-1), hit))
+
+
+def _word_positions(view: torch.Tensor, snap: torch.Tensor) -> torch.Tensor | None:
+    """The positions of `_word_changes`, or None."""
+    got = _word_changes(view, snap)
+    return None if got is None else got[0]
 
 
 def _scatter(flat: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
@@ -870,19 +906,22 @@ def scan_changes_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
     if backend not in (None, "torch"):
         raise ValueError(f"scan_changes_reference: backend must be None or 'torch', got {backend!r}")
     args = _snapshot_args("scan_changes", tensors, boxes, snapshot, snapshot_offsets)
-    counts, positions = [], []
+    counts, positions, values = [], [], []
     for t, box, off, numel in zip(args.tensors, args.boxes, args.offsets, args.numels):
         view = _box_view(t, box)
         snap = _slot(snapshot, off, numel, view.dtype)
         if not numel:
             counts.append(0)
             positions.append(torch.zeros(0, dtype=torch.int32, device=snapshot.device))
+            values.append(None)
             continue
-        fast = _word_positions(view, snap)
+        fast = _word_changes(view, snap)
         if fast is not None:
-            count = fast.numel()
+            count = fast[0].numel()
             counts.append(count)
-            positions.append(fast if count <= keep_fraction * numel else None)
+            keep = count <= keep_fraction * numel
+            positions.append(fast[0] if keep else None)
+            values.append(fast[1] if keep else None)
             continue
         changed = view != snap.view(view.shape)
         count = int(torch.count_nonzero(changed))
@@ -890,7 +929,8 @@ def scan_changes_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         keep = count <= keep_fraction * numel
         positions.append(_changed_positions(changed) if keep and count else (
             torch.zeros(0, dtype=torch.int32, device=snapshot.device) if keep else None))
-    return ChangeScan(tuple(counts), tuple(positions), _scan_key(args))
+        values.append(None)
+    return ChangeScan(tuple(counts), tuple(positions), _scan_key(args), tuple(values))
 
 
 @torch.no_grad()
@@ -990,18 +1030,22 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
     scan = counts if isinstance(counts, ChangeScan) else None
     if scan is not None and scan.key != _scan_key(args):
         raise ValueError(f"{op}: counts is a ChangeScan of other tensors, boxes or snapshot; scan these")
-    views, positions = [], []
+    views, positions, known = [], [], []
     for i, (t, box, soff, numel, h) in enumerate(zip(args.tensors, args.boxes, args.offsets, args.numels, headers)):
         view = _box_view(t, box)
         views.append(view)
+        known.append(None)
         if h.format == DeltaFormat.DENSE:
             positions.append(None)
         elif scan is not None and scan.positions[i] is not None:
             positions.append(scan.positions[i])
+            known[-1] = scan.values[i] if scan.values is not None else None
         else:
             snap_slot = _slot(snapshot, soff, numel, view.dtype)
-            idx = _word_positions(view, snap_slot)
-            if idx is None:
+            got = _word_changes(view, snap_slot)
+            if got is not None:
+                idx, known[-1] = got
+            else:
                 idx = _changed_positions(view != snap_slot.view(view.shape))
             if idx.numel() != count_list[i]:
                 raise ValueError(f"{op}: counts[{i}] = {count_list[i]} but box {i} {box!r} has {idx.numel()} changed "
@@ -1010,7 +1054,7 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
 
     # Phase 2: headers, payloads, snapshot.
     _write_headers(buffer, offs, headers)
-    for view, idx, h, o, soff in zip(views, positions, headers, offs, args.offsets):
+    for view, idx, h, o, soff, vals in zip(views, positions, headers, offs, args.offsets, known):
         pos = o + DELTA_HEADER_BYTES
         snap = _slot(snapshot, soff, h.numel, view.dtype)
         if h.format == DeltaFormat.DENSE:
@@ -1027,9 +1071,12 @@ def delta_encode_reference(tensors: TensorArg, boxes: Sequence[Box], snapshot: t
         else:
             _slot(buffer, pos, h.count, torch.int32).copy_(idx)
             pos += _round8(4 * h.count)
-        flat, where = _positions(view, idx)
         values = _slot(buffer, pos, h.count, view.dtype)
-        torch.index_select(flat, 0, where, out=values)
+        if vals is not None:  # the scan kept them: no gather
+            values.copy_(vals)
+        else:
+            flat, where = _positions(view, idx)
+            torch.index_select(flat, 0, where, out=values)
         if update_snapshot and h.count:
             _scatter(snap, idx, values)
     return headers
