@@ -292,18 +292,20 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int)
             for m, c in zip(masters, copies):
                 c.copy_(m.detach())
         order = ("full", "delta") if step % 2 else ("delta", "full")
-        times, reports = {}, {}
+        times, cpus, reports = {}, {}, {}
         for mode in order:
             _barrier(group, td)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             reports[mode] = refits[mode].run()
             times[mode] = time.perf_counter() - t0
+            cpus[mode] = time.process_time() - c0
         equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(dests["full"],
                                                                                           dests["delta"]))
         ex = reports["delta"].execution
         full_ex = reports["full"].execution
         links = ex.links if ex is not None else {}
         rows.append({"step": step, "rank": rank, "full_s": times["full"], "delta_s": times["delta"], "equal": equal,
+                     "full_cpu_s": cpus["full"], "delta_cpu_s": cpus["delta"],
                      "elements": sum(v.elements for v in links.values()),
                      "changed": sum(v.changed for v in links.values()),
                      "encoded_bytes": sum(v.encoded_bytes for v in links.values()),
@@ -335,7 +337,8 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
                 rs = [per_rank[r][k] for r in range(REFIT_WORLD)]
                 row = {"part": "refit", "lr": lr, "step": k + 1, "numel": numel, "ranks": REFIT_WORLD,
                        "full_s": max(r["full_s"] for r in rs), "delta_s": max(r["delta_s"] for r in rs),
-                       "equal": all(r["equal"] for r in rs)}
+                       "equal": all(r["equal"] for r in rs),
+                       "full_cpu_s": sum(r["full_cpu_s"] for r in rs), "delta_cpu_s": sum(r["delta_cpu_s"] for r in rs)}
                 for key in ("elements", "changed", "encoded_bytes", "dense_bytes", "network_encoded",
                             "nvlink_encoded", "delta_wire_bytes", "full_wire_bytes", "snapshot_bytes"):
                     row[key] = sum(r[key] for r in rs)
@@ -346,10 +349,11 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
                 row["delta_pack_s"] = max(r["delta_pack_s"] for r in rs)
                 row["delta_unpack_s"] = max(r["delta_unpack_s"] for r in rs)
                 out.append(row)
-                logger.info("refit lr=%g step %d: %.2f%% changed, full %.3f s vs delta %.3f s (%.2fx), bytes %d vs "
-                            "%d (%.1fx), wire/encoded %.3f, equal=%s", lr, k + 1, row["changed_pct"], row["full_s"],
-                            row["delta_s"], row["time_ratio"], row["full_wire_bytes"], row["delta_wire_bytes"],
-                            row["bytes_ratio"], row["wire_over_encoded"], row["equal"])
+                logger.info("refit lr=%g step %d: %.2f%% changed, full %.3f s vs delta %.3f s (%.2fx; CPU summed over "
+                            "ranks %.3f vs %.3f s), bytes %d vs %d (%.1fx), wire/encoded %.3f, equal=%s", lr, k + 1,
+                            row["changed_pct"], row["full_s"], row["delta_s"], row["time_ratio"], row["full_cpu_s"],
+                            row["delta_cpu_s"], row["full_wire_bytes"], row["delta_wire_bytes"], row["bytes_ratio"],
+                            row["wire_over_encoded"], row["equal"])
             for r in range(REFIT_WORLD):  # per rank, per phase: the median over steps of the delta run's seconds
                 names = sorted({k for row in per_rank[r] for k in row["phases"]})
                 med = {k: round(1000 * statistics.median(row["phases"].get(k, 0.0) for row in per_rank[r]), 1)

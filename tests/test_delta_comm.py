@@ -138,6 +138,10 @@ def test_delta_runs_equal_dtensor(case, results) -> None:
     # the overwritten destination found its boxes stale; no other rank did
     stale = [rr["stale"] for rr in by_step["overwritten"]]
     assert stale[OVERWRITTEN_RANK] > 0 and sum(stale) == stale[OVERWRITTEN_RANK], stale
+    # every other step finds every box as it was applied (the fingerprints kept across sparse applies are right)
+    for step in STEPS:
+        if step != "overwritten":
+            assert all(rr["stale"] == 0 for rr in by_step[step]), (step, [rr["stale"] for rr in by_step[step]])
     assert all(rr["snap"] >= 0 for rr in by_step["first"])
 
 

@@ -50,10 +50,13 @@ from reshard.comm._prepare import ExecutionReport, describe_plan, prepare_run
 from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, post
 from reshard.kernels import (
     DELTA_DENSE_FRACTION,
+    ChangeScan,
     DeltaFormat,
+    DeltaHeader,
     checksum,
     delta_decode,
     delta_encode,
+    delta_encode_dense,
     delta_offsets,
     pack,
     scan_changes,
@@ -102,14 +105,17 @@ class DeltaLinkStats:
 class DeltaReport(ExecutionReport):
     """`ExecutionReport` of a delta run, plus per link kind (`"nvlink"`, `"network"`) what this rank sent
     (`links`), the bytes of the state and size messages it sent (`control_bytes`), the messages that went raw
-    (`raw_messages`), the boxes whose receiver was stale (`stale_boxes`, received side) and the size of this
-    rank's snapshot (`snapshot_bytes`)."""
+    (`raw_messages`), the boxes whose receiver was stale (`stale_boxes`, received side), the size of this
+    rank's snapshot (`snapshot_bytes`), the sparse boxes it forwarded as they arrived (`forwarded_boxes`, a
+    relay) and the seconds of each phase of the run (`phases`: `scan`, `state_fingerprint`, `state_round`,
+    `encode`, `size_round`, `data`, `decode`, `decode_fingerprint`, `local`, `completion`)."""
 
     links: dict[str, DeltaLinkStats] = field(default_factory=dict)
     control_bytes: int = 0
     raw_messages: int = 0
     stale_boxes: int = 0
     snapshot_bytes: int = 0
+    forwarded_boxes: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
     def _time(self, phase: str, seconds: float) -> None:
@@ -117,26 +123,53 @@ class DeltaReport(ExecutionReport):
 
 
 class _SendBox:
-    __slots__ = ("nbytes", "snap_offset", "version")
+    __slots__ = ("forward", "nbytes", "snap_offset", "version")
 
-    def __init__(self, snap_offset: int, nbytes: int) -> None:
-        self.snap_offset = snap_offset
+    def __init__(self, snap_offset: int, nbytes: int, forward: tuple[int, int] | None = None) -> None:
+        self.snap_offset = snap_offset  # -1: a forwarded box, which has no snapshot
         self.nbytes = nbytes
+        self.forward = forward  # (chunk position in the program, unpack box) of the received box it forwards
         self.version = _NO_VERSION  # the version the snapshot was last sent as
 
 
+def forwarded_boxes(prog: RankPlan) -> dict[tuple[int, int], tuple[int, int]]:
+    """The relay sends of `prog` that forward, unchanged, a box the rank received in an earlier chunk: per
+    `(chunk position, pack box)` the `(chunk position, unpack box)` it received (same destination tensor, same box,
+    no cast). Such a box is forwarded in the encoded form it arrived in."""
+    received: dict[tuple[int, Box], tuple[int, int]] = {}
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for k, step in enumerate(prog.chunks):
+        p = step.pack
+        for b, (from_dst, t, box, wire) in enumerate(zip(p.from_dst, p.tensors, p.boxes, p.wire)):
+            got = received.get((t, box)) if from_dst and wire is None else None
+            if got is not None:
+                out[(k, b)] = got
+        u = step.unpack
+        for b, (t, box) in enumerate(zip(u.tensors, u.boxes)):
+            received.setdefault((t, box), (k, b))
+    return out
+
+
 class _RankState:
-    """One rank's delta state for one plan: snapshot slots of its send boxes, held versions of its receive boxes."""
+    """One rank's delta state for one plan: snapshot slots of its send boxes, held versions of its receive boxes,
+    and, on a relay, a store per received box it forwards (its encoded bytes, between the chunk it arrives in and
+    the chunk that forwards it; the box's dense bytes, in the snapshot buffer: a forwarded box has no snapshot)."""
 
     def __init__(self, prog: RankPlan, wire_itemsizes: list[list[int]], device: torch.device, where: str) -> None:
+        forwards = forwarded_boxes(prog)
         self.send: list[list[_SendBox]] = []
+        self.stores: dict[tuple[int, int], tuple[int, int]] = {}  # received box -> (offset, capacity)
         pos = 0
-        for step, sizes in zip(prog.chunks, wire_itemsizes):
+        for k, (step, sizes) in enumerate(zip(prog.chunks, wire_itemsizes)):
             boxes = []
-            for box, size in zip(step.pack.boxes, sizes):
+            for b, (box, size) in enumerate(zip(step.pack.boxes, sizes)):
                 n = box.numel * size
-                boxes.append(_SendBox(pos, n))
-                pos += (n + 7) & -8
+                got = forwards.get((k, b))
+                boxes.append(_SendBox(-1 if got is not None else pos, n, got))
+                if got is None or got not in self.stores:
+                    if got is not None:
+                        self.stores[got] = (pos, (n + 7) & -8)
+                    pos += (n + 7) & -8
             self.send.append(boxes)
         pin = where == "host" and torch.cuda.is_available()
         snap_device = device if where == "device" else torch.device("cpu")
@@ -148,6 +181,27 @@ class _RankState:
     @property
     def nbytes(self) -> int:
         return self.snapshot.numel()
+
+
+@dataclass(frozen=True, slots=True)
+class _Received:
+    """How a box a relay forwards arrived in this run: sparse (its encoded bytes are in the box's store) or not."""
+
+    version: int
+    header: DeltaHeader | None = None  # a sparse box's header; None: the box arrived DENSE or raw
+
+
+@dataclass
+class _Scanned:
+    """One send message's inputs and, for its own (not forwarded) boxes, their comparison with the snapshot."""
+
+    views: list[torch.Tensor]
+    boxes: list[Box]
+    own: list[int]  # positions in the message of the boxes with a snapshot
+    snap: torch.Tensor  # the snapshot, or (host snapshot, CUDA tensors) the message's part of it on the device
+    snap_offsets: list[int]  # of the own boxes, in `snap`
+    snap_base: int
+    scan: ChangeScan | None
 
 
 class DeltaSession:
@@ -209,17 +263,32 @@ class DeltaSession:
 # -------------------------------------------------------------------------------------------------------------
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _cpu_words(view: torch.Tensor) -> np.ndarray | None:
+    """`view`'s bytes as int64 words (a numpy view, no copy) for a contiguous CPU box of whole aligned words, or
+    None."""
+    if (view.device.type != "cpu" or not view.is_contiguous() or (view.numel() * view.element_size()) % 8
+            or view.data_ptr() % 8 or not view.numel()):
+        return None
+    return view.reshape(-1).view(_INTS[view.element_size()]).numpy().view(np.int64)
+
+
 def _fingerprint(view: torch.Tensor, check: str) -> tuple:
     """A fingerprint of `view`'s bytes (see `DeltaSession.check`)."""
     if check == "none" or view.numel() == 0:
         return ()
     if check == "checksum":
         return (int(checksum(view)),)
-    ints = view.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[view.element_size()])
+    words = _cpu_words(view)
+    if words is not None:  # numpy's int64 sums, 8 bytes at a time: far faster than widening small ints
+        return int(words.sum()), int(words[::2].sum())
+    ints = view.view(_INTS[view.element_size()])
     flat = ints.reshape(-1) if ints.is_contiguous() else None
     if flat is not None and flat.numel() * flat.element_size() % 8 == 0 and flat.data_ptr() % 8 == 0:
-        words = flat.view(torch.int64)  # same bytes, 8 at a time: far faster than widening small ints
-        return int(words.sum()), int(words[::2].sum())
+        w = flat.view(torch.int64)
+        return int(w.sum()), int(w[::2].sum())
     return int(ints.sum(dtype=torch.int64)), int(ints.reshape(-1)[::2].sum(dtype=torch.int64))
 
 
@@ -247,6 +316,8 @@ class _Run:
         self.version = secrets.randbits(62) + 1
         self.errors: list[str] = []
         self.peer_held: dict[tuple[int, int], list[int]] = {}  # (chunk index in prog, message) -> held versions
+        self.scanned: dict[tuple[int, int], _Scanned] = {}  # (chunk index in prog, message) -> compared early
+        self.received: dict[tuple[int, int], _Received] = {}  # forwarded received boxes that arrived this run
 
     def _pack_tensors(self, step: RankChunk) -> list[torch.Tensor]:
         p = step.pack
@@ -296,45 +367,120 @@ class _Run:
 
     # -- one chunk ------------------------------------------------------------------------------------------
 
+    def scan(self, k: int, step: RankChunk, i: int) -> _Scanned:
+        """Send message `i` of chunk `k`: its boxes' views (cast where the plan casts) and the comparison of its own
+        boxes with their snapshot."""
+        m = step.sends[i]
+        tensors = self._pack_tensors(step)
+        boxes = self.state.send[k]
+        ix = range(m.first_box, m.first_box + len(m.transfers))
+        views, bxs = [], []
+        for b in ix:
+            t, box, wire = tensors[b], step.pack.boxes[b], step.pack.wire[b]
+            if wire is not None and wire != t.dtype:
+                t = t[box.slices()].to(wire)
+                box = _whole(t)
+            views.append(t)
+            bxs.append(box)
+        own = [j for j, b in enumerate(ix) if boxes[b].forward is None]
+        snap, snap_base = self.state.snapshot, 0
+        snap_offs = [boxes[ix[j]].snap_offset for j in own]
+        if own and snap.device != self.state.device:  # host snapshot, CUDA tensors: this message's part on device
+            lo = min(snap_offs)
+            hi = max(o + boxes[ix[j]].nbytes for o, j in zip(snap_offs, own))
+            snap, snap_base = snap[lo:hi].to(self.state.device, non_blocking=True), lo
+            snap_offs = [o - lo for o in snap_offs]
+        scan = (scan_changes([views[j] for j in own], [bxs[j] for j in own], snap, snap_offs)
+                if own else None)
+        return _Scanned(views, bxs, own, snap, snap_offs, snap_base, scan)
+
+    def prescan(self) -> None:
+        """Compare the first send messages with their snapshots before the state round (while receivers check
+        their boxes), as long as their boxes are read from source tensors (which no run writes) and their planned
+        bytes stay within one staging slot: the state round then only decides formats."""
+        budget, used = self.staging.slot_bytes, 0
+        for k, step in enumerate(self.prog.chunks):
+            for i, m in enumerate(step.sends):
+                boxes = self.state.send[k]
+                ix = range(m.first_box, m.first_box + len(m.transfers))
+                if any(step.pack.from_dst[b] and boxes[b].forward is None for b in ix):
+                    continue
+                if used and used + m.nbytes > budget:
+                    return
+                used += m.nbytes
+                self.scanned[(k, i)] = self.scan(k, step, i)
+
     def encode(self, k: int, step: RankChunk, area: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """Encode (or pack raw) every send message of chunk `k` into `area`; per message its size words and the
-        bytes to send."""
-        tensors = self._pack_tensors(step)
-        snap_all = self.state.snapshot
+        bytes to send.
+
+        Own boxes are encoded against their snapshot, sparse where the receiver holds the snapshot's version. A
+        forwarded box goes as it arrived when it arrived sparse from the version the receiver holds (its bytes
+        copied from its store), else DENSE from the destination tensor it landed in, with the version it arrived
+        with."""
         out = []
+        threshold = self.session.threshold
         for i, m in enumerate(step.sends):
+            sc = self.scanned.pop((k, i), None) or self.scan(k, step, i)
             held = self.peer_held[(k, i)]
             ix = list(range(m.first_box, m.first_box + len(m.transfers)))
             boxes = self.state.send[k]
-            views, bxs, formats, bases = [], [], [], []
-            for j, b in enumerate(ix):
-                t = tensors[b]
-                box = step.pack.boxes[b]
-                wire = step.pack.wire[b]
-                if wire is not None and wire != t.dtype:
-                    t, box = t[box.slices()].to(wire), None
-                    box = _whole(t)
-                views.append(t)
-                bxs.append(box)
-                sb = boxes[b]
-                fresh = sb.version != _NO_VERSION and held[j] == sb.version
-                formats.append(None if fresh else DeltaFormat.DENSE)
-                bases.append(sb.version if fresh else 0)
-            snap_offs = [boxes[b].snap_offset for b in ix]
-            snap, snap_base = snap_all, 0
-            if snap_all.device != self.state.device:  # host snapshot, CUDA tensors: this message's part on device
-                lo, hi = snap_offs[0], boxes[ix[-1]].snap_offset + boxes[ix[-1]].nbytes
-                snap, snap_base = snap_all[lo:hi].to(self.state.device, non_blocking=True), lo
-                snap_offs = [o - lo for o in snap_offs]
-            scan = scan_changes(views, bxs, snap, snap_offs)
+            views, bxs = sc.views, sc.boxes
             dtypes = [v.dtype for v in views]
+            formats: list[DeltaFormat | None] = []
+            counts: list[int] = []
+            versions: list[int] = []
+            bases: list[int] = []
+            received: list[_Received | None] = []
+            own_at = {j: n for n, j in enumerate(sc.own)}
+            for j, b in enumerate(ix):
+                sb = boxes[b]
+                if sb.forward is None:
+                    fresh = sb.version != _NO_VERSION and held[j] == sb.version
+                    formats.append(None if fresh else DeltaFormat.DENSE)
+                    counts.append(sc.scan.counts[own_at[j]])
+                    versions.append(self.version)
+                    bases.append(sb.version if fresh else 0)
+                    received.append(None)
+                    continue
+                r = self.received.get(sb.forward)
+                h = r.header if r is not None else None
+                if h is not None and h.base_version != _NO_VERSION and held[j] == h.base_version:
+                    formats.append(h.format)
+                    counts.append(h.count)
+                else:
+                    formats.append(DeltaFormat.DENSE)
+                    counts.append(bxs[j].numel)
+                    h = None
+                versions.append(r.version if r is not None else _NO_VERSION)
+                bases.append(0)
+                received.append(r if h is not None else None)
             start, room = _aligned(area, m.buffer_offset, m.nbytes)
-            offs, end = delta_offsets(bxs, dtypes, scan.counts, formats, threshold=self.session.threshold)
+            offs, end = delta_offsets(bxs, dtypes, counts, formats, threshold=threshold)
             link = self.report.links
             if end <= m.nbytes - _ALIGN_SLACK and end <= room:
                 buf = area.narrow(0, start, end)
-                headers = delta_encode(views, bxs, snap, snap_offs, buf, offs, counts=scan, base_version=bases,
-                                       version=self.version, formats=formats, threshold=self.session.threshold)
+                headers: list[DeltaHeader | None] = [None] * len(ix)
+                if sc.own:
+                    own = sc.own
+                    got = delta_encode([views[j] for j in own], [bxs[j] for j in own], sc.snap, sc.snap_offsets, buf,
+                                       [offs[j] for j in own], counts=sc.scan, base_version=[bases[j] for j in own],
+                                       version=self.version, formats=[formats[j] for j in own], threshold=threshold)
+                    for j, h in zip(own, got):
+                        headers[j] = h
+                dense = [j for j, b in enumerate(ix) if boxes[b].forward is not None and received[j] is None]
+                if dense:
+                    got = delta_encode_dense([views[j] for j in dense], [bxs[j] for j in dense], buf,
+                                             [offs[j] for j in dense], version=[versions[j] for j in dense])
+                    for j, h in zip(dense, got):
+                        headers[j] = h
+                for j, r in enumerate(received):
+                    if r is not None:  # forwarded as it arrived
+                        at, _ = self.state.stores[boxes[ix[j]].forward]
+                        buf.narrow(0, offs[j], r.header.nbytes).copy_(self.state.snapshot.narrow(0, at,
+                                                                                                  r.header.nbytes))
+                        headers[j] = r.header
+                        self.report.forwarded_boxes += 1
                 sizes = [h.nbytes for h in headers]
                 words = [end, self.version, *sizes]
                 payload = buf
@@ -352,13 +498,13 @@ class _Run:
                 rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
                 msg = area.narrow(0, m.buffer_offset, m.nbytes)
                 pack(views, bxs, msg, rel)
-                for b, o, r in zip(ix, snap_offs, rel):
-                    n = boxes[b].nbytes
-                    snap.narrow(0, o, n).copy_(msg.narrow(0, r, n))
-                words = [-1, self.version, *([0] * len(ix))]
+                for j, o in zip(sc.own, sc.snap_offsets):
+                    n = boxes[ix[j]].nbytes
+                    sc.snap.narrow(0, o, n).copy_(msg.narrow(0, rel[j], n))
+                words = [-1, self.version, *versions]  # raw: the version of each box
                 payload = msg
                 self.report.raw_messages += 1
-                for t, v in zip(m.transfers, views):
+                for t in m.transfers:
                     st = link.setdefault(t.link, DeltaLinkStats())
                     numel = t.global_box.numel
                     st.elements += numel
@@ -366,10 +512,10 @@ class _Run:
                     st.dense_bytes += t.nbytes
                     st.encoded_bytes += t.nbytes
                     st.dense_boxes += 1
-            if snap is not snap_all:
-                snap_all[snap_base: snap_base + snap.numel()].copy_(snap)
-            for b in ix:
-                boxes[b].version = self.version
+            if sc.own and sc.snap is not self.state.snapshot:
+                self.state.snapshot[sc.snap_base: sc.snap_base + sc.snap.numel()].copy_(sc.snap)
+            for j in sc.own:
+                boxes[ix[j]].version = self.version
             out.append((words, payload))
         return out
 
@@ -392,10 +538,10 @@ class _Run:
         words = [t.tolist() for _, t in size_recvs]
         recvs, plans = [], []
         for m, w in zip(step.recvs, words):
-            total, version, sizes = w[0], w[1], w[2:]
+            total, sizes = w[0], w[2:]
             if total == -1:
                 recvs.append((m.peer, recv_area.narrow(0, m.buffer_offset, m.nbytes)))
-                plans.append(("raw", version))
+                plans.append(("raw", sizes))  # raw: the version of each box
                 continue
             start, room = _aligned(recv_area, m.buffer_offset, m.nbytes)
             if not 0 < total <= min(room, m.nbytes - _ALIGN_SLACK) or sum(sizes) != total or min(sizes) < 0:
@@ -444,7 +590,7 @@ class _Run:
                 if p[0] == "raw":
                     msg = recv_area.narrow(0, m.buffer_offset, m.nbytes)
                     unpack(msg, [step.unpack.offsets[b] - m.buffer_offset for b in ix], ts, bxs)
-                    new = [p[1]] * len(ix)
+                    new, headers, offs = list(p[1]), [None] * len(ix), None
                 else:
                     _, buf, offs = p
                     headers = delta_decode(buf, offs, ts, bxs, versions=versions)
@@ -452,6 +598,16 @@ class _Run:
             except ValueError as e:
                 self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: message from rank {m.peer}: {e}")
                 continue
+            for j, b in enumerate(ix):  # boxes this rank forwards later in the run: keep how they arrived
+                store = self.state.stores.get((k, b))
+                if store is None:
+                    continue
+                h = headers[j]
+                if h is not None and h.format != DeltaFormat.DENSE and h.nbytes <= store[1]:
+                    self.state.snapshot.narrow(0, store[0], h.nbytes).copy_(buf.narrow(0, offs[j], h.nbytes))
+                else:
+                    h = None
+                self.received[(k, b)] = _Received(new[j], h)
             self.report._time("decode", time.perf_counter() - t0)
             t0 = time.perf_counter()
             for b, v, t, box in zip(ix, new, ts, bxs):
@@ -470,6 +626,9 @@ class _Run:
         self.report.bytes_copied_locally += sum(t.nbytes for t in step.local)
 
     def run(self) -> None:
+        t0 = time.perf_counter()
+        self.prescan()
+        self.report._time("scan", time.perf_counter() - t0)
         self.state_round()
         for k, step in enumerate(self.prog.chunks):
             self.chunk(k, step, k % len(self.staging.slots))

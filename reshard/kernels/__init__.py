@@ -23,7 +23,8 @@ Exports:
         elements whose bits changed, encode
         them per box as DENSE, BITMASK + values or INDICES + values behind a self-describing header
         (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers`,
-        `walk_delta_offsets` (a receiver's offsets, from the headers).
+        `walk_delta_offsets` (a receiver's offsets, from the headers); `delta_encode_dense` (DENSE boxes without a
+        snapshot).
     delta_nbytes, delta_max_nbytes, delta_offsets, choose_delta_format, resolve_delta_formats: exact encoded sizes
         from changed counts, the worst case, buffer offsets and the per-box format choice.
     DeltaFormat, DeltaHeader, DeltaVersionError, DELTA_HEADER_BYTES, DELTA_DENSE_FRACTION: the formats, the header,
@@ -48,6 +49,7 @@ from reshard.kernels._delta import (
     delta_decode,
     delta_decode_reference,
     delta_encode,
+    delta_encode_dense,
     delta_encode_reference,
     delta_max_nbytes,
     delta_nbytes,
@@ -92,6 +94,7 @@ __all__ = [
     "delta_decode",
     "delta_decode_reference",
     "delta_encode",
+    "delta_encode_dense",
     "delta_encode_reference",
     "delta_max_nbytes",
     "delta_nbytes",

@@ -658,6 +658,50 @@ def delta_encode(tensors: TensorArg, boxes: Sequence[Box], snapshot: torch.Tenso
                                   update_snapshot=update_snapshot)
 
 
+def delta_encode_dense(tensors: TensorArg, boxes: Sequence[Box], buffer: torch.Tensor, offsets: OffsetArg, *,
+                       version: int | Sequence[int], backend: str | None = None) -> list[DeltaHeader]:
+    """DENSE-encode each box into `buffer` at byte `offsets[i]`: header (base version 0, `version`) and every
+    value row-major, the bytes `delta_encode(..., formats=DeltaFormat.DENSE)` writes, with no snapshot (for a
+    sender that holds none, e.g. a relay forwarding a box it applied).
+
+    Args:
+        tensors, boxes: as in `pack` (any strided views, dtypes of 1, 2, 4 or 8 bytes).
+        buffer: 1-D contiguous `uint8`; box `i` takes `delta_max_nbytes(numel, itemsize)` bytes from `offsets[i]`
+            (8-aligned addresses, ranges not overlapping).
+        version: the version each destination holds after applying (one, or one per box).
+        backend: as in `pack`.
+
+    Returns:
+        The header written for each box.
+    """
+    op = "delta_encode_dense"
+    buffer = _check_buffer(op, buffer)
+    boxes = list(boxes)
+    dests = _check_destinations(op, tensors, boxes, buffer.device)
+    offs = [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+    if len(offs) != len(boxes):
+        raise ValueError(f"{op}: got {len(offs)} offsets for {len(boxes)} boxes")
+    _check_aligned(op, "buffer", buffer, offs, [DELTA_ALIGN] * len(offs))
+    versions = _versions(op, version, len(boxes), "version")
+    if any(v is None for v in versions):
+        raise TypeError(f"{op}: version must be ints")
+    headers = [DeltaHeader(DeltaFormat.DENSE, t.element_size(), b.numel, b.numel, 0, v)
+               for t, b, v in zip(dests, boxes, versions)]
+    ranges = sorted((o, o + h.nbytes, i) for i, (o, h) in enumerate(zip(offs, headers)))
+    for (_, stop, i), (begin, _, j) in itertools.pairwise(ranges):
+        if begin < stop:
+            raise ValueError(f"{op}: encoded boxes {i} and {j} overlap in the buffer")
+    if ranges and ranges[-1][1] > buffer.numel():
+        raise ValueError(f"{op}: box {ranges[-1][2]} ends at byte {ranges[-1][1]} but the buffer has "
+                         f"{buffer.numel()} bytes")
+    _write_headers(buffer, offs, headers)
+    full = [i for i, h in enumerate(headers) if h.numel]
+    if full:
+        pack([dests[i] for i in full], [boxes[i] for i in full], buffer, [offs[i] + DELTA_HEADER_BYTES for i in full],
+             backend=backend)
+    return headers
+
+
 def read_delta_headers(buffer: torch.Tensor, offsets: OffsetArg) -> list[DeltaHeader]:
     """The header of each encoded box of `buffer` at byte `offsets[i]` (one device-to-host copy).
 
