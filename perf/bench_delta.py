@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import sys
 import time
@@ -65,7 +66,7 @@ from reshard.planner._box import Box
 logger = logging.getLogger("bench_delta")
 MiB = 1 << 20
 FORMATS = (DeltaFormat.DENSE, DeltaFormat.BITMASK, DeltaFormat.INDICES)
-PARTS = ("synthetic", "model", "timing", "refit")
+PARTS = ("synthetic", "model", "timing", "refit", "model_refit")
 
 
 def whole(t: torch.Tensor) -> Box:
@@ -134,15 +135,10 @@ def synthetic(numel: int, lr: float, steps: int, seed: int) -> list[dict[str, ob
 
 
 def tiny_model(lr: float, steps: int, seed: int) -> list[dict[str, object]] | None:
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as e:
-        logger.warning("model part skipped: transformers is not importable (%s)", e)
+    built = tiny_llama(seed)
+    if built is None:
         return None
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg).float().train()
+    model, cfg = built
     params = [p for p in model.parameters() if p.requires_grad]
 
     def loss_fn(g: torch.Generator) -> None:
@@ -244,11 +240,30 @@ def _barrier(group, timeout) -> None:
     all_gather_json(group, 0, timeout=timeout, what="bench barrier")
 
 
-def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int) -> list[dict[str, object]]:
+def tiny_llama(seed: int):
+    """The tiny `transformers` Llama of the model parts (random init from a config, fp32), or None without
+    `transformers`: `(model, config)`."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        logger.warning("model parts skipped: transformers is not importable (%s)", e)
+        return None
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).float().train(), cfg
+
+
+def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
+              model: bool = False) -> list[dict[str, object]]:
     """On every rank: trainer ranks 0-3 hold fp32 master weights `S(0)` and their bf16 copies, AdamW on random
     gradients; inference ranks 4-7 (one NVLink domain, 2 x 2 `[R, S(1)]`: relays) hold two sets of bf16
     destinations, one for a full `Refit` and one for `Refit(delta=True)`. Per step the two refits run in
-    alternating order, each timed between barriers; the destinations are compared bit for bit."""
+    alternating order, each timed between barriers; the destinations are compared bit for bit.
+
+    With `model`, the weights are the parameters of the tiny Llama (`tiny_llama`, the same init on every rank):
+    each trainer rank trains the whole model on the same random tokens (so all hold the same weights) and sources
+    its `S(0)` shard of each parameter; the inference ranks hold `[R, S(0)]` (`numel`, `num_weights` unused)."""
     import datetime
 
     from reshard import Layout, Mesh, Replicate, Shard, Topology
@@ -256,22 +271,38 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int)
 
     rank, group = w.rank, w.group
     td = datetime.timedelta(seconds=300)
-    rows_per_weight = 1024
-    shape = (rows_per_weight, numel // num_weights // rows_per_weight)
     topo = Topology(domain_size=4)
     refits = {mode: Refit(group, topology=topo, delta=mode == "delta", staging_bytes=64 * MiB, policy="reshard")
               for mode in ("full", "delta")}
     masters, copies, opt = [], [], None
     dests: dict[str, list[torch.Tensor]] = {"full": [], "delta": []}
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    for k in range(num_weights):
-        name = f"w{k}"
-        train = Layout(shape, Mesh([0, 1, 2, 3]), [Shard(0)], torch.bfloat16, name=name)
-        infer = Layout(shape, Mesh([[4, 5], [6, 7]]), [Replicate(), Shard(1)], torch.bfloat16, name=name)
+    train_ranks = [0, 1, 2, 3]
+    if model:
+        built = tiny_llama(seed)
+        if built is None:
+            return []
+        net, cfg = built
+        named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+        weights = [(n, tuple(p.shape), Shard(0)) for n, p in named]
+    else:
+        rows_per_weight = 1024
+        shape = (rows_per_weight, numel // num_weights // rows_per_weight)
+        weights = [(f"w{k}", shape, Shard(1)) for k in range(num_weights)]
+    slices = []
+    for k, (name, shape, infer_shard) in enumerate(weights):
+        train = Layout(shape, Mesh(train_ranks), [Shard(0)], torch.bfloat16, name=name)
+        infer = Layout(shape, Mesh([[4, 5], [6, 7]]), [Replicate(), infer_shard], torch.bfloat16, name=name)
         if rank in train.ranks:
-            m = (torch.randn(train.local_shape(rank), generator=gen) * 0.02).requires_grad_()
-            masters.append(m)
-            copies.append(m.detach().bfloat16())
+            if model:
+                (piece,) = train.pieces(rank)
+                slices.append(piece.global_box.slices())
+                masters.append(named[k][1])
+                copies.append(named[k][1].detach()[slices[-1]].bfloat16())
+            else:
+                m = (torch.randn(train.local_shape(rank), generator=gen) * 0.02).requires_grad_()
+                masters.append(m)
+                copies.append(m.detach().bfloat16())
             for r in refits.values():
                 r.add_source(name, copies[-1], train)
         if rank in infer.ranks:
@@ -280,17 +311,22 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int)
                 r.add_destination(name, dests[mode][-1], infer)
     if masters:
         opt = torch.optim.AdamW(masters, lr=lr)
+    tokens_gen = torch.Generator().manual_seed(seed + 1)  # the same tokens on every trainer rank
     for r in refits.values():  # first runs: metadata, plan, and the delta side's first (full) run
         r.run()
     rows = []
     for step in range(1, steps + 1):
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-            for m in masters:
-                m.grad = torch.randn(m.shape, generator=gen)
+            if model:
+                tokens = torch.randint(0, cfg.vocab_size, (4, 64), generator=tokens_gen)
+                net(input_ids=tokens, labels=tokens).loss.backward()
+            else:
+                for m in masters:
+                    m.grad = torch.randn(m.shape, generator=gen)
             opt.step()
-            for m, c in zip(masters, copies):
-                c.copy_(m.detach())
+            for k, (m, c) in enumerate(zip(masters, copies)):
+                c.copy_(m.detach()[slices[k]] if model else m.detach())
         order = ("full", "delta") if step % 2 else ("delta", "full")
         times, cpus, reports = {}, {}, {}
         for mode in order:
@@ -305,6 +341,7 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int)
         full_ex = reports["full"].execution
         links = ex.links if ex is not None else {}
         rows.append({"step": step, "rank": rank, "full_s": times["full"], "delta_s": times["delta"], "equal": equal,
+                     "weights_numel": sum(math.prod(shape) for _, shape, _ in weights), "weights": len(weights),
                      "full_cpu_s": cpus["full"], "delta_cpu_s": cpus["delta"],
                      "elements": sum(v.elements for v in links.values()),
                      "changed": sum(v.changed for v in links.values()),
@@ -324,18 +361,24 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int)
     return rows
 
 
-def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, seed: int) -> list[dict[str, object]]:
+def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, seed: int,
+                  model: bool = False) -> list[dict[str, object]]:
     """`refit_job` on `REFIT_WORLD` gloo ranks per learning rate; one row per step (summed over ranks, times as
-    the slowest rank's) and one summary row per learning rate with median paired ratios."""
+    the slowest rank's) and one summary row per learning rate with median paired ratios. `model`: the tiny Llama's
+    weights (part `model_refit`)."""
     from reshard.testing import RankPool
 
     out = []
+    part = "model_refit" if model else "refit"
     with RankPool(REFIT_WORLD) as pool:
         for lr in lrs:
-            per_rank = pool.run_ok(refit_job, numel, num_weights, lr, steps, seed, timeout=1800)
+            per_rank = pool.run_ok(refit_job, numel, num_weights, lr, steps, seed, model, timeout=1800)
+            if not per_rank[0]:
+                return out  # no transformers
             for k in range(steps):
                 rs = [per_rank[r][k] for r in range(REFIT_WORLD)]
-                row = {"part": "refit", "lr": lr, "step": k + 1, "numel": numel, "ranks": REFIT_WORLD,
+                row = {"part": part, "lr": lr, "step": k + 1, "numel": rs[0]["weights_numel"],
+                       "weights": rs[0]["weights"], "ranks": REFIT_WORLD,
                        "full_s": max(r["full_s"] for r in rs), "delta_s": max(r["delta_s"] for r in rs),
                        "equal": all(r["equal"] for r in rs),
                        "full_cpu_s": sum(r["full_cpu_s"] for r in rs), "delta_cpu_s": sum(r["delta_cpu_s"] for r in rs)}
@@ -349,8 +392,8 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
                 row["delta_pack_s"] = max(r["delta_pack_s"] for r in rs)
                 row["delta_unpack_s"] = max(r["delta_unpack_s"] for r in rs)
                 out.append(row)
-                logger.info("refit lr=%g step %d: %.2f%% changed, full %.3f s vs delta %.3f s (%.2fx; CPU summed over "
-                            "ranks %.3f vs %.3f s), bytes %d vs %d (%.1fx), wire/encoded %.3f, equal=%s", lr, k + 1,
+                logger.info("%s lr=%g step %d: %.2f%% changed, full %.3f s vs delta %.3f s (%.2fx; CPU summed over "
+                            "ranks %.3f vs %.3f s), bytes %d vs %d (%.1fx), wire/encoded %.3f, equal=%s", part, lr, k + 1,
                             row["changed_pct"], row["full_s"], row["delta_s"], row["time_ratio"], row["full_cpu_s"],
                             row["delta_cpu_s"], row["full_wire_bytes"], row["delta_wire_bytes"], row["bytes_ratio"],
                             row["wire_over_encoded"], row["equal"])
@@ -358,16 +401,17 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
                 names = sorted({k for row in per_rank[r] for k in row["phases"]})
                 med = {k: round(1000 * statistics.median(row["phases"].get(k, 0.0) for row in per_rank[r]), 1)
                        for k in names}
-                logger.info("refit lr=%g rank %d delta phases (median ms): %s", lr, r, med)
-            sel = [r for r in out if r.get("lr") == lr and r["part"] == "refit" and "step" in r]
-            summary = {"part": "refit_summary", "lr": lr, "numel": numel, "ranks": REFIT_WORLD, "steps": steps,
+                logger.info("%s lr=%g rank %d delta phases (median ms): %s", part, lr, r, med)
+            sel = [r for r in out if r.get("lr") == lr and r["part"] == part and "step" in r]
+            summary = {"part": f"{part}_summary", "lr": lr, "numel": sel[0]["numel"], "ranks": REFIT_WORLD,
+                       "steps": steps,
                        "median_time_ratio": statistics.median(r["time_ratio"] for r in sel),
                        "median_bytes_ratio": statistics.median(r["bytes_ratio"] for r in sel),
                        "max_wire_over_encoded": max(r["wire_over_encoded"] for r in sel),
                        "median_changed_pct": statistics.median(r["changed_pct"] for r in sel),
                        "all_equal": all(r["equal"] for r in sel)}
             out.append(summary)
-            logger.info("refit lr=%g summary: %s", lr, summary)
+            logger.info("%s lr=%g summary: %s", part, lr, summary)
     return out
 
 
@@ -427,7 +471,8 @@ def main() -> None:
     ap.add_argument("--refit-numel", type=int, default=16 * MiB, help="bf16 elements of the refit part (0: skip)")
     ap.add_argument("--refit-weights", type=int, default=4)
     ap.add_argument("--refit-steps", type=int, default=5)
-    ap.add_argument("--only", default="", help="comma-separated parts to run (synthetic, model, timing, refit); "
+    ap.add_argument("--only", default="", help="comma-separated parts to run (synthetic, model, timing, refit, "
+                    "model_refit); "
                     "default all")
     ap.add_argument("--out", default="perf/out")
     args = ap.parse_args()
@@ -466,6 +511,8 @@ def main() -> None:
                             r["min_s"], r["max_s"], r["bytes"])
     if args.refit_numel and "refit" in parts:
         rows.extend(refit_compare(args.refit_numel, args.refit_weights, lrs, args.refit_steps, args.seed))
+    if not args.no_model and "model_refit" in parts:
+        rows.extend(refit_compare(0, 0, lrs, args.model_steps, args.seed, model=True))
     out = Path(args.out)
     config = {"numel_arg": args.numel, "seed": args.seed, "repeat": args.repeat}
     write_csv(out / "bench_delta.csv", [{**r, **config, **info} for r in rows])
