@@ -96,7 +96,7 @@ def on_rank(w, cases: list, check: str) -> list:
                 links = {k: (v.elements, v.changed, v.dense_bytes, v.encoded_bytes, v.sparse_boxes)
                          for k, v in getattr(rep, "links", {}).items()}
                 steps.append((name, ok, links, rep.stale_boxes, rep.raw_messages, rep.bytes_sent,
-                              rep.snapshot_bytes))
+                              rep.snapshot_bytes, rep.forwarded_boxes))
             w.group.cache.clear()
             out.append((True, steps))
         except Exception as e:  # noqa: BLE001 - reported per case
@@ -123,7 +123,7 @@ def test_delta_runs_equal_dtensor(case, results) -> None:
     for r, (_, steps) in enumerate(per_rank):
         for name, ok, *_ in steps:
             assert ok, f"rank {r}: destination differs from DTensor after step {name!r}"
-    by_step = {name: [dict(zip(("links", "stale", "raw", "sent", "snap"), steps[i][2:]))
+    by_step = {name: [dict(zip(("links", "stale", "raw", "sent", "snap", "forwarded"), steps[i][2:]))
                       for _, steps in per_rank] for i, name in enumerate(STEPS)}
 
     def total(step: str, k: int) -> int:
@@ -143,17 +143,27 @@ def test_delta_runs_equal_dtensor(case, results) -> None:
         if step != "overwritten":
             assert all(rr["stale"] == 0 for rr in by_step[step]), (step, [rr["stale"] for rr in by_step[step]])
     assert all(rr["snap"] >= 0 for rr in by_step["first"])
+    # relays forward sparse boxes in the form they arrived in (not when every element changed: those go DENSE)
+    forwarded = {step: sum(rr["forwarded"] for rr in by_step[step]) for step in STEPS}
+    if case[0].startswith("relay"):
+        assert forwarded["same"] > 0 and forwarded["few"] > 0 and forwarded["few-after"] > 0, forwarded
+        assert forwarded["first"] == 0 and forwarded["all"] == 0, forwarded
+    else:
+        assert not any(forwarded.values()), forwarded
 
 
 def test_overwrite_check_is_what_keeps_the_destination_right(pool) -> None:
     """Negative control: without the destination check, the overwritten destination keeps wrong bytes (the sender
-    cannot know), so the check above is what makes the delta exact there."""
-    case = CASES[4]
-    outs = pool.run_ok(on_rank, [case], "none", timeout=300)
-    steps = outs[OVERWRITTEN_RANK][0][1]
-    oks = {name: ok for name, ok, *_ in steps}
-    assert oks["first"] and oks["same"] and oks["few"] and oks["all"]
-    assert not oks["overwritten"], "with check='none' the overwritten destination should stay wrong"
+    cannot know), so the check above is what makes the delta exact there; also where the overwritten rank is a
+    relay and the destination of forwarded boxes (the relay case): a forwarded sparse box is applied onto the
+    overwritten bytes, and the DTensor comparison sees it."""
+    cases = [CASES[4], CASES[0]]
+    outs = pool.run_ok(on_rank, cases, "none", timeout=300)
+    for i, case in enumerate(cases):
+        steps = outs[OVERWRITTEN_RANK][i][1]
+        oks = {name: ok for name, ok, *_ in steps}
+        assert oks["first"] and oks["same"] and oks["few"] and oks["all"], case[0]
+        assert not oks["overwritten"], f"{case[0]}: with check='none' the overwritten destination should stay wrong"
 
 
 def on_rank_mismatch(w) -> tuple[str, str, bool]:

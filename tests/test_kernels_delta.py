@@ -547,3 +547,67 @@ def test_word_compare_fast_path_equals_elementwise(dtype: torch.dtype) -> None:
             assert torch.equal(fast, _changed_positions(view != snap.view(view.shape)))
     case.changed = count_changed_reference(case.sources, case.boxes, case.snapshot, case.snap_offsets)
     round_trip(case, scan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.int64], ids=str)
+def test_word_compare_of_strided_rows_equals_elementwise(dtype: torch.dtype) -> None:
+    """A box whose rows are whole aligned words inside a wider tensor (a column block of a row-major weight, the
+    shard a source sends to a column-sharded destination) is compared a word at a time too: positions and values
+    equal the elementwise `view != snapshot` ones (first and last element of the box changed, neighbours in one
+    word), and a round trip of such boxes through the scan is exact. A box whose rows are not whole words takes
+    the elementwise path (None)."""
+    from reshard.kernels._delta import _box_view, _changed_positions, _slot, _word_changes
+
+    per = 8 // dtype.itemsize
+    case = Case([((16, 12 * per), dtype, "contiguous", Box((2, 4 * per), (9, 4 * per)), 0.1),
+                 ((4, 6, 4 * per), dtype, "contiguous", Box((1, 2, per), (3, 3, 2 * per)), 0.2)], seed=5)
+    for t, box, off in zip(case.sources, case.boxes, case.snap_offsets):
+        view = _box_view(t, box)
+        assert not view.is_contiguous()
+        snap = _slot(case.snapshot, off, box.numel, view.dtype)
+        first = tuple(box.offsets)
+        last = tuple(o + s - 1 for o, s in zip(box.offsets, box.shape))
+        bits(t)[first] ^= 1
+        bits(t)[last] ^= 1
+        got = _word_changes(view, snap)
+        assert got is not None or DEVICE.type != "cpu"
+        if got is not None:
+            changed = view != snap.view(view.shape)
+            want = _changed_positions(changed)
+            assert torch.equal(got[0], want)
+            assert torch.equal(got[1], view.reshape(-1)[want.long()])
+    if dtype.itemsize < 8:  # rows of 3 elements of a 1-, 2- or 4-byte dtype are not whole words
+        t = make_view((4, 8 * per), dtype, "contiguous", torch.Generator().manual_seed(1))
+        view = _box_view(t, Box((0, 0), (4, 3)))
+        assert _word_changes(view, torch.zeros(12 * dtype.itemsize, dtype=torch.uint8).view(view.dtype)) is None
+    case.changed = count_changed_reference(case.sources, case.boxes, case.snapshot, case.snap_offsets)
+    round_trip(case, scan=True)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "strided"])
+def test_dense_encoding_without_snapshot_equals_delta_encode(kind: str) -> None:
+    """`delta_encode_dense` writes the bytes `delta_encode(..., formats=DENSE)` writes (header with base version 0,
+    every value, zero padding), reads no snapshot, and decodes onto a destination of any version; overlapping or
+    out-of-range boxes are refused before anything is written."""
+    from reshard.kernels import delta_encode_dense
+
+    case = Case([((7, 5), torch.bfloat16, kind, Box((1, 0), (5, 5)), 0.3),
+                 ((9,), torch.float32, kind, Box((2,), (7,)), 0.3),
+                 ((3, 3), torch.uint8, kind, Box((0, 0), (3, 3)), 0.5)], seed=7)
+    offsets, end = delta_offsets(case.boxes, case.dtypes, None)
+    want = torch.full((end,), SENTINEL, dtype=torch.uint8, device=DEVICE)
+    delta_encode(case.sources, case.boxes, case.snapshot.clone(), case.snap_offsets, want, offsets,
+                 counts=[0] * 3, base_version=0, version=[11, 12, 13], formats=DeltaFormat.DENSE, backend="torch")
+    got = torch.full((end,), SENTINEL, dtype=torch.uint8, device=DEVICE)
+    headers = delta_encode_dense(case.sources, case.boxes, got, offsets, version=[11, 12, 13])
+    assert torch.equal(got, want)
+    assert [h.version for h in headers] == [11, 12, 13] and all(h.format == DeltaFormat.DENSE for h in headers)
+    delta_decode(got, offsets, case.dests, case.boxes, versions=None)
+    for d, s, box in zip(case.dests, case.sources, case.boxes):
+        assert torch.equal(bits(d)[box.slices()], bits(s)[box.slices()])
+    spare = got.clone()
+    with pytest.raises(ValueError, match="overlap"):
+        delta_encode_dense(case.sources, case.boxes, got, [offsets[0], offsets[0], offsets[2]], version=1)
+    with pytest.raises(ValueError, match="buffer has"):
+        delta_encode_dense(case.sources, case.boxes, got[: end - 8], offsets, version=1)
+    assert torch.equal(got, spare)

@@ -870,7 +870,6 @@ def _word_changes(view: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor,
     if (view.device.type != "cpu" or not n or n > _MAX_INDEX or view.data_ptr() % 8 or snap.data_ptr() % 8):
         return None
     per = 8 // size
-    wdt = np.dtype(f"<i{size}")
     if view.is_contiguous():
         if (n * size) % 8:
             return None
@@ -880,6 +879,7 @@ def _word_changes(view: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor,
         cur = view.numpy()
     else:
         return None
+    wdt = cur.dtype  # the view's same-width int
     cur64 = cur.view(np.int64)  # numpy: its small gathers beat torch's on a busy CPU
     old64 = snap.numpy().view(np.int64).reshape(cur64.shape)
     words = np.flatnonzero(cur64 != old64)
