@@ -3,32 +3,37 @@
 `execute(plan, ..., delta=session)` runs here (`execute_delta`) with a `DeltaSession` that keeps, per plan and rank,
 what the rank last sent and what it last received:
 
-- every sender (source ranks and relays) keeps a *snapshot* of each box it sends (the wire bytes: a casting item's
-  box after its cast), on the device or in pinned host memory (`DeltaSession(snapshot=...)`), and the *version*
-  (a random 62-bit number drawn per run) that snapshot was sent as;
+- every sender keeps a *snapshot* of each box it sends of its own (the wire bytes: a casting item's box after its
+  cast), on the device or in pinned host memory (`DeltaSession(snapshot=...)`), and the *version* (a random
+  62-bit number drawn per run) that snapshot was sent as. A relay box that forwards, unchanged, a box the relay
+  received earlier in the run (`forwarded_boxes`: same destination tensor and box, no cast) has no snapshot: the
+  relay keeps instead a *store* of that size for the encoded bytes the box arrives in;
 - every receiver keeps, per box, the version it holds and a fingerprint of the box's bytes after it applied it.
 
 One run, on every rank of the plan:
 
 1. the checks and the plan agreement of `execute` (bad input raises on every rank, before any byte moves);
-2. the *state round*: every receiver tells each sender, per box, the version it holds, or -1 when it holds none or
-   its box's bytes no longer match the fingerprint taken when it applied it (a destination overwritten between
-   runs, an engine reloaded, a failed run); one small message per pair on the control backend;
-3. per chunk, in increasing order: each sender compares each box with its snapshot (`reshard.kernels.scan_changes`)
-   and encodes it (`delta_encode`: DENSE, BITMASK + values or INDICES + values, versioned headers) into the chunk's
-   staging area of the message, sparse only where the receiver holds the snapshot's version, DENSE otherwise. If a
-   message's encoding does not fit its planned bytes (less 7 bytes of alignment), the message goes *raw*: packed as
-   the plan packs it, exactly the planned bytes. Then a *size round* (per message `[encoded bytes or -1, version,
-   bytes per box]`, control backend) and the payload of exactly those bytes; receivers decode (`delta_decode`,
-   which refuses a sparse box of another base version) or unpack, record version and fingerprint, and the chunk's
-   local copies run (always full). So staging stays what the plan reserved, within `staging_bytes`;
+2. senders compare their first messages (boxes read from source tensors, up to one staging slot of planned bytes)
+   with their snapshots (`reshard.kernels.scan_changes`) while receivers check their boxes; then the *state round*:
+   every receiver tells each sender, per box, the version it holds, or -1 when it holds none or its box's bytes no
+   longer match the fingerprint taken when it applied it (a destination overwritten between runs, an engine
+   reloaded, a failed run); one small message per pair on the control backend;
+3. per chunk, in increasing order: each sender encodes each message (`delta_encode`: DENSE, BITMASK + values or
+   INDICES + values, versioned headers) into the chunk's staging area of the message, sparse only where the
+   receiver holds the snapshot's version, DENSE otherwise. A forwarded box goes in the encoded form it arrived in
+   (its bytes copied from its store) when it arrived sparse from the version the receiver holds; otherwise DENSE
+   from the destination tensor it landed in (`delta_encode_dense`), with the version it arrived with: versions
+   then name the source's run all along a relay chain. If a message's encoding does not fit its planned bytes
+   (less 7 bytes of alignment), the message goes *raw*: packed as the plan packs it, exactly the planned bytes.
+   Then a *size round* (per message `[encoded bytes, version, bytes per box]`, or `[-1, version, version per box]`
+   for raw; control backend) and the payload of exactly those bytes; receivers decode (`delta_decode`, which
+   refuses a sparse box of another base version) or unpack, record version and fingerprint (and, for a box they
+   forward, how it arrived), and the chunk's local copies run (always full). So staging stays what the plan
+   reserved, within `staging_bytes`;
 4. the completion round: any rank's error raises on every rank.
 
-Relays re-encode what they forward against their own snapshot of it (the same changed elements, so the same
-bytes), so each hop chooses its format for its own receiver's state. The zero-copy path is not used.
-
-Chunks run one after another (the size round needs the encoding); the state and size messages cost one small
-message per pair and chunk.
+The zero-copy path is not used. Chunks run one after another (the size round needs the encoding); the state and
+size messages cost one small message per pair and chunk.
 """
 
 from __future__ import annotations
