@@ -64,6 +64,7 @@ from reshard.kernels import (
     delta_encode_dense,
     delta_offsets,
     pack,
+    read_delta_headers,
     scan_changes,
     unpack,
 )
@@ -198,12 +199,13 @@ class _Received:
 
 @dataclass
 class _Scanned:
-    """One send message's inputs and, for its own (not forwarded) boxes, their comparison with the snapshot."""
+    """One chunk's send boxes (views, cast where the plan casts) and, for its own (not forwarded) boxes, their
+    comparison with the snapshot."""
 
-    views: list[torch.Tensor]
+    views: list[torch.Tensor]  # per pack box
     boxes: list[Box]
-    own: list[int]  # positions in the message of the boxes with a snapshot
-    snap: torch.Tensor  # the snapshot, or (host snapshot, CUDA tensors) the message's part of it on the device
+    own: list[int]  # the pack boxes with a snapshot
+    snap: torch.Tensor  # the snapshot, or (host snapshot, CUDA tensors) the chunk's part of it on the device
     snap_offsets: list[int]  # of the own boxes, in `snap`
     snap_base: int
     scan: ChangeScan | None
@@ -321,7 +323,7 @@ class _Run:
         self.version = secrets.randbits(62) + 1
         self.errors: list[str] = []
         self.peer_held: dict[tuple[int, int], list[int]] = {}  # (chunk index in prog, message) -> held versions
-        self.scanned: dict[tuple[int, int], _Scanned] = {}  # (chunk index in prog, message) -> compared early
+        self.scanned: dict[int, _Scanned] = {}  # chunk index in prog -> compared early
         self.received: dict[tuple[int, int], _Received] = {}  # forwarded received boxes that arrived this run
 
     def _pack_tensors(self, step: RankChunk) -> list[torch.Tensor]:
@@ -372,124 +374,125 @@ class _Run:
 
     # -- one chunk ------------------------------------------------------------------------------------------
 
-    def scan(self, k: int, step: RankChunk, i: int) -> _Scanned:
-        """Send message `i` of chunk `k`: its boxes' views (cast where the plan casts) and the comparison of its own
-        boxes with their snapshot."""
-        m = step.sends[i]
+    def scan(self, k: int, step: RankChunk) -> _Scanned:
+        """Chunk `k`'s send boxes and the comparison of its own boxes with their snapshot (one call)."""
         tensors = self._pack_tensors(step)
         boxes = self.state.send[k]
-        ix = range(m.first_box, m.first_box + len(m.transfers))
         views, bxs = [], []
-        for b in ix:
-            t, box, wire = tensors[b], step.pack.boxes[b], step.pack.wire[b]
+        for t, box, wire in zip(tensors, step.pack.boxes, step.pack.wire):
             if wire is not None and wire != t.dtype:
                 t = t[box.slices()].to(wire)
                 box = _whole(t)
             views.append(t)
             bxs.append(box)
-        own = [j for j, b in enumerate(ix) if boxes[b].forward is None]
+        own = [b for b, sb in enumerate(boxes) if sb.forward is None]
         snap, snap_base = self.state.snapshot, 0
-        snap_offs = [boxes[ix[j]].snap_offset for j in own]
-        if own and snap.device != self.state.device:  # host snapshot, CUDA tensors: this message's part on device
+        snap_offs = [boxes[b].snap_offset for b in own]
+        if own and snap.device != self.state.device:  # host snapshot, CUDA tensors: this chunk's part on device
             lo = min(snap_offs)
-            hi = max(o + boxes[ix[j]].nbytes for o, j in zip(snap_offs, own))
+            hi = max(o + boxes[b].nbytes for o, b in zip(snap_offs, own))
             snap, snap_base = snap[lo:hi].to(self.state.device, non_blocking=True), lo
             snap_offs = [o - lo for o in snap_offs]
-        scan = (scan_changes([views[j] for j in own], [bxs[j] for j in own], snap, snap_offs)
-                if own else None)
+        scan = scan_changes([views[b] for b in own], [bxs[b] for b in own], snap, snap_offs) if own else None
         return _Scanned(views, bxs, own, snap, snap_offs, snap_base, scan)
 
     def prescan(self) -> None:
-        """Compare the first send messages with their snapshots before the state round (while receivers check
-        their boxes), as long as their boxes are read from source tensors (which no run writes) and their planned
-        bytes stay within one staging slot: the state round then only decides formats."""
+        """Compare the first chunks' send boxes with their snapshots before the state round (while receivers check
+        their boxes), as long as their own boxes are read from source tensors (which no run writes) and their
+        planned bytes stay within one staging slot: the state round then only decides formats."""
         budget, used = self.staging.slot_bytes, 0
         for k, step in enumerate(self.prog.chunks):
-            for i, m in enumerate(step.sends):
-                boxes = self.state.send[k]
-                ix = range(m.first_box, m.first_box + len(m.transfers))
-                if any(step.pack.from_dst[b] and boxes[b].forward is None for b in ix):
-                    continue
-                if used and used + m.nbytes > budget:
-                    return
-                used += m.nbytes
-                self.scanned[(k, i)] = self.scan(k, step, i)
+            if not step.sends:
+                continue
+            boxes = self.state.send[k]
+            if any(d and sb.forward is None for d, sb in zip(step.pack.from_dst, boxes)):
+                continue
+            if used and used + step.send_bytes > budget:
+                return
+            used += step.send_bytes
+            self.scanned[k] = self.scan(k, step)
 
     def encode(self, k: int, step: RankChunk, area: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """Encode (or pack raw) every send message of chunk `k` into `area`; per message its size words and the
         bytes to send.
 
-        Own boxes are encoded against their snapshot, sparse where the receiver holds the snapshot's version. A
-        forwarded box goes as it arrived when it arrived sparse from the version the receiver holds (its bytes
-        copied from its store), else DENSE from the destination tensor it landed in, with the version it arrived
-        with."""
-        out = []
+        Own boxes are encoded against their snapshot, sparse where the receiver holds the snapshot's version (one
+        `delta_encode` call for the chunk). A forwarded box goes as it arrived when it arrived sparse from the
+        version the receiver holds (its bytes copied from its store), else DENSE from the destination tensor it
+        landed in (`delta_encode_dense`), with the version it arrived with."""
         threshold = self.session.threshold
+        sc = self.scanned.pop(k, None) or self.scan(k, step)
+        boxes = self.state.send[k]
+        views, bxs = sc.views, sc.boxes
+        own_at = {b: n for n, b in enumerate(sc.own)}
+        formats: list[DeltaFormat | None] = [None] * len(boxes)
+        counts, versions, bases = [0] * len(boxes), [self.version] * len(boxes), [0] * len(boxes)
+        received: list[_Received | None] = [None] * len(boxes)
+        at = [0] * len(boxes)  # byte offset of each encoded box in `area`
+        raw: list[int] = []  # messages sent raw
         for i, m in enumerate(step.sends):
-            sc = self.scanned.pop((k, i), None) or self.scan(k, step, i)
             held = self.peer_held[(k, i)]
             ix = list(range(m.first_box, m.first_box + len(m.transfers)))
-            boxes = self.state.send[k]
-            views, bxs = sc.views, sc.boxes
-            dtypes = [v.dtype for v in views]
-            formats: list[DeltaFormat | None] = []
-            counts: list[int] = []
-            versions: list[int] = []
-            bases: list[int] = []
-            received: list[_Received | None] = []
-            own_at = {j: n for n, j in enumerate(sc.own)}
             for j, b in enumerate(ix):
                 sb = boxes[b]
                 if sb.forward is None:
                     fresh = sb.version != _NO_VERSION and held[j] == sb.version
-                    formats.append(None if fresh else DeltaFormat.DENSE)
-                    counts.append(sc.scan.counts[own_at[j]])
-                    versions.append(self.version)
-                    bases.append(sb.version if fresh else 0)
-                    received.append(None)
+                    formats[b] = None if fresh else DeltaFormat.DENSE
+                    counts[b] = sc.scan.counts[own_at[b]]
+                    bases[b] = sb.version if fresh else 0
                     continue
                 r = self.received.get(sb.forward)
                 h = r.header if r is not None else None
                 if h is not None and h.base_version != _NO_VERSION and held[j] == h.base_version:
-                    formats.append(h.format)
-                    counts.append(h.count)
+                    formats[b], counts[b], received[b] = h.format, h.count, r
                 else:
-                    formats.append(DeltaFormat.DENSE)
-                    counts.append(bxs[j].numel)
-                    h = None
-                versions.append(r.version if r is not None else _NO_VERSION)
-                bases.append(0)
-                received.append(r if h is not None else None)
+                    formats[b], counts[b] = DeltaFormat.DENSE, bxs[b].numel
+                versions[b] = r.version if r is not None else _NO_VERSION
             start, room = _aligned(area, m.buffer_offset, m.nbytes)
-            offs, end = delta_offsets(bxs, dtypes, counts, formats, threshold=threshold)
-            link = self.report.links
+            offs, end = delta_offsets([bxs[b] for b in ix], [views[b].dtype for b in ix], [counts[b] for b in ix],
+                                      [formats[b] for b in ix], threshold=threshold)
             if end <= m.nbytes - _ALIGN_SLACK and end <= room:
-                buf = area.narrow(0, start, end)
-                headers: list[DeltaHeader | None] = [None] * len(ix)
-                if sc.own:
-                    own = sc.own
-                    got = delta_encode([views[j] for j in own], [bxs[j] for j in own], sc.snap, sc.snap_offsets, buf,
-                                       [offs[j] for j in own], counts=sc.scan, base_version=[bases[j] for j in own],
-                                       version=self.version, formats=[formats[j] for j in own], threshold=threshold)
-                    for j, h in zip(own, got):
-                        headers[j] = h
-                dense = [j for j, b in enumerate(ix) if boxes[b].forward is not None and received[j] is None]
-                if dense:
-                    got = delta_encode_dense([views[j] for j in dense], [bxs[j] for j in dense], buf,
-                                             [offs[j] for j in dense], version=[versions[j] for j in dense])
-                    for j, h in zip(dense, got):
-                        headers[j] = h
-                for j, r in enumerate(received):
-                    if r is not None:  # forwarded as it arrived
-                        at, _ = self.state.stores[boxes[ix[j]].forward]
-                        buf.narrow(0, offs[j], r.header.nbytes).copy_(self.state.snapshot.narrow(0, at,
-                                                                                                  r.header.nbytes))
-                        headers[j] = r.header
-                        self.report.forwarded_boxes += 1
-                sizes = [h.nbytes for h in headers]
-                words = [end, self.version, *sizes]
-                payload = buf
-                for t, h in zip(m.transfers, headers):
+                for b, o in zip(ix, offs):
+                    at[b] = start + o
+            else:
+                raw.append(i)
+        raw_boxes = {b for i in raw for b in range(step.sends[i].first_box,
+                                                   step.sends[i].first_box + len(step.sends[i].transfers))}
+        headers: list[DeltaHeader | None] = [None] * len(boxes)
+        own = [b for b in sc.own if b not in raw_boxes]
+        if own:
+            n = [own_at[b] for b in own]
+            whole = len(own) == len(sc.own)  # the scan describes exactly these boxes: no second comparison
+            got = delta_encode([views[b] for b in own], [bxs[b] for b in own], sc.snap,
+                               [sc.snap_offsets[x] for x in n], area, [at[b] for b in own],
+                               counts=sc.scan if whole else [sc.scan.counts[x] for x in n],
+                               base_version=[bases[b] for b in own], version=self.version,
+                               formats=[formats[b] for b in own], threshold=threshold)
+            for b, h in zip(own, got):
+                headers[b] = h
+        dense = [b for b, sb in enumerate(boxes)
+                 if sb.forward is not None and received[b] is None and b not in raw_boxes]
+        if dense:
+            got = delta_encode_dense([views[b] for b in dense], [bxs[b] for b in dense], area,
+                                     [at[b] for b in dense], version=[versions[b] for b in dense])
+            for b, h in zip(dense, got):
+                headers[b] = h
+        for b, r in enumerate(received):
+            if r is not None and b not in raw_boxes:  # forwarded as it arrived
+                store = self.state.stores[boxes[b].forward][0]
+                area.narrow(0, at[b], r.header.nbytes).copy_(self.state.snapshot.narrow(0, store, r.header.nbytes))
+                headers[b] = r.header
+                self.report.forwarded_boxes += 1
+        out = []
+        link = self.report.links
+        for i, m in enumerate(step.sends):
+            ix = list(range(m.first_box, m.first_box + len(m.transfers)))
+            if i not in raw:
+                sizes = [headers[b].nbytes for b in ix]
+                payload = area.narrow(0, at[ix[0]], sum(sizes))
+                out.append(([sum(sizes), self.version, *sizes], payload))
+                for t, b in zip(m.transfers, ix):
+                    h = headers[b]
                     st = link.setdefault(t.link, DeltaLinkStats())
                     st.elements += h.numel
                     st.changed += h.count
@@ -499,29 +502,29 @@ class _Run:
                         st.dense_boxes += 1
                     else:
                         st.sparse_boxes += 1
-            else:  # raw: exactly as the plan packs it; the snapshot takes the packed bytes
-                rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
-                msg = area.narrow(0, m.buffer_offset, m.nbytes)
-                pack(views, bxs, msg, rel)
-                for j, o in zip(sc.own, sc.snap_offsets):
-                    n = boxes[ix[j]].nbytes
-                    sc.snap.narrow(0, o, n).copy_(msg.narrow(0, rel[j], n))
-                words = [-1, self.version, *versions]  # raw: the version of each box
-                payload = msg
-                self.report.raw_messages += 1
-                for t in m.transfers:
-                    st = link.setdefault(t.link, DeltaLinkStats())
-                    numel = t.global_box.numel
-                    st.elements += numel
-                    st.changed += numel
-                    st.dense_bytes += t.nbytes
-                    st.encoded_bytes += t.nbytes
-                    st.dense_boxes += 1
-            if sc.own and sc.snap is not self.state.snapshot:
-                self.state.snapshot[sc.snap_base: sc.snap_base + sc.snap.numel()].copy_(sc.snap)
-            for j in sc.own:
-                boxes[ix[j]].version = self.version
-            out.append((words, payload))
+                continue
+            # raw: exactly as the plan packs it; the snapshot takes the packed bytes
+            rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
+            msg = area.narrow(0, m.buffer_offset, m.nbytes)
+            pack([views[b] for b in ix], [bxs[b] for b in ix], msg, rel)
+            for b, r_off in zip(ix, rel):
+                if b in own_at:
+                    n = boxes[b].nbytes
+                    sc.snap.narrow(0, sc.snap_offsets[own_at[b]], n).copy_(msg.narrow(0, r_off, n))
+            out.append(([-1, self.version, *[versions[b] for b in ix]], msg))  # raw: the version of each box
+            self.report.raw_messages += 1
+            for t in m.transfers:
+                st = link.setdefault(t.link, DeltaLinkStats())
+                numel = t.global_box.numel
+                st.elements += numel
+                st.changed += numel
+                st.dense_bytes += t.nbytes
+                st.encoded_bytes += t.nbytes
+                st.dense_boxes += 1
+        if sc.own and sc.snap is not self.state.snapshot:
+            self.state.snapshot[sc.snap_base: sc.snap_base + sc.snap.numel()].copy_(sc.snap)
+        for b in sc.own:
+            boxes[b].version = self.version
         return out
 
     def chunk(self, k: int, step: RankChunk, slot: int) -> None:
@@ -556,10 +559,9 @@ class _Run:
                 recvs.append((m.peer, torch.empty(max(total, 0), dtype=torch.uint8, device=recv_area.device)))
                 plans.append(None)
                 continue
-            buf = recv_area.narrow(0, start, total)
-            recvs.append((m.peer, buf))
+            recvs.append((m.peer, recv_area.narrow(0, start, total)))
             offs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
-            plans.append(("encoded", buf, offs))
+            plans.append(("encoded", start, offs, sizes))
         sends = [(m.peer, payload) for m, (_, payload) in zip(step.sends, encoded)]
         handle = post([s for s in sends if s[1].numel()], [r for r in recvs if r[1].numel()], self.group,
                       tag=TAG_DATA, timeout=self.timeout, what=what)
@@ -579,45 +581,70 @@ class _Run:
         self.report.seconds_unpack += time.perf_counter() - t3
 
     def decode(self, k: int, step: RankChunk, recv_area: torch.Tensor, plans: list) -> None:
+        """Apply the chunk's received messages: raw ones by `unpack`, the encoded ones by one `delta_decode` call
+        over all of them (every header is checked before any box is written); then record versions and
+        fingerprints, and how each box this rank forwards later arrived."""
         tensors = self._unpack_tensors(step)
         held = self.state.held[k]
         check = self.session.check
+        t0 = time.perf_counter()
+        applied: list[tuple[int, int, DeltaHeader | None, int]] = []  # (box, version, header, offset in recv_area)
+        enc_boxes, enc_offs, enc_versions, enc_peers = [], [], [], []
         for m, p in zip(step.recvs, plans):
             ix = list(range(m.first_box, m.first_box + len(m.transfers)))
-            ts, bxs = [tensors[b] for b in ix], [step.unpack.boxes[b] for b in ix]
             versions = [held[b][0] if held[b] is not None else None for b in ix]
             for b in ix:
                 held[b] = None  # until applied
             if p is None:
                 continue  # a malformed size message (an error is recorded)
-            t0 = time.perf_counter()
-            try:
-                if p[0] == "raw":
-                    msg = recv_area.narrow(0, m.buffer_offset, m.nbytes)
-                    unpack(msg, [step.unpack.offsets[b] - m.buffer_offset for b in ix], ts, bxs)
-                    new, headers, offs = list(p[1]), [None] * len(ix), None
-                else:
-                    _, buf, offs = p
-                    headers = delta_decode(buf, offs, ts, bxs, versions=versions)
-                    new = [h.version for h in headers]
-            except ValueError as e:
-                self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: message from rank {m.peer}: {e}")
-                continue
-            for j, b in enumerate(ix):  # boxes this rank forwards later in the run: keep how they arrived
-                store = self.state.stores.get((k, b))
-                if store is None:
+            if p[0] == "raw":
+                msg = recv_area.narrow(0, m.buffer_offset, m.nbytes)
+                try:
+                    unpack(msg, [step.unpack.offsets[b] - m.buffer_offset for b in ix], [tensors[b] for b in ix],
+                           [step.unpack.boxes[b] for b in ix])
+                except ValueError as e:
+                    self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: raw message from rank "
+                                       f"{m.peer}: {e}")
                     continue
-                h = headers[j]
-                if h is not None and h.format != DeltaFormat.DENSE and h.nbytes <= store[1]:
-                    self.state.snapshot.narrow(0, store[0], h.nbytes).copy_(buf.narrow(0, offs[j], h.nbytes))
-                else:
-                    h = None
-                self.received[(k, b)] = _Received(new[j], h)
-            self.report._time("decode", time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for b, v, t, box in zip(ix, new, ts, bxs):
-                held[b] = (v, _fingerprint(t[box.slices()], check))
-            self.report._time("decode_fingerprint", time.perf_counter() - t0)
+                applied += [(b, v, None, -1) for b, v in zip(ix, p[1])]
+                continue
+            _, start, offs, sizes = p
+            at = [start + o for o in offs]
+            try:  # each box must take exactly the bytes its sender announced (so no box reads another's)
+                bad = [(h.nbytes, n) for h, n in zip(read_delta_headers(recv_area, at), sizes) if h.nbytes != n]
+            except ValueError as e:
+                bad = [str(e)]
+            if bad:
+                self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: message from rank {m.peer}: "
+                                   f"encoded boxes do not take the bytes announced for them: {bad[:4]}")
+                continue
+            enc_boxes += ix
+            enc_offs += at
+            enc_versions += versions
+            enc_peers.append(m.peer)
+        if enc_boxes:
+            try:
+                headers = delta_decode(recv_area, enc_offs, [tensors[b] for b in enc_boxes],
+                                       [step.unpack.boxes[b] for b in enc_boxes], versions=enc_versions)
+            except ValueError as e:
+                self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: messages from ranks "
+                                   f"{enc_peers} (boxes in their order): {e}")
+            else:
+                applied += [(b, h.version, h, o) for b, h, o in zip(enc_boxes, headers, enc_offs)]
+        for b, v, h, o in applied:  # boxes this rank forwards later in the run: keep how they arrived
+            store = self.state.stores.get((k, b))
+            if store is None:
+                continue
+            if h is not None and h.format != DeltaFormat.DENSE and h.nbytes <= store[1]:
+                self.state.snapshot.narrow(0, store[0], h.nbytes).copy_(recv_area.narrow(0, o, h.nbytes))
+            else:
+                h = None
+            self.received[(k, b)] = _Received(v, h)
+        t1 = time.perf_counter()
+        self.report._time("decode", t1 - t0)
+        for b, v, _, _ in applied:
+            held[b] = (v, _fingerprint(tensors[b][step.unpack.boxes[b].slices()], check))
+        self.report._time("decode_fingerprint", time.perf_counter() - t1)
 
     def local(self, step: RankChunk) -> None:
         if not step.local:

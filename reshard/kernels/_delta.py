@@ -719,7 +719,10 @@ def read_delta_headers(buffer: torch.Tensor, offsets: OffsetArg) -> list[DeltaHe
     if not offs:
         return []
     words_view = buffer.view(torch.int64) if buffer.data_ptr() % 8 == 0 and buffer.numel() % 8 == 0 else None
-    if words_view is not None:
+    if buffer.device.type == "cpu":  # numpy slices: no index tensors, no copies
+        raw = buffer.numpy()
+        words = [raw[o: o + DELTA_HEADER_BYTES].view(np.int64).tolist() for o in offs]
+    elif words_view is not None:
         idx = torch.tensor(offs, dtype=torch.int64, device=buffer.device)[:, None] // 8 + torch.arange(
             _HEADER_WORDS, device=buffer.device)
         words = words_view[idx].cpu().tolist()
