@@ -3,9 +3,10 @@
 Usage:
     python perf/bench_delta.py [--numel 4194304] [--steps 5] [--lrs 1e-6,1e-5] [--seed 0]
         [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0]
-        [--refit-numel 16777216] [--refit-weights 4] [--refit-steps 5] [--out perf/out]
+        [--refit-numel 16777216] [--refit-weights 4] [--refit-steps 5] [--delta-check sum]
+        [--only synthetic,model,timing,refit,model_refit] [--out perf/out]
 
-Four parts, all on this machine's CPU with the torch path of `reshard.kernels`:
+Five parts, all on this machine's CPU with the torch path of `reshard.kernels` (`--only` picks some):
     synthetic  fp32 master weights `~N(0, 0.02)` (`--numel` elements), AdamW (torch defaults: betas (0.9, 0.999),
                eps 1e-8, weight decay 0.01) at each `--lrs` learning rate on fresh `N(0, 1)` gradients every step;
                after each step the bf16 inference copy (`w.bfloat16()`) is compared bit for bit with the previous
@@ -23,7 +24,12 @@ Four parts, all on this machine's CPU with the torch path of `reshard.kernels`:
                destinations of a full `Refit` and of a `Refit(delta=True)`. Per step both run, in alternating order,
                each between barriers; rows give the slowest rank's time, the paired time ratio, the wire bytes of
                both (the delta's including its state and size messages), their ratio, and the delta's wire bytes
-               over the encoded size of the changed elements; destinations are compared bit for bit.
+               over the encoded size of the changed elements, and the CPU seconds of each summed over the ranks;
+               destinations are compared bit for bit. The per-rank median seconds of each phase of the delta runs
+               (`DeltaReport.phases`) are logged.
+    model_refit the same side by side over the tiny Llama's weights (21 parameters, 3.5M elements), trained a
+               step between refits on every trainer rank (the same tokens: all hold the same weights), `S(0)` on
+               ranks 0-3 -> `[R, S(0)]` on ranks 4-7.
 
 For every step the encoded bytes of each format (DENSE, BITMASK, INDICES; `delta_nbytes`) and of the chosen one are
 reported next to the dense bytes; the chosen encoding is also really encoded and decoded (`delta_encode`,
@@ -255,7 +261,7 @@ def tiny_llama(seed: int):
 
 
 def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
-              model: bool = False) -> list[dict[str, object]]:
+              model: bool = False, check: str = "sum") -> list[dict[str, object]]:
     """On every rank: trainer ranks 0-3 hold fp32 master weights `S(0)` and their bf16 copies, AdamW on random
     gradients; inference ranks 4-7 (one NVLink domain, 2 x 2 `[R, S(1)]`: relays) hold two sets of bf16
     destinations, one for a full `Refit` and one for `Refit(delta=True)`. Per step the two refits run in
@@ -263,7 +269,8 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
 
     With `model`, the weights are the parameters of the tiny Llama (`tiny_llama`, the same init on every rank):
     each trainer rank trains the whole model on the same random tokens (so all hold the same weights) and sources
-    its `S(0)` shard of each parameter; the inference ranks hold `[R, S(0)]` (`numel`, `num_weights` unused)."""
+    its `S(0)` shard of each parameter; the inference ranks hold `[R, S(0)]` (`numel`, `num_weights` unused).
+    `check`: the delta refit's `delta_check`."""
     import datetime
 
     from reshard import Layout, Mesh, Replicate, Shard, Topology
@@ -272,7 +279,8 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
     rank, group = w.rank, w.group
     td = datetime.timedelta(seconds=300)
     topo = Topology(domain_size=4)
-    refits = {mode: Refit(group, topology=topo, delta=mode == "delta", staging_bytes=64 * MiB, policy="reshard")
+    refits = {mode: Refit(group, topology=topo, delta=mode == "delta", staging_bytes=64 * MiB, policy="reshard",
+                          delta_check=check)
               for mode in ("full", "delta")}
     masters, copies, opt = [], [], None
     dests: dict[str, list[torch.Tensor]] = {"full": [], "delta": []}
@@ -362,7 +370,7 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
 
 
 def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, seed: int,
-                  model: bool = False) -> list[dict[str, object]]:
+                  model: bool = False, check: str = "sum") -> list[dict[str, object]]:
     """`refit_job` on `REFIT_WORLD` gloo ranks per learning rate; one row per step (summed over ranks, times as
     the slowest rank's) and one summary row per learning rate with median paired ratios. `model`: the tiny Llama's
     weights (part `model_refit`)."""
@@ -372,12 +380,12 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
     part = "model_refit" if model else "refit"
     with RankPool(REFIT_WORLD) as pool:
         for lr in lrs:
-            per_rank = pool.run_ok(refit_job, numel, num_weights, lr, steps, seed, model, timeout=1800)
+            per_rank = pool.run_ok(refit_job, numel, num_weights, lr, steps, seed, model, check, timeout=1800)
             if not per_rank[0]:
                 return out  # no transformers
             for k in range(steps):
                 rs = [per_rank[r][k] for r in range(REFIT_WORLD)]
-                row = {"part": part, "lr": lr, "step": k + 1, "numel": rs[0]["weights_numel"],
+                row = {"part": part, "lr": lr, "step": k + 1, "delta_check": check, "numel": rs[0]["weights_numel"],
                        "weights": rs[0]["weights"], "ranks": REFIT_WORLD,
                        "full_s": max(r["full_s"] for r in rs), "delta_s": max(r["delta_s"] for r in rs),
                        "equal": all(r["equal"] for r in rs),
@@ -425,10 +433,13 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4))
-    for lr in sorted({r["lr"] for r in rows if r["part"] == "refit"}):
-        sel = [r for r in rows if r["part"] == "refit" and r["lr"] == lr]
-        ax2.plot([r["step"] for r in sel], [r["bytes_ratio"] for r in sel], "-o", label=f"bytes full/delta lr={lr:g}")
-        ax2.plot([r["step"] for r in sel], [r["time_ratio"] for r in sel], "--s", label=f"time full/delta lr={lr:g}")
+    for part, tag in (("refit", ""), ("model_refit", " model")):
+        for lr in sorted({r["lr"] for r in rows if r["part"] == part}):
+            sel = [r for r in rows if r["part"] == part and r["lr"] == lr]
+            ax2.plot([r["step"] for r in sel], [r["bytes_ratio"] for r in sel], "-o",
+                     label=f"bytes full/delta{tag} lr={lr:g}")
+            ax2.plot([r["step"] for r in sel], [r["time_ratio"] for r in sel], "--s",
+                     label=f"time full/delta{tag} lr={lr:g}")
     ax2.set(xlabel="step", ylabel="full / delta", yscale="log",
             title=f"refit on {REFIT_WORLD} gloo ranks, delta vs full")
     ax2.grid(True, which="both", alpha=0.3)
@@ -471,6 +482,8 @@ def main() -> None:
     ap.add_argument("--refit-numel", type=int, default=16 * MiB, help="bf16 elements of the refit part (0: skip)")
     ap.add_argument("--refit-weights", type=int, default=4)
     ap.add_argument("--refit-steps", type=int, default=5)
+    ap.add_argument("--delta-check", default="sum", choices=("sum", "checksum", "none"),
+                    help="Refit(delta_check=...) of the refit parts: how a destination finds it was overwritten")
     ap.add_argument("--only", default="", help="comma-separated parts to run (synthetic, model, timing, refit, "
                     "model_refit); "
                     "default all")
@@ -510,9 +523,10 @@ def main() -> None:
                 logger.info("timing %s: median %.4f s (min %.4f, max %.4f), %d bytes", r["op"], r["median_s"],
                             r["min_s"], r["max_s"], r["bytes"])
     if args.refit_numel and "refit" in parts:
-        rows.extend(refit_compare(args.refit_numel, args.refit_weights, lrs, args.refit_steps, args.seed))
+        rows.extend(refit_compare(args.refit_numel, args.refit_weights, lrs, args.refit_steps, args.seed,
+                                  check=args.delta_check))
     if not args.no_model and "model_refit" in parts:
-        rows.extend(refit_compare(0, 0, lrs, args.model_steps, args.seed, model=True))
+        rows.extend(refit_compare(0, 0, lrs, args.model_steps, args.seed, model=True, check=args.delta_check))
     out = Path(args.out)
     config = {"numel_arg": args.numel, "seed": args.seed, "repeat": args.repeat}
     write_csv(out / "bench_delta.csv", [{**r, **config, **info} for r in rows])
