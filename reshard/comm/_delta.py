@@ -521,8 +521,10 @@ class _Run:
                 st.dense_bytes += t.nbytes
                 st.encoded_bytes += t.nbytes
                 st.dense_boxes += 1
-        if sc.own and sc.snap is not self.state.snapshot:
-            self.state.snapshot[sc.snap_base: sc.snap_base + sc.snap.numel()].copy_(sc.snap)
+        if sc.own and sc.snap is not self.state.snapshot:  # back to the host: the own slots only (not the stores)
+            for b, o in zip(sc.own, sc.snap_offsets):
+                self.state.snapshot.narrow(0, sc.snap_base + o, boxes[b].nbytes).copy_(sc.snap.narrow(0, o,
+                                                                                                   boxes[b].nbytes))
         for b in sc.own:
             boxes[b].version = self.version
         return out
