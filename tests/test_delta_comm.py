@@ -188,3 +188,55 @@ def test_mismatched_plans_raise_on_every_rank_and_leave_destinations(pool) -> No
     for r, (kind, msg, untouched) in enumerate(pool.run_ok(on_rank_mismatch)):
         assert kind == "ValueError" and "staging_bytes" in msg, (r, kind, msg[:500])
         assert untouched, r
+
+
+def on_rank_corrupt_count(w) -> tuple[str, str, bool]:
+    """A sender (rank 0) whose encoded box's header counts no changed element while its announced size is that of
+    the real encoding: the receiver must refuse it (it would otherwise apply nothing and keep stale values), every
+    rank must raise, and the refused box keeps its old values."""
+    from reshard import Layout, Mesh, plan
+    from reshard.comm import DeltaSession, _delta, execute
+
+    src = Layout((32, 16), Mesh(A), [S0], torch.float32)
+    dst = Layout((32, 16), Mesh(B), [S1], torch.float32)
+    p = plan(src, dst)
+    session = DeltaSession()
+    old = full_tensor((32, 16), torch.float32, "corrupt")
+    new = old.clone()
+    new.view(-1)[::10] += 1.0  # every source shard has changed elements: sparse boxes
+    d = torch.zeros(dst.local_shape(w.rank)) if w.rank in dst.ranks else None
+    dd = None if d is None else [d]
+    execute(p, w.rank, [dtensor_local(old, src)] if w.rank in src.ranks else None, dd, w.group, delta=session,
+            timeout=60)
+    original = _delta._Run.encode
+
+    def corrupt(self, k, step, area):
+        out = original(self, k, step, area)
+        for words, payload in out:
+            if words[0] > 0:
+                payload.view(torch.int64)[2] = 0  # the first box's count word
+        return out
+
+    if w.rank == 0:
+        _delta._Run.encode = corrupt
+    try:
+        execute(p, w.rank, [dtensor_local(new, src)] if w.rank in src.ranks else None, dd, w.group, delta=session,
+                timeout=60)
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        kind, msg = type(e).__name__, str(e)
+    else:
+        kind, msg = "", ""
+    finally:
+        _delta._Run.encode = original
+    kept = True
+    if d is not None:  # the rows rank 0 sends keep their old values; no element of the box took a new one
+        rows = slice(0, 8)
+        kept = torch.equal(as_bytes(d[rows]), as_bytes(dtensor_local(old, dst)[rows]))
+    w.group.cache.clear()
+    return kind, msg, kept
+
+
+def test_a_box_that_does_not_take_its_announced_bytes_is_refused_on_every_rank(pool) -> None:
+    for r, (kind, msg, kept) in enumerate(pool.run_ok(on_rank_corrupt_count)):
+        assert kind == "ValueError" and "bytes announced" in msg, (r, kind, msg[:500])
+        assert kept, r
