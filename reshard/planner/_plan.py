@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import logging
 import math
 import operator
@@ -211,13 +212,18 @@ class _Builder:
         idle) stops at `SENDER_SPREAD_FACTOR` times that. No part is smaller than `min_split_bytes` unless the box
         is.
         """
-        nbytes = box.numel * itemsize
+        numel = 1
+        for s in box.shape:
+            numel *= s
+        nbytes = numel * itemsize
         want, senders = num_candidates, num_senders
         if fair_share > 0:
             want = min(want, max(1, math.ceil(SPREAD_FACTOR * nbytes / fair_share)))
             senders = min(senders, max(1, math.ceil(SENDER_SPREAD_FACTOR * nbytes / fair_share)))
         want = min(max(want, senders), max(1, nbytes // self.min_split_bytes))
         cap_numel = max(1, self.chunk_cap // itemsize)
+        if (want <= 1 or numel <= 1) and numel <= cap_numel:  # the common case: the box as it is
+            return [box]
         out: list[Box] = []
         for part in split_box(box, want):
             out.extend(split_to_fit(part, cap_numel))
@@ -225,7 +231,7 @@ class _Builder:
 
 
 def _delta(global_box: Box, local_box: Box) -> tuple[int, ...]:
-    return tuple(lo - go for lo, go in zip(local_box.offsets, global_box.offsets))
+    return tuple(map(operator.sub, local_box.offsets, global_box.offsets))
 
 
 @dataclass(slots=True)
@@ -290,11 +296,34 @@ def _translate(box: Box, delta: tuple[int, ...]) -> Box:
 
 
 def _part(box: Box, itemsize: int, dst_deltas: Sequence[tuple[int, ...]],
-          src_deltas: Sequence[tuple[int, ...]]) -> _Part:
-    # replicas usually sit at the same place in their local tensors: translate once per distinct delta
-    moved = {d: _translate(box, d) for d in {*dst_deltas, *src_deltas}}
-    return _Part(box, box.numel * itemsize, tuple(map(moved.__getitem__, dst_deltas)),
-                 tuple(map(moved.__getitem__, src_deltas)))
+          src_deltas: Sequence[tuple[int, ...]], src_one: tuple[int, ...] | None = None) -> _Part:
+    """`box` and its place in each needer's and each holder's local tensor; `src_one`: the one delta every holder
+    shares, when they do (replicas usually sit at the same place in their local tensors)."""
+    offsets, shape = box.offsets, box.shape
+    nbytes = itemsize
+    for s in shape:
+        nbytes *= s
+    make = Box._make
+    add = operator.add
+    moved: dict[tuple[int, ...], Box] = {}  # translate once per distinct delta
+    if src_one is not None:
+        sbox = moved[src_one] = make(tuple(map(add, offsets, src_one)), shape)
+        srcs = (sbox,) * len(src_deltas)
+    else:
+        for d in src_deltas:
+            if d not in moved:
+                moved[d] = make(tuple(map(add, offsets, d)), shape)
+        srcs = tuple(map(moved.__getitem__, src_deltas))
+    for d in dst_deltas:
+        if d not in moved:
+            moved[d] = make(tuple(map(add, offsets, d)), shape)
+    return _Part(box, nbytes, tuple(map(moved.__getitem__, dst_deltas)), srcs)
+
+
+def _one_delta(deltas: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The delta all of `deltas` share, or None."""
+    first = deltas[0]
+    return first if deltas.count(first) == len(deltas) else None
 
 
 def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
@@ -324,29 +353,39 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
     local: list[_LocalCopy] = []
     nvl_needs: list[tuple[Box, int, tuple[int, ...], list[tuple[int, tuple[int, ...]]]]] = []
     net_needs: dict[Any, dict[tuple[int, Box], list[tuple[int, tuple[int, ...]]]]] = {}
+    query = index.query
     for r in sorted(dst.ranks):
         dom = domain(r)
         own = src.pieces(r) if r in src_ranks else ()
+        dom_needs = net_needs.get(dom)
         for piece in dst.pieces(r):
-            d_delta = _delta(piece.global_box, piece.local_box)
-            remaining = [piece.global_box]
+            gbox = piece.global_box
+            d_delta = tuple(map(operator.sub, piece.local_box.offsets, gbox.offsets))
+            remaining = [gbox]
             for sp in own:
-                x = intersect(sp.global_box, piece.global_box)
+                x = intersect(sp.global_box, gbox)
                 if x is None:
                     continue
                 local.append(_LocalCopy(r, _translate(x, _delta(sp.global_box, sp.local_box)), _translate(x, d_delta),
                                         x))
                 remaining = [y for rem in remaining for y in subtract(rem, x)]
             for rem in remaining:
-                for gid in index.query(rem):
+                for gid in query(rem):
                     x = intersect(rem, group_boxes[gid])
                     if x is None:
                         continue
                     near = group_near[gid].get(dom)
                     if near:
                         nvl_needs.append((x, r, d_delta, near))
+                        continue
+                    if dom_needs is None:
+                        dom_needs = net_needs[dom] = {}
+                    key = (gid, x)
+                    lst = dom_needs.get(key)
+                    if lst is None:
+                        dom_needs[key] = [(r, d_delta)]
                     else:
-                        net_needs.setdefault(dom, {}).setdefault((gid, x), []).append((r, d_delta))
+                        lst.append((r, d_delta))
 
     # NVLink: largest boxes first; a box is split over several in-domain replicas only as far as other needs do
     # not already keep them busy
@@ -367,21 +406,31 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
         for gid, _ in needs:
             net_demand[gid] += 1
     net: list[_NetNeed] = []
+    split = b.parts
+    relay = b.relay
+    # per group: holder ranks, their deltas, the one delta they share or None (read only)
+    holder_cols: dict[int, tuple[list[int], list[tuple[int, ...]], tuple[int, ...] | None]] = {}
     for dom in sorted(net_needs, key=repr):
         needs = net_needs[dom]
-        for (gid, x) in sorted(needs, key=lambda k: (-k[1].numel, k[0], k[1].offsets)):
-            needers = needs[(gid, x)]
-            holders = group_holders[gid]
-            if b.relay:
-                k = -(-len(holders) // net_demand[gid])  # senders per part, so that no replica sits idle
-                boxes = b.parts(x, len(needers), itemsize, b.fair_recv.get(dom, 0.0), num_senders=k)
+        fair = b.fair_recv.get(dom, 0.0)
+        for key in sorted(needs, key=lambda k: (-math.prod(k[1].shape), k[0], k[1].offsets)):
+            gid, x = key
+            needers = needs[key]
+            hc = holder_cols.get(gid)
+            if hc is None:
+                holders = group_holders[gid]
+                h_deltas = [h[1] for h in holders]
+                hc = holder_cols[gid] = ([h[0] for h in holders], h_deltas, _one_delta(h_deltas))
+            h_ranks, h_deltas, h_one = hc
+            if relay:
+                k = -(-len(h_ranks) // net_demand[gid])  # senders per part, so that no replica sits idle
+                boxes = split(x, len(needers), itemsize, fair, num_senders=k)
             else:
-                k = -(-len(holders) // (net_demand[gid] * len(needers)))
-                boxes = b.parts(x, k, itemsize)
+                k = -(-len(h_ranks) // (net_demand[gid] * len(needers)))
+                boxes = split(x, k, itemsize)
             n_deltas = [n[1] for n in needers]
-            h_deltas = [h[1] for h in holders]
-            net.append(_NetNeed(dom, gid, x, [n[0] for n in needers], n_deltas, [h[0] for h in holders], h_deltas,
-                                [_part(box, itemsize, n_deltas, h_deltas) for box in boxes], k))
+            net.append(_NetNeed(dom, gid, x, [n[0] for n in needers], n_deltas, h_ranks, h_deltas,
+                                [_part(box, itemsize, n_deltas, h_deltas, h_one) for box in boxes], k))
     check = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
     largest = max([n.part.nbytes for n in nvl] + [p.nbytes for n in net for p in n.parts], default=0)
     return _Recipe(itemsize, local, nvl, net, check, largest)
@@ -498,6 +547,8 @@ def _unit_transfers(u: Unit, chunk: int) -> list[Transfer]:
                      src_t, dst_t) for item, src_t, dst_t in u.members]
 
 
+_RANK_FIELDS = {f: i for i, f in enumerate(RankBytes.__dataclass_fields__)}  # `RankBytes` fields in order
+
 _PLAN_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _PLAN_CACHE_SIZE = 128
 
@@ -608,41 +659,45 @@ class Plan:
                        needed_bytes: int) -> PlanStats:
         # vectorized: a whole-model plan has up to millions of transfers
         n = chunks.size
-        src, dst, nbytes, kind, chunk = cols.src, cols.dst, cols.nbytes, cols.link, chunks
+        nbytes, kind, chunk = cols.nbytes, cols.link, chunks
         ranks, src_id, dst_id = cols.ranks, cols.src_id, cols.dst_id
-        per: dict[int, dict[str, int]] = defaultdict(dict)
+        num_ranks = ranks.size
+        # per dense rank, the fields of `RankBytes` in order (float64 sums are exact below 2**53 bytes per rank)
+        table = np.zeros((len(_RANK_FIELDS), num_ranks), np.int64)
+        weights = nbytes.astype(np.float64)
 
-        def accumulate(name: str, ranks: np.ndarray, values: np.ndarray | None) -> None:
-            """`per[rank][name]` = sum of `values` (or the count) over entries of each rank."""
-            if not ranks.size:
-                return
-            if values is None:
-                totals = np.bincount(ranks)
-            else:  # float64 sums are exact below 2**53 bytes per rank
-                totals = np.rint(np.bincount(ranks, weights=values.astype(np.float64))).astype(np.int64)
-            for r in np.flatnonzero(totals).tolist():
-                per[r][name] = int(totals[r])
+        def total(row: str, ids: np.ndarray, values: np.ndarray | None) -> None:
+            if ids.size:
+                sums = np.bincount(ids, weights=values, minlength=num_ranks)
+                table[_RANK_FIELDS[row]] = np.rint(sums).astype(np.int64) if values is not None else sums
 
         by_link = {}
         for code, link in enumerate(LINKS):
-            sel = kind == code
+            sel = np.flatnonzero(kind == code)
+            w = weights[sel]
             by_link[link] = int(nbytes[sel].sum())
             if link == "local":
-                accumulate("local", dst[sel], nbytes[sel])
+                total("local", dst_id[sel], w)
                 continue
-            accumulate(f"{link}_send", src[sel], nbytes[sel])
-            accumulate(f"{link}_recv", dst[sel], nbytes[sel])
+            total(f"{link}_send", src_id[sel], w)
+            total(f"{link}_recv", dst_id[sel], w)
             # a message is one (chunk, sender, receiver)
-            _, senders, receivers = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], ranks.size, ranks.size)
-            accumulate(f"{link}_messages_sent", ranks[senders], None)
-            accumulate(f"{link}_messages_received", ranks[receivers], None)
-        num_messages = sum(v for d in per.values() for k, v in d.items() if k.endswith("_messages_sent"))
+            _, senders, receivers = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], num_ranks, num_ranks)
+            total(f"{link}_messages_sent", senders, None)
+            total(f"{link}_messages_received", receivers, None)
+        num_messages = int(table[_RANK_FIELDS["network_messages_sent"]].sum()
+                           + table[_RANK_FIELDS["nvlink_messages_sent"]].sum())
         num_chunks = int(chunk.max()) + 1 if n else 0
-        per_rank = {r: RankBytes(**v) for r, v in sorted(per.items())}
-        sends = [rb.send for rb in per_rank.values() if rb.send]
-        recvs = [rb.recv for rb in per_rank.values() if rb.recv]
-        mean_s = sum(sends) / len(sends) if sends else 0.0
-        mean_r = sum(recvs) / len(recvs) if recvs else 0.0
+        present = np.flatnonzero(table.any(axis=0))
+        per_rank = dict(zip(ranks[present].tolist(), itertools.starmap(RankBytes, table[:, present].T.tolist())))
+        send_all = table[_RANK_FIELDS["network_send"]] + table[_RANK_FIELDS["nvlink_send"]]
+        recv_all = table[_RANK_FIELDS["network_recv"]] + table[_RANK_FIELDS["nvlink_recv"]]
+        sends = send_all[send_all > 0]
+        recvs = recv_all[recv_all > 0]
+        mean_s = int(sends.sum()) / sends.size if sends.size else 0.0
+        mean_r = int(recvs.sum()) / recvs.size if recvs.size else 0.0
+        max_s = int(sends.max()) if sends.size else 0
+        max_r = int(recvs.max()) if recvs.size else 0
         return PlanStats(
             total_bytes=sum(by_link.values()),
             network_bytes=by_link["network"],
@@ -654,12 +709,12 @@ class Plan:
             num_transfers=int(cols.count.sum()),
             num_forwards=int(cols.count[cols.dep >= 0].sum()),
             num_chunks=num_chunks,
-            max_rank_send_bytes=max(sends, default=0),
-            max_rank_recv_bytes=max(recvs, default=0),
+            max_rank_send_bytes=max_s,
+            max_rank_recv_bytes=max_r,
             mean_rank_send_bytes=mean_s,
             mean_rank_recv_bytes=mean_r,
-            send_imbalance=max(sends) / mean_s if sends else 0.0,
-            recv_imbalance=max(recvs) / mean_r if recvs else 0.0,
+            send_imbalance=max_s / mean_s if sends.size else 0.0,
+            recv_imbalance=max_r / mean_r if recvs.size else 0.0,
             per_rank=per_rank,
         )
 
