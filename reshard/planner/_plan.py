@@ -547,6 +547,22 @@ def _unit_transfers(u: Unit, chunk: int) -> list[Transfer]:
                      src_t, dst_t) for item, src_t, dst_t in u.members]
 
 
+_GBOX, _SRC_BOX, _DST_BOX, _DST = (operator.itemgetter(Unit._fields.index(f)) for f in
+                                   ("global_box", "src_box", "dst_box", "dst"))
+_SHAPE, _OFFSETS = operator.attrgetter("shape"), operator.attrgetter("offsets")
+_UNBOUNDED = 1 << 62
+
+
+def _repeat_each(values: Sequence[Any], counts: Sequence[int]) -> Iterable[Any]:
+    """Each of `values` `counts[i]` times, in order."""
+    return itertools.chain.from_iterable(map(itertools.repeat, values, counts))
+
+
+def _expected_elements(layout: Any, rank: int) -> int:
+    """Elements of `layout`'s pieces on `rank` (what the plan must write there)."""
+    return sum(math.prod(piece.global_box.shape) for piece in layout.pieces(rank))
+
+
 _RANK_FIELDS = {f: i for i, f in enumerate(RankBytes.__dataclass_fields__)}  # `RankBytes` fields in order
 
 _PLAN_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
@@ -1147,45 +1163,148 @@ def _validate(p: Plan, spans: Sequence[UnitSpan] | None = None) -> None:
     `spans`: where the units planned from scratch are; the others replay one of them (same geometry, same boxes),
     so checking the planned ones checks all, and the byte total (every unit's bytes sum to what the destinations
     need) catches a unit left out or added. None checks every unit.
+
+    The per-box checks run on numpy columns of the boxes (one group per number of dims); only the (item, rank)
+    pairs whose boxes overlap along dim 0 once sorted are checked box by box (`_overlap`).
     """
     s = p.stats
     if s.total_bytes != s.needed_bytes:
         raise _invalid(f"the transfers write {s.total_bytes} bytes, but the destinations need {s.needed_bytes}")
     store = p._raw
-    if spans is not None:
+    num_rows = len(store.rows)
+    if spans is None:
+        spans = (UnitSpan(0, num_rows, 0, store.num_parts),)
+        every_member = True
+    else:
         # the members of a unit share its boxes and their geometry: the first member of each first unit stands
         # for all
-        units = [u for a, b, pa, pb in spans for u in (*store.rows[a:b], *store.forwards(pa, pb))]
-        planned: set[int] | None = {u.members[0].item for u in units}
-    else:
-        units, planned = list(store), None
+        every_member = False
+    starts = store._starts()
     num_items = len(p.items)
-    written: dict[tuple[int, int], tuple[tuple[int, ...], list[Box]]] = {}  # (item, rank): (local shape, boxes)
-    for u in units:
-        _, dst_rank, src_box, dst_box, gbox, _, _, _, members, _ = u
-        shape = gbox.shape
-        if shape != src_box.shape or shape != dst_box.shape:
+    # one entry per checked (unit, member): its item, destination rank and box; `where` finds the unit again
+    items_of: list[int] = []
+    dst_ranks: list[int] = []
+    boxes: list[Box] = []
+    where: list[int] = []
+    for a, b, pa, pb in spans:
+        rows = store.rows[a:b]
+        g_shapes = list(map(_SHAPE, map(_GBOX, rows)))
+        if g_shapes != list(map(_SHAPE, map(_SRC_BOX, rows))) or g_shapes != list(map(_SHAPE, map(_DST_BOX, rows))):
+            u = next(u for u in rows if not u.global_box.shape == u.src_box.shape == u.dst_box.shape)
             raise _invalid(f"transfer shapes disagree: {u}")
-        for item, _, _ in members if planned is None else members[:1]:
-            entry = written.get((item, dst_rank))
-            if entry is None:
-                if not 0 <= item < num_items:
-                    raise _invalid(f"unit names item {item}, but the plan has {num_items}: {u}")
-                entry = written[(item, dst_rank)] = (p.items[item].dst.local_shape(dst_rank), [])
-            dst_local, boxes = entry
-            if any(o < 0 or o + e > n for o, e, n in zip(dst_box.offsets, shape, dst_local)):
-                raise _invalid(f"destination box out of bounds of local shape {dst_local}: {u}")
-            boxes.append(dst_box)
-    for i, it in enumerate(p.items):
-        if planned is not None and i not in planned:
+        fa, fb = starts[pa], starts[pb]
+        counts = store.p_count[pa:pb]
+        part_shapes = list(map(_SHAPE, store.p_box[pa:pb]))
+        f_boxes = store.f_dst_box[fa:fb]
+        if part_shapes != list(map(_SHAPE, store.p_src_box[pa:pb])) or \
+                list(map(_SHAPE, f_boxes)) != list(_repeat_each(part_shapes, counts)):
+            j = next(j for j in range(fa, fb) if not store.row(num_rows + j).global_box.shape ==
+                     store.row(num_rows + j).src_box.shape == store.row(num_rows + j).dst_box.shape)
+            raise _invalid(f"transfer shapes disagree: {store.row(num_rows + j)}")
+        f_dst = store.f_dst[fa:fb]
+        if every_member:
+            for k, u in enumerate(rows, a):
+                for m in u[8]:
+                    items_of.append(m[0])
+                    dst_ranks.append(u[1])
+                    boxes.append(u[3])
+                    where.append(k)
+            for k, (ms, c) in enumerate(zip(store.p_members[pa:pb], counts), pa):
+                for j in range(starts[k], starts[k] + c):
+                    for m in ms:
+                        items_of.append(m[0])
+                        dst_ranks.append(store.f_dst[j])
+                        boxes.append(store.f_dst_box[j])
+                        where.append(num_rows + j)
+        else:
+            items_of.extend(u[8][0][0] for u in rows)
+            dst_ranks.extend(map(_DST, rows))
+            boxes.extend(map(_DST_BOX, rows))
+            where.extend(range(a, b))
+            items_of.extend(_repeat_each([ms[0][0] for ms in store.p_members[pa:pb]], counts))
+            dst_ranks.extend(f_dst)
+            boxes.extend(f_boxes)
+            where.extend(range(num_rows + fa, num_rows + fb))
+    planned: set[int] | None = None if every_member else set(items_of)
+    if items_of and not (0 <= min(items_of) and max(items_of) < num_items):
+        k = next(k for k, i in enumerate(items_of) if not 0 <= i < num_items)
+        raise _invalid(f"unit names item {items_of[k]}, but the plan has {num_items}: {store.row(where[k])}")
+    # every (planned item, destination rank): its key, local shape and the elements it must receive, per geometry
+    check_items = sorted(planned) if planned is not None else range(num_items)
+    span = 1 + max([*dst_ranks, *(max(p.items[i].dst.ranks, default=0) for i in check_items)], default=0)
+    geo: dict[int, tuple[np.ndarray, list[tuple[int, ...]], np.ndarray]] = {}
+    table_keys, table_shapes, table_expected = [], [], []
+    for i in check_items:
+        dst = p.items[i].dst
+        gid = _geometry_id(dst)
+        g = geo.get(gid)
+        if g is None:
+            ranks = list(dst.ranks)
+            g = geo[gid] = (np.asarray(ranks, np.int64), [tuple(dst.local_shape(r)) for r in ranks],
+                            np.asarray([_expected_elements(dst, r) for r in ranks], np.int64))
+        table_keys.append(g[0] + i * span)
+        table_shapes.extend(g[1])
+        table_expected.append(g[2])
+    keys_t = np.concatenate(table_keys) if table_keys else np.zeros(0, np.int64)
+    expected_t = np.concatenate(table_expected) if table_expected else np.zeros(0, np.int64)
+    order_t = np.argsort(keys_t, kind="stable")
+    sorted_t = keys_t[order_t]
+    keys = np.asarray(items_of, np.int64) * span + np.asarray(dst_ranks, np.int64)
+    pos = np.minimum(np.searchsorted(sorted_t, keys), max(sorted_t.size - 1, 0))
+    found = sorted_t[pos] == keys if sorted_t.size else np.zeros(keys.size, bool)
+    row = np.where(found, order_t[pos] if sorted_t.size else 0, -1)  # table row of each entry, -1: none
+    max_nd = max(map(len, table_shapes), default=0)
+    bound_t = np.fromiter(itertools.chain.from_iterable((*ls, *(_UNBOUNDED,) * (max_nd - len(ls))) for ls in
+                                                        table_shapes), np.int64, len(table_shapes) * max_nd)
+    bound_t = bound_t.reshape(len(table_shapes), max_nd)
+    got = np.zeros(keys_t.size, np.int64)
+    ndims = np.fromiter(map(len, map(_SHAPE, boxes)), np.int64, len(boxes))
+    flat = itertools.chain.from_iterable
+    suspects: list[int] = []  # table rows whose boxes may overlap
+    for ndim in np.unique(ndims).tolist():
+        sel = np.flatnonzero(ndims == ndim)
+        rows_s = row[sel]
+        if not ndim:  # 0-d: every box is the one element
+            np.add.at(got, rows_s[rows_s >= 0], 1)
             continue
-        for r in it.dst.ranks:
-            expected = sum(piece.global_box.numel for piece in it.dst.pieces(r))
-            boxes = written.get((i, r), ((), []))[1]
-            got = sum(b.numel for b in boxes)
-            if got != expected:
-                raise _invalid(f"tensor {it.label!r}: rank {r} receives {got} elements, expected {expected}")
-            if len(boxes) > 1 and _overlap(boxes):
-                raise _invalid(f"tensor {it.label!r}: rank {r} receives some elements more than once")
+        sel_boxes = boxes if sel.size == len(boxes) else list(map(boxes.__getitem__, sel.tolist()))
+        off = np.fromiter(flat(map(_OFFSETS, sel_boxes)), np.int64, sel.size * ndim).reshape(-1, ndim)
+        ext = np.fromiter(flat(map(_SHAPE, sel_boxes)), np.int64, sel.size * ndim).reshape(-1, ndim)
+        bound = np.full((sel.size, ndim), _UNBOUNDED, np.int64)
+        known = rows_s >= 0
+        width = min(ndim, max_nd)
+        bound[known, :width] = bound_t[rows_s[known], :width]
+        for k in np.flatnonzero(~known).tolist():  # a rank outside the item's destination ranks
+            ls = tuple(p.items[items_of[sel[k]]].dst.local_shape(dst_ranks[sel[k]]))[:ndim]
+            bound[k, :len(ls)] = ls
+        bad = ((off < 0) | (off + ext > bound)).any(axis=1)
+        if bad.any():
+            k = int(sel[int(np.argmax(bad))])
+            ls = p.items[items_of[k]].dst.local_shape(dst_ranks[k])
+            raise _invalid(f"destination box out of bounds of local shape {ls}: {store.row(where[k])}")
+        np.add.at(got, rows_s[known], ext[known].prod(axis=1))
+        # sorted by (row, dim-0 start), boxes that start at or after the previous one's end cannot overlap
+        order = np.lexsort((off[:, 0], rows_s))
+        ids_s, start, stop = rows_s[order], off[order, 0], (off + ext)[order, 0]
+        clash = (ids_s[1:] == ids_s[:-1]) & (start[1:] < stop[:-1]) & (ids_s[1:] >= 0)
+        suspects.extend(np.unique(ids_s[1:][clash]).tolist())
+    if ndims.size and (ndims == 0).any():
+        counts = np.bincount(row[(ndims == 0) & (row >= 0)], minlength=keys_t.size)
+        suspects.extend(np.flatnonzero(counts > 1).tolist())
+    short = np.flatnonzero(got != expected_t)
+    if short.size:
+        k = int(short[0])
+        i, r = divmod(int(keys_t[k]), span)
+        raise _invalid(f"tensor {p.items[i].label!r}: rank {r} receives {int(got[k])} elements, expected "
+                       f"{int(expected_t[k])}")
+    if suspects:
+        members: dict[int, list[Box]] = {k: [] for k in suspects}
+        for b, k in zip(boxes, row.tolist()):
+            if k in members:
+                members[k].append(b)
+        for k in sorted(members):
+            if _overlap(members[k]):
+                i, r = divmod(int(keys_t[k]), span)
+                raise _invalid(f"tensor {p.items[i].label!r}: rank {r} receives some elements more than once")
     if p.relay and s.network_bytes != s.network_lower_bound:
         raise _invalid(f"network bytes {s.network_bytes} != lower bound {s.network_lower_bound} with relay")
