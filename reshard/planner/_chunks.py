@@ -90,13 +90,14 @@ class _Transfers:
     relay forwards of network arrivals, which are emitted a part at a time and kept as columns.
 
     A unit (`Unit`) moves the same boxes of each member tensor, `nbytes` per member. A whole-model plan forwards
-    each arrival to every other needer of its domain (most of its transfers): keeping those as a few flat lists
-    instead of a tuple each saves most of the time and memory of building them, and leaves the cyclic GC almost
-    nothing to scan.
+    each arrival to every other needer of its domain (most of its transfers): those are kept per part, as a few
+    flat lists (no tuple per forward), and the needers and their boxes as references to the lists the plan's
+    geometry already holds (shared by every part cut from the same need) and the index of the one that received
+    it: no object, and no list entry, per forward; the cyclic GC has almost nothing to scan.
     """
 
     __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count",
-                 "f_dst", "f_dst_box", "_f_start", "_columns")
+                 "p_needers", "p_dst_boxes", "p_skip", "_num_forwards", "_f_start", "_columns")
 
     def __init__(self) -> None:
         self.rows: list[Unit] = []
@@ -108,39 +109,61 @@ class _Transfers:
         self.p_members: list[Members] = []
         self.p_dep: list[int] = []
         self.p_count: list[int] = []
-        # per forward: the needer and where the box goes in its tensor
-        self.f_dst: list[int] = []
-        self.f_dst_box: list[Box] = []
+        # per forwarded part: every needer and where the box goes in its tensor (shared, read only), and which
+        # needer is the relay (it gets no forward); the part's forwards go to the others, in order
+        self.p_needers: list[Sequence[int]] = []
+        self.p_dst_boxes: list[Sequence[Box]] = []
+        self.p_skip: list[int] = []
+        self._num_forwards = 0
         self._f_start: list[int] | None = None  # per part, its first forward (and the total at the end)
         self._columns: tuple[int, _Columns] | None = None  # (units when extracted, columns)
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.f_dst)
+        return len(self.rows) + self._num_forwards
 
     @property
     def num_parts(self) -> int:
         return len(self.p_count)
 
-    def add_forwards(self, relay: int, relay_box: Box, needers: list[int], dst_boxes: Sequence[Box], skip: int,
+    def add_forwards(self, relay: int, relay_box: Box, needers: Sequence[int], dst_boxes: Sequence[Box], skip: int,
                      box: Box, nbytes: int, members: Members, dep: int) -> int:
         """Forward `box` (arrival `dep`, held by `relay` at `relay_box`) to every needer but number `skip`; a
-        needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes."""
-        others = needers[:skip] + needers[skip + 1:]
-        self.f_dst.extend(others)
-        self.f_dst_box.extend(dst_boxes[:skip])
-        self.f_dst_box.extend(dst_boxes[skip + 1:])
+        needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes.
+
+        `needers` and `dst_boxes` are kept by reference: the caller must not change them afterwards."""
+        count = len(needers) - 1
+        self.p_needers.append(needers)
+        self.p_dst_boxes.append(dst_boxes)
+        self.p_skip.append(skip)
         self.p_src.append(relay)
         self.p_src_box.append(relay_box)
         self.p_box.append(box)
         self.p_nbytes.append(nbytes)
         self.p_members.append(members)
         self.p_dep.append(dep)
-        self.p_count.append(len(others))
-        return nbytes * len(members) * (len(others) - others.count(relay))
+        self.p_count.append(count)
+        self._num_forwards += count
+        self._f_start = None
+        return nbytes * len(members) * (count + 1 - needers.count(relay))
+
+    def targets(self, first: int, stop: int) -> tuple[list[int], list[Box]]:
+        """The destination rank and box of every forward of parts `first..stop-1`, in plan order."""
+        dsts: list[int] = []
+        boxes: list[Box] = []
+        for ns, bs, k in zip(self.p_needers[first:stop], self.p_dst_boxes[first:stop], self.p_skip[first:stop]):
+            dsts.extend(ns[:k])
+            dsts.extend(ns[k + 1:])
+            boxes.extend(bs[:k])
+            boxes.extend(bs[k + 1:])
+        return dsts, boxes
 
     def _forward(self, k: int, j: int) -> Unit:
-        src, dst = self.p_src[k], self.f_dst[j]
-        return _new_unit(Unit, (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
+        """Forward `j` (counted over all forwards), of part `k`."""
+        q = j - self._starts()[k]
+        if q >= self.p_skip[k]:
+            q += 1
+        src, dst = self.p_src[k], self.p_needers[k][q]
+        return _new_unit(Unit, (src, dst, self.p_src_box[k], self.p_dst_boxes[k][q], self.p_box[k], self.p_nbytes[k],
                                 "local" if dst == src else "nvlink", 1, self.p_members[k], self.p_dep[k]))
 
     def _starts(self) -> list[int]:
@@ -188,7 +211,12 @@ class _Transfers:
             return np.repeat(np.asarray(values, dtype=np.int64), count)
 
         f_src = per_forward(self.p_src)
-        f_dst = np.asarray(self.f_dst, dtype=np.int64)
+        # every part's needers back to back, less the relay's own entry
+        lens = count + 1
+        flat = np.fromiter(itertools.chain.from_iterable(self.p_needers), np.int64, int(lens.sum()))
+        keep = np.ones(flat.size, bool)
+        keep[np.cumsum(lens) - lens + np.asarray(self.p_skip, dtype=np.int64)] = False
+        f_dst = flat[keep]
         f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
         f_count = per_forward(list(map(len, self.p_members)))
         units = np.concatenate([row_count, f_count])
@@ -326,33 +354,35 @@ class _OpenChunks:
         out: list[int] = []
         append = out.append
         for s, d, n, m in zip(src, dst, nbytes, min_chunk):
+            if m:
+                mk = masks.get(m)
+                if mk is None:  # may grow the sets: read them after
+                    mk = self.from_chunk(m)
+                    size = self.size
+                x = op[s] & op[d] & mk
+            else:
+                x = op[s] & op[d]
             while True:
-                if m:
-                    mk = masks.get(m)
-                    if mk is None:  # may grow the sets: read them after
-                        mk = self.from_chunk(m)
-                        size = self.size
-                    x = op[s] & op[d] & mk
-                else:
-                    x = op[s] & op[d]
-                if not x:
+                if not x:  # no chunk open on both ends yet: allocate more and look again
                     self.grow(size)
                     size = self.size
+                    x = op[s] & op[d] & self.from_chunk(m) if m else op[s] & op[d]
                     continue
                 hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
                 c = size - 1 - hb
                 us, ud = used[s], used[d]
-                a, b = us[c], ud[c]
-                fit_s = a == 0 or a + n <= cap
-                fit_d = b == 0 or b + n <= cap
+                a = us[c] + n
+                b = ud[c] + n
+                fit_s = a <= cap or a == n  # room left, or the chunk is empty on this end
+                fit_d = b <= cap or b == n
                 if fit_s and fit_d:
                     break
+                bit = 1 << hb
                 if not fit_s:
-                    op[s] ^= 1 << hb
+                    op[s] ^= bit
                 if not fit_d:
-                    op[d] ^= 1 << hb
-            a += n
-            b += n
+                    op[d] ^= bit
+                x ^= bit  # closed on one end at least, so no longer common
             us[c] = a
             ud[c] = b
             if a + n > cap:
@@ -360,6 +390,61 @@ class _OpenChunks:
             if b + n > cap:
                 op[d] ^= 1 << hb
             append(c)
+        return out
+
+
+    def place_runs(self, src: list[int], nbytes: list[int], min_chunk: list[int], stops: list[int],
+                   dst: list[int], cap: int) -> list[int]:
+        """`place` for runs of transfers that share sender, size and earliest chunk (the forwards of one relayed
+        box to the other needers of its domain): run `i` is transfers `stops[i - 1]..stops[i] - 1` (from 0), to
+        `dst[j]` each. Places exactly as `place` does on the same transfers in the same order; the sender's open
+        set and room are read once per run instead of once per transfer."""
+        op, used = self.open, self.used
+        size = self.size
+        out: list[int] = []
+        append = out.append
+        lo = 0
+        for s, n, m, hi in zip(src, nbytes, min_chunk, stops):
+            mk = self.from_chunk(m) if m else -1  # may grow the sets: read the size after
+            size = self.size
+            xs = op[s] & mk
+            us = used[s]
+            for d in dst[lo:hi]:
+                x = xs & op[d]
+                while True:
+                    if not x:  # no chunk open on both ends yet: allocate more and look again
+                        self.grow(size)
+                        size = self.size
+                        xs = op[s] & (self.from_chunk(m) if m else -1)
+                        us = used[s]
+                        x = xs & op[d]
+                        continue
+                    hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
+                    c = size - 1 - hb
+                    ud = used[d]
+                    a = us[c] + n
+                    b = ud[c] + n
+                    fit_s = a <= cap or a == n  # room left, or the chunk is empty on this end
+                    fit_d = b <= cap or b == n
+                    if fit_s and fit_d:
+                        break
+                    bit = 1 << hb
+                    if not fit_s:
+                        op[s] ^= bit
+                        xs ^= bit
+                    if not fit_d:
+                        op[d] ^= bit
+                    x ^= bit  # closed on one end at least, so no longer common
+                us[c] = a
+                ud[c] = b
+                if a + n > cap:
+                    bit = 1 << hb
+                    op[s] ^= bit
+                    xs ^= bit
+                if b + n > cap:
+                    op[d] ^= 1 << hb
+                append(c)
+            lo = hi
         return out
 
 
@@ -387,6 +472,15 @@ def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
         sel, min_chunk = sel[~is_local], min_chunk[~is_local]
         order = np.lexsort((sel, -cols.nbytes[sel]))  # largest first, then plan order
         sel, min_chunk = sel[order], min_chunk[order]
-        chunks[sel] = state.place(src_id[sel].tolist(), dst_id[sel].tolist(), cols.nbytes[sel].tolist(),
-                                  min_chunk.tolist(), chunk_cap)
+        s_sel, n_sel = src_id[sel], cols.nbytes[sel]
+        if stage:  # forwards of one relayed box come in runs of one sender, size and earliest chunk
+            new_run = np.r_[True, (s_sel[1:] != s_sel[:-1]) | (n_sel[1:] != n_sel[:-1]) |
+                            (min_chunk[1:] != min_chunk[:-1])] if sel.size else np.zeros(0, bool)
+            first = np.flatnonzero(new_run)
+            stops = np.r_[first[1:], sel.size].astype(np.int64)
+            chunks[sel] = state.place_runs(s_sel[first].tolist(), n_sel[first].tolist(), min_chunk[first].tolist(),
+                                           stops.tolist(), dst_id[sel].tolist(), chunk_cap)
+        else:
+            chunks[sel] = state.place(s_sel.tolist(), dst_id[sel].tolist(), n_sel.tolist(), min_chunk.tolist(),
+                                      chunk_cap)
     return chunks

@@ -354,6 +354,7 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
     nvl_needs: list[tuple[Box, int, tuple[int, ...], list[tuple[int, tuple[int, ...]]]]] = []
     net_needs: dict[Any, dict[tuple[int, Box], list[tuple[int, tuple[int, ...]]]]] = {}
     query = index.query
+    cuts: dict[Box, list[tuple[int, Box]]] = {}  # a needed box: the (group, intersection) pairs it is cut into
     for r in sorted(dst.ranks):
         dom = domain(r)
         own = src.pieces(r) if r in src_ranks else ()
@@ -370,10 +371,11 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
                                         x))
                 remaining = [y for rem in remaining for y in subtract(rem, x)]
             for rem in remaining:
-                for gid in query(rem):
-                    x = intersect(rem, group_boxes[gid])
-                    if x is None:
-                        continue
+                hits = cuts.get(rem)
+                if hits is None:  # replicas of a destination shard need the same boxes: cut them once
+                    hits = cuts[rem] = [(gid, x) for gid in query(rem)
+                                        if (x := intersect(rem, group_boxes[gid])) is not None]
+                for gid, x in hits:
                     near = group_near[gid].get(dom)
                     if near:
                         nvl_needs.append((x, r, d_delta, near))
@@ -486,20 +488,26 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
                 parts = [_part(box, rc.itemsize, n_deltas, h_deltas) for rem in remaining
                          for box in b.parts(rem, len(needers), rc.itemsize, b.fair_recv.get(dom, 0.0),
                                             num_senders=spread)]
+        forward = len(needers) > 1 and b.transfers.add_forwards
         for part in parts:
-            n = _least(needers, net_recv)
-            h = _least(holders, net_send)
-            recv, recv_box = needers[n], part.dst_boxes[n]
+            loads = list(map(net_recv.__getitem__, needers))
+            n = loads.index(min(loads))  # the least-loaded needer receives; the lowest rank among equals
+            if len(holders) > 1:
+                loads = list(map(net_send.__getitem__, holders))
+                h = loads.index(min(loads))
+            else:
+                h = 0
+            recv, dst_boxes, nbytes = needers[n], part.dst_boxes, part.nbytes
+            sender = holders[h]
             a_idx = len(raw)
-            raw.append(_new_unit(Unit, (holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes,
+            raw.append(_new_unit(Unit, (sender, recv, part.src_boxes[h], dst_boxes[n], part.box, nbytes,
                                         "network", 0, members, -1)))
-            net_send[holders[h]] += part.nbytes * k
-            net_recv[recv] += part.nbytes * k
+            net_send[sender] += nbytes * k
+            net_recv[recv] += nbytes * k
             if rc.check_arrivals:
                 arrivals[(dom, gid)].append((part.box, recv, n_deltas[n], a_idx))
-            if len(needers) > 1:
-                nvl_send[recv] += b.transfers.add_forwards(recv, recv_box, needers, part.dst_boxes, n, part.box,
-                                                           part.nbytes, relayed, a_idx)
+            if forward:
+                nvl_send[recv] += forward(recv, dst_boxes[n], needers, dst_boxes, n, part.box, nbytes, relayed, a_idx)
 
 
 _KEY_DIGESTS = _checks.bounded_cache("layout digests", 4096)
@@ -1195,13 +1203,12 @@ def _validate(p: Plan, spans: Sequence[UnitSpan] | None = None) -> None:
         fa, fb = starts[pa], starts[pb]
         counts = store.p_count[pa:pb]
         part_shapes = list(map(_SHAPE, store.p_box[pa:pb]))
-        f_boxes = store.f_dst_box[fa:fb]
+        f_dst, f_boxes = store.targets(pa, pb)
         if part_shapes != list(map(_SHAPE, store.p_src_box[pa:pb])) or \
                 list(map(_SHAPE, f_boxes)) != list(_repeat_each(part_shapes, counts)):
             j = next(j for j in range(fa, fb) if not store.row(num_rows + j).global_box.shape ==
                      store.row(num_rows + j).src_box.shape == store.row(num_rows + j).dst_box.shape)
             raise _invalid(f"transfer shapes disagree: {store.row(num_rows + j)}")
-        f_dst = store.f_dst[fa:fb]
         if every_member:
             for k, u in enumerate(rows, a):
                 for m in u[8]:
@@ -1213,8 +1220,8 @@ def _validate(p: Plan, spans: Sequence[UnitSpan] | None = None) -> None:
                 for j in range(starts[k], starts[k] + c):
                     for m in ms:
                         items_of.append(m[0])
-                        dst_ranks.append(store.f_dst[j])
-                        boxes.append(store.f_dst_box[j])
+                        dst_ranks.append(f_dst[j - fa])
+                        boxes.append(f_boxes[j - fa])
                         where.append(num_rows + j)
         else:
             items_of.extend(u[8][0][0] for u in rows)
