@@ -10,8 +10,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -59,7 +60,8 @@ class Unit(NamedTuple):
     dep: int = -1
 
 
-_FIELD = {name: i for i, name in enumerate(Unit._fields)}  # column extraction reads rows with itemgetter (fast)
+_FIELD = {name: i for i, name in enumerate(Unit._fields)}
+_SHAPE, _OFFSETS = operator.attrgetter("shape"), operator.attrgetter("offsets")  # column extraction reads rows with itemgetter (fast)
 _new_unit = tuple.__new__  # `_new_unit(Unit, values)`: a Unit without `Unit.__new__`'s argument parsing (hot)
 
 
@@ -85,6 +87,66 @@ class _Columns:
         return cls(src, dst, nbytes, link, dep, count, *_dense_ids(src, dst))
 
 
+COMPACT_ROWS = 4096
+"""Plans with at least this many rows keep them as columns (`_Rows`): below it, the few objects cost the cyclic GC
+less than the conversion costs planning."""
+
+
+class _Rows(Sequence):
+    """The rows of a `_Transfers` once planning is done: every field as a column, the boxes as numbers, and a
+    `Unit` (with its `Box`es) built only when a row is read. A plan then holds no object per row, so the cyclic
+    GC has nothing of it to scan (a 65,536-transfer plan added ~265k tracked objects, a third of a second per full
+    pass, while it stayed alive).
+
+    Reads as the list of `Unit`s it was built from: `len`, indexing (an int or a slice), iteration.
+    """
+
+    __slots__ = ("src", "dst", "nbytes", "link", "stage", "members", "dep", "_coords", "_start", "_ndim")
+
+    def __init__(self, rows: Sequence[Unit], cols: _Columns) -> None:
+        """`rows` as columns; `cols`: the plan's unit columns (rows first), whose numeric fields are reused. The
+        three boxes of a row must have one shape (as a validated plan's do)."""
+        n = len(rows)
+        get = operator.itemgetter
+        self.src, self.dst, self.link, self.dep = cols.src[:n], cols.dst[:n], cols.link[:n], cols.dep[:n]
+        self.members: list[Members] = list(map(get(_FIELD["members"]), rows))  # shared tuples, few objects
+        self.nbytes = cols.nbytes[:n] // np.maximum(cols.count[:n], 1)
+        self.stage = np.fromiter(map(get(_FIELD["stage"]), rows), np.int64, n)
+        shapes = list(map(_SHAPE, map(get(_FIELD["global_box"]), rows)))
+        ndim = np.fromiter(map(len, shapes), np.int64, n)
+        total = int(ndim.sum())
+        flat = itertools.chain.from_iterable
+        cols_ = [np.fromiter(flat(shapes), np.int64, total)]
+        for box in ("src_box", "dst_box", "global_box"):  # offsets of each; shapes are the global box's
+            cols_.append(np.fromiter(flat(map(_OFFSETS, map(get(_FIELD[box]), rows))), np.int64, total))
+        self._ndim = ndim
+        self._start = np.concatenate([[0], np.cumsum(ndim)[:-1]]) if n else np.zeros(0, np.int64)
+        self._coords = cols_
+
+    def __len__(self) -> int:
+        return self.src.size
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self._row(k) for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        return self._row(i)
+
+    def __iter__(self) -> Iterator[Unit]:
+        return map(self._row, range(len(self)))
+
+    def _row(self, i: int) -> Unit:
+        a = int(self._start[i])
+        b = a + int(self._ndim[i])
+        shape, so, do, go = (tuple(c[a:b].tolist()) for c in self._coords)
+        return _new_unit(Unit, (int(self.src[i]), int(self.dst[i]), Box._make(so, shape), Box._make(do, shape),
+                                Box._make(go, shape), int(self.nbytes[i]), LINKS[self.link[i]], int(self.stage[i]),
+                                self.members[i], int(self.dep[i])))
+
+
 class _Transfers:
     """Every transfer unit of one plan, in plan order: first the ones emitted one at a time (`rows`), then the
     relay forwards of network arrivals, which are emitted a part at a time and kept as columns.
@@ -100,7 +162,7 @@ class _Transfers:
                  "p_needers", "p_dst_boxes", "p_skip", "_num_forwards", "_f_start", "_columns")
 
     def __init__(self) -> None:
-        self.rows: list[Unit] = []
+        self.rows: list[Unit] | _Rows = []  # a list while planning, then columns (`compact`)
         # per forwarded part: the relay (sender), its box, the global box, bytes, members, arrival, forwards
         self.p_src: list[int] = []
         self.p_src_box: list[Box] = []
@@ -145,6 +207,17 @@ class _Transfers:
         self._num_forwards += count
         self._f_start = None
         return nbytes * len(members) * (count + 1 - needers.count(relay))
+
+    def compact(self) -> None:
+        """Keep the rows as columns (`_Rows`) from now on, when there are at least `COMPACT_ROWS`: call once no
+        more units are added and the plan is validated (a row's three boxes then share one shape)."""
+        if isinstance(self.rows, list) and len(self.rows) >= COMPACT_ROWS:
+            self.rows = _Rows(self.rows, self.columns())
+
+    def row_members(self) -> Sequence[Members]:
+        """The members of every row, in order."""
+        rows = self.rows
+        return rows.members if isinstance(rows, _Rows) else list(map(operator.itemgetter(_FIELD["members"]), rows))
 
     def targets(self, first: int, stop: int) -> tuple[list[int], list[Box]]:
         """The destination rank and box of every forward of parts `first..stop-1`, in plan order."""
@@ -200,11 +273,16 @@ class _Transfers:
         rows = self.rows
         n = len(rows)
 
+        compact = isinstance(rows, _Rows)
+
         def col(name: str) -> np.ndarray:
+            if compact:
+                return getattr(rows, name)
             return np.fromiter(map(operator.itemgetter(_FIELD[name]), rows), np.int64, n)
 
-        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(_FIELD["link"]), rows)), np.int8, n)
-        row_count = np.fromiter(map(len, map(operator.itemgetter(_FIELD["members"]), rows)), np.int64, n)
+        link = rows.link if compact else np.fromiter(
+            map(_LINK_CODE.__getitem__, map(operator.itemgetter(_FIELD["link"]), rows)), np.int8, n)
+        row_count = np.fromiter(map(len, self.row_members()), np.int64, n)
         count = np.asarray(self.p_count, dtype=np.int64)
 
         def per_forward(values: list[int]) -> np.ndarray:
@@ -259,8 +337,8 @@ def transfer_columns(units: _Transfers, cols: _Columns, chunks: np.ndarray) -> T
     """
     count = cols.count
     unit = np.repeat(np.arange(count.size), count)  # (T,) the unit of each transfer
-    rows = units.rows
-    row_items = [m[0] for u in rows for m in u[_FIELD["members"]]]
+    rows = units.row_members()
+    row_items = [m[0] for ms in rows for m in ms]
     part_items = [m[0] for ms in units.p_members for m in ms]
     items = np.asarray(row_items + part_items, dtype=np.int64)
     # where each unit's members start in `items`: rows back to back, then each forward at its part's members
@@ -397,8 +475,9 @@ class _OpenChunks:
                    dst: list[int], cap: int) -> list[int]:
         """`place` for runs of transfers that share sender, size and earliest chunk (the forwards of one relayed
         box to the other needers of its domain): run `i` is transfers `stops[i - 1]..stops[i] - 1` (from 0), to
-        `dst[j]` each. Places exactly as `place` does on the same transfers in the same order; the sender's open
-        set and room are read once per run instead of once per transfer."""
+        `dst[j]` each, never the sender itself (local copies take no chunk room). Places exactly as `place` does on
+        the same transfers in the same order; the sender's open set and room are read once per run instead of once
+        per transfer."""
         op, used = self.open, self.used
         size = self.size
         out: list[int] = []

@@ -1075,6 +1075,7 @@ def plan_many(
         result = Plan(PlanData(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, chunks,
                                sum(lower_by_domain.values()), needed, tuple(templates)))
         _checks.check_plan(result, limits)
+        b.transfers.compact()  # no object per row from here on (see `_Rows`)
     finally:
         if gc_was_enabled:
             gc.enable()
