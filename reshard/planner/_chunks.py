@@ -60,8 +60,8 @@ class Unit(NamedTuple):
     dep: int = -1
 
 
-_FIELD = {name: i for i, name in enumerate(Unit._fields)}
-_SHAPE, _OFFSETS = operator.attrgetter("shape"), operator.attrgetter("offsets")  # column extraction reads rows with itemgetter (fast)
+_FIELD = {name: i for i, name in enumerate(Unit._fields)}  # column extraction reads rows with itemgetter (fast)
+_SHAPE, _OFFSETS = operator.attrgetter("shape"), operator.attrgetter("offsets")
 _new_unit = tuple.__new__  # `_new_unit(Unit, values)`: a Unit without `Unit.__new__`'s argument parsing (hot)
 
 
