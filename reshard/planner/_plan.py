@@ -415,8 +415,11 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
     for dom in sorted(net_needs, key=repr):
         needs = net_needs[dom]
         fair = b.fair_recv.get(dom, 0.0)
-        for key in sorted(needs, key=lambda k: (-math.prod(k[1].shape), k[0], k[1].offsets)):
-            gid, x = key
+        order = sorted([(-math.prod(x.shape), gid, x.offsets, k, x) for k, (gid, x) in enumerate(needs)])
+        keys = list(needs)
+        for *_, k, x in order:
+            key = keys[k]
+            gid = key[0]
             needers = needs[key]
             hc = holder_cols.get(gid)
             if hc is None:
@@ -543,8 +546,11 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
             d = topology.domain(r)
             if d in need:
                 held[d].extend(p.global_box for p in item.src.pieces(r))
+        # DTensor layouts: any two ranks' pieces are identical or disjoint, so the distinct boxes of each side are
+        regular = getattr(item.src, "regular", False) and getattr(item.dst, "regular", False)
         for d, boxes in need.items():
-            this[d] = (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
+            this[d] = (union_volume(boxes, disjoint=regular)
+                       - intersection_volume(boxes, held.get(d, []), disjoint=regular)) * item.dst.dtype.itemsize
             out[d] += this[d]
     return out
 
