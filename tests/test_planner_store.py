@@ -3,8 +3,8 @@ built from, forwards kept per part read back as their units, placement in runs e
 the column-wise validation still refuses tampered boxes (the negative controls).
 
 The reference for the column store is the list of `Unit`s the planner built (the representation it replaces);
-for `place_runs` it is `place` on the same transfers one at a time (itself checked against the plain first-fit
-rule in `test_planner_chunks.py`).
+for placement in runs it is placing the same transfers one at a time (the rule itself is checked against a plain
+statement of it in `test_planner_chunks.py`).
 """
 
 from __future__ import annotations
@@ -135,9 +135,10 @@ def test_overlapping_column_blocks_are_refused() -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_place_runs_equals_place(seed: int) -> None:
-    """Random runs (sender, size, earliest chunk, 1-8 receivers), as forwards come: the same chunks as placing
-    the expanded transfers one by one."""
+def test_placement_does_not_depend_on_runs(seed: int) -> None:
+    """Random runs (sender, size, earliest chunk, 1-8 receivers), as forwards come, placed as runs and one
+    transfer at a time: the same chunks (the rule itself is checked against a plain statement of it in
+    `test_planner_chunks.py`)."""
     rng = np.random.default_rng(seed)
     num_runs, cap = 300, 100
     src = rng.integers(0, 6, num_runs).tolist()
@@ -147,9 +148,9 @@ def test_place_runs_equals_place(seed: int) -> None:
     stops = np.cumsum(lengths).tolist()
     senders = np.repeat(src, lengths)
     dst = ((senders + rng.integers(1, 6, senders.size)) % 6).tolist()  # never the sender (a local copy)
-    one = _OpenChunks(6).place([s for s, n in zip(src, lengths) for _ in range(n)], dst,
-                               [b for b, n in zip(size, lengths) for _ in range(n)],
-                               [m for m, n in zip(earliest, lengths) for _ in range(n)], cap)
-    runs = _OpenChunks(6).place_runs(src, size, earliest, stops, dst, cap)
+    n = len(dst)
+    one = _OpenChunks(6).place(senders.tolist(), np.repeat(size, lengths).tolist(),
+                               np.repeat(earliest, lengths).tolist(), list(range(1, n + 1)), dst, cap)
+    runs = _OpenChunks(6).place(src, size, earliest, stops, dst, cap)
     assert runs == one
     assert max(one) > _chunks._CHUNK_GROW  # the sets grew while placing

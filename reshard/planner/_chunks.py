@@ -422,62 +422,17 @@ class _OpenChunks:
             mk = self._masks[m] = (1 << (self.size - m)) - 1
         return mk
 
-    def place(self, src: list[int], dst: list[int], nbytes: list[int], min_chunk: list[int], cap: int) -> list[int]:
+    def place(self, src: list[int], nbytes: list[int], min_chunk: list[int], stops: list[int], dst: list[int],
+              cap: int) -> list[int]:
         """First fit, in the given order: each transfer goes to the first chunk >= its `min_chunk` open on both
         ends where both still have room for it. A chunk is closed for a rank when a transfer of the size just
         placed would no longer fit (later transfers of a stage are no larger), or when one does not fit. A rank's
-        first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own)."""
-        op, used, masks = self.open, self.used, self._masks
-        size = self.size
-        out: list[int] = []
-        append = out.append
-        for s, d, n, m in zip(src, dst, nbytes, min_chunk):
-            if m:
-                mk = masks.get(m)
-                if mk is None:  # may grow the sets: read them after
-                    mk = self.from_chunk(m)
-                    size = self.size
-                x = op[s] & op[d] & mk
-            else:
-                x = op[s] & op[d]
-            while True:
-                if not x:  # no chunk open on both ends yet: allocate more and look again
-                    self.grow(size)
-                    size = self.size
-                    x = op[s] & op[d] & self.from_chunk(m) if m else op[s] & op[d]
-                    continue
-                hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
-                c = size - 1 - hb
-                us, ud = used[s], used[d]
-                a = us[c] + n
-                b = ud[c] + n
-                fit_s = a <= cap or a == n  # room left, or the chunk is empty on this end
-                fit_d = b <= cap or b == n
-                if fit_s and fit_d:
-                    break
-                bit = 1 << hb
-                if not fit_s:
-                    op[s] ^= bit
-                if not fit_d:
-                    op[d] ^= bit
-                x ^= bit  # closed on one end at least, so no longer common
-            us[c] = a
-            ud[c] = b
-            if a + n > cap:
-                op[s] ^= 1 << hb
-            if b + n > cap:
-                op[d] ^= 1 << hb
-            append(c)
-        return out
+        first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own).
 
-
-    def place_runs(self, src: list[int], nbytes: list[int], min_chunk: list[int], stops: list[int],
-                   dst: list[int], cap: int) -> list[int]:
-        """`place` for runs of transfers that share sender, size and earliest chunk (the forwards of one relayed
-        box to the other needers of its domain): run `i` is transfers `stops[i - 1]..stops[i] - 1` (from 0), to
-        `dst[j]` each, never the sender itself (local copies take no chunk room). Places exactly as `place` does on
-        the same transfers in the same order; the sender's open set and room are read once per run instead of once
-        per transfer."""
+        The transfers come in runs that share sender, size and earliest chunk (the forwards of one relayed box to
+        the other needers of its domain): run `i` is transfers `stops[i - 1]..stops[i] - 1` (from 0), to `dst[j]`
+        each, never the sender itself (local copies take no chunk room). The sender's open set and room are read
+        once per run; how the transfers are grouped into runs does not change where they go."""
         op, used = self.open, self.used
         size = self.size
         out: list[int] = []
@@ -552,14 +507,11 @@ def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
         order = np.lexsort((sel, -cols.nbytes[sel]))  # largest first, then plan order
         sel, min_chunk = sel[order], min_chunk[order]
         s_sel, n_sel = src_id[sel], cols.nbytes[sel]
-        if stage:  # forwards of one relayed box come in runs of one sender, size and earliest chunk
-            new_run = np.r_[True, (s_sel[1:] != s_sel[:-1]) | (n_sel[1:] != n_sel[:-1]) |
-                            (min_chunk[1:] != min_chunk[:-1])] if sel.size else np.zeros(0, bool)
-            first = np.flatnonzero(new_run)
-            stops = np.r_[first[1:], sel.size].astype(np.int64)
-            chunks[sel] = state.place_runs(s_sel[first].tolist(), n_sel[first].tolist(), min_chunk[first].tolist(),
-                                           stops.tolist(), dst_id[sel].tolist(), chunk_cap)
-        else:
-            chunks[sel] = state.place(s_sel.tolist(), dst_id[sel].tolist(), n_sel.tolist(), min_chunk.tolist(),
-                                      chunk_cap)
+        # runs of one sender, size and earliest chunk (the forwards of one relayed box come as one)
+        new_run = np.r_[True, (s_sel[1:] != s_sel[:-1]) | (n_sel[1:] != n_sel[:-1]) |
+                        (min_chunk[1:] != min_chunk[:-1])] if sel.size else np.zeros(0, bool)
+        first = np.flatnonzero(new_run)
+        stops = np.r_[first[1:], sel.size].astype(np.int64)
+        chunks[sel] = state.place(s_sel[first].tolist(), n_sel[first].tolist(), min_chunk[first].tolist(),
+                                  stops.tolist(), dst_id[sel].tolist(), chunk_cap)
     return chunks
