@@ -1,6 +1,7 @@
 """Planning time for 256 -> 256-rank layout pairs, cold (cache cleared) and from the cache, next to a per-tensor
 exact-overlap planner (`perf/_exact_overlap_plan.py`: exact intersections of shard boxes, no relays or chunks) timed
-cold in the same rounds, interleaved, with both transfer counts.
+cold in the same rounds, interleaved, with both transfer counts; wall and CPU time (`process_time`) with paired
+ratios of each, and the cost of a full GC pass with the plan alive.
 
 Usage:
     python perf/bench_plan.py [--ranks 256] [--repeat 5] [--out perf/out] [--model-only] [--staging-mib N]
@@ -82,40 +83,67 @@ def main() -> None:
 
 
 def pair(name: str, src: Layout, dst: Layout, topo: Topology, ranks: int, repeat: int) -> dict:
-    """`plan(src, dst, topo)` cold and cached, and the exact-overlap baseline cold, interleaved per round."""
-    cold, warm, base = [], [], []
+    """`plan(src, dst, topo)` cold and cached, and the exact-overlap baseline cold, interleaved per round; wall time
+    and CPU time (`time.process_time`, steadier on a shared machine) of each, with paired ratios; then a full GC
+    pass with the plan alive, and the same pass once it is released (the difference is the plan's)."""
+    cold, warm, base, cold_cpu, base_cpu = [], [], [], [], []
     speed = python_speed_ms()
+    p = b = None
     for _ in range(repeat):
         clear_plan_cache()
-        t0 = time.perf_counter()
+        p = b = None  # one plan alive at a time
+        c0, t0 = time.process_time(), time.perf_counter()
         p = plan(src, dst, topo)
         cold.append(time.perf_counter() - t0)
+        cold_cpu.append(time.process_time() - c0)
         t0 = time.perf_counter()
         plan(src, dst, topo)
         warm.append(time.perf_counter() - t0)
         clear_plan_cache()  # the baseline builds the layouts' pieces too
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         b = exact_overlap_plan(src, dst)
         base.append(time.perf_counter() - t0)
+        base_cpu.append(time.process_time() - c0)
+    num_base = len(b)
+    b = None
+    t0 = time.process_time()  # CPU time: a pass is pure computation, and wall time swings with the load
+    gc.collect()  # the first full pass with the plan alive (it lands on whatever allocates next)
+    gc_s = time.process_time() - t0
+    stats = p.stats
+    clear_plan_cache()
+    p = None
+    gc.collect()
+    t0 = time.process_time()
+    gc.collect()  # the same pass once the plan is gone: what the rest of the process costs the collector
+    gc_bare_s = time.process_time() - t0
     row = {
         "case": name,
         "ranks": ranks,
-        "transfers": p.stats.num_transfers,
+        "transfers": stats.num_transfers,
         "cold_ms_median": statistics.median(cold) * 1e3,
         "cold_ms_min": min(cold) * 1e3,
         "cold_ms_max": max(cold) * 1e3,
+        "cold_cpu_ms_median": statistics.median(cold_cpu) * 1e3,
         "cached_ms_median": statistics.median(warm) * 1e3,
         "first_ms": cold[0] * 1e3,
-        "exact_overlap_transfers": len(b),
+        "exact_overlap_transfers": num_base,
         "exact_overlap_ms_median": statistics.median(base) * 1e3,
+        "exact_overlap_cpu_ms_median": statistics.median(base_cpu) * 1e3,
         "cold_over_exact_overlap": statistics.median(c / e for c, e in zip(cold, base)),  # paired per round
+        "cold_over_exact_overlap_cpu": statistics.median(c / e for c, e in zip(cold_cpu, base_cpu)),
+        "gc_full_pass_ms": gc_s * 1e3,
+        "gc_full_pass_after_release_ms": gc_bare_s * 1e3,
         "python_speed_ms": max(speed, python_speed_ms()),  # the slower of before and after
         **machine_info(torch.device("cpu")),
     }
     print(f"{name:<45} transfers {row['transfers']:>6}  cold {row['cold_ms_median']:8.1f} ms "
-          f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}]  cached {row['cached_ms_median']:.3f} ms  "
-          f"exact-overlap {len(b):>6} transfers {row['exact_overlap_ms_median']:8.1f} ms  "
-          f"ratio {row['cold_over_exact_overlap']:.2f}  (reference {row['python_speed_ms']:.0f} ms)")
+          f"[{row['cold_ms_min']:.1f}, {row['cold_ms_max']:.1f}] (cpu {row['cold_cpu_ms_median']:.1f})  cached "
+          f"{row['cached_ms_median']:.3f} ms  exact-overlap {num_base:>6} transfers "
+          f"{row['exact_overlap_ms_median']:8.1f} ms (cpu {row['exact_overlap_cpu_ms_median']:.1f})  "
+          f"ratio {row['cold_over_exact_overlap']:.2f}, cpu "
+          f"{row['cold_over_exact_overlap_cpu']:.2f}  gc pass {gc_s * 1e3:.0f} ms "
+          f"({gc_bare_s * 1e3:.0f} once released)  "
+          f"(reference {row['python_speed_ms']:.0f} ms)")
     return row
 
 
@@ -130,20 +158,21 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
     items = [PlanItem(w.train, w.gen, i, i, w.spec.name) for i, w in enumerate(layouts)]
     topo = Topology(domain_size=sysm.domain_size)
     kwargs = {"staging_bytes": staging_mib << 20} if staging_mib else {}
-    cold, warm = [], []
+    cold, warm, cold_cpu = [], [], []
     speed = [python_speed_ms()]
     gc.collect()
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     gc.collect()  # a full pass with no plan alive: what the rest of the process costs the collector
-    gc_bare_s = time.perf_counter() - t0
+    gc_bare_s = time.process_time() - t0
     p = None
     for _ in range(repeat):
         clear_plan_cache()
         p = None  # release the previous plan (~230 MiB) first: a rank plans with one plan alive, not two
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         p = plan_many(items, topo, **kwargs)
         cold.append(time.perf_counter() - t0)
+        cold_cpu.append(time.process_time() - c0)
         for _ in range(5):  # a cyclic-GC pass over the plan's objects can land on any lookup; take the median
             t0 = time.perf_counter()
             plan_many(items, topo, **kwargs)
@@ -151,9 +180,9 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
     # what a rank meets next: the cyclic GC's first full pass over the plan's objects (it lands on whatever
     # allocates next), and finding its own part of the plan (the busiest inference rank)
     busiest = max(sysm.gen_ranks, key=lambda r: p.stats.per_rank[r].send + p.stats.per_rank[r].recv)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     gc.collect()
-    gc_s = time.perf_counter() - t0
+    gc_s = time.process_time() - t0
     tracked = len(gc.get_objects())
     t0 = time.perf_counter()
     p.for_rank(busiest)
@@ -168,6 +197,7 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
         "cold_ms_median": statistics.median(cold) * 1e3,
         "cold_ms_min": min(cold) * 1e3,
         "cold_ms_max": max(cold) * 1e3,
+        "cold_cpu_ms_median": statistics.median(cold_cpu) * 1e3,
         "cached_ms_median": statistics.median(warm) * 1e3,
         "first_ms": cold[0] * 1e3,  # nothing cached in the process yet (layout pieces included)
         "python_speed_ms": max(speed),  # the slower of the reference workload before and after
@@ -178,7 +208,8 @@ def whole_model(model: str, system: str, repeat: int, staging_mib: int | None = 
         **machine_info(torch.device("cpu")),
     }
     print(f"{name}: transfers {row['transfers']}, chunks {p.stats.num_chunks}, first {row['first_ms']:.0f} ms, "
-          f"cold {row['cold_ms_median']:.0f} ms [{row['cold_ms_min']:.0f}, {row['cold_ms_max']:.0f}], "
+          f"cold {row['cold_ms_median']:.0f} ms [{row['cold_ms_min']:.0f}, {row['cold_ms_max']:.0f}] (cpu "
+          f"{row['cold_cpu_ms_median']:.0f} ms), "
           f"cached {row['cached_ms_median']:.2f} ms; a full GC pass {gc_s * 1e3:.0f} ms ({tracked} tracked objects; "
           f"{gc_bare_s * 1e3:.0f} ms before any plan), then "
           f"for_rank({busiest}) {for_rank_s * 1e3:.0f} ms; reference Python workload {speed[0]:.0f} ms before, "

@@ -37,9 +37,10 @@ def relay_example() -> Plan:
 def copy_units(units: _Transfers) -> _Transfers:
     """A copy whose lists can be changed without touching `units` (or the cached plan that holds it)."""
     out = _Transfers()
-    for name in ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count", "f_dst",
-                 "f_dst_box"):
+    for name in ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count", "p_needers",
+                 "p_dst_boxes", "p_skip"):
         setattr(out, name, list(getattr(units, name)))
+    out._num_forwards = units._num_forwards
     return out
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -60,6 +61,7 @@ class Unit(NamedTuple):
 
 
 _FIELD = {name: i for i, name in enumerate(Unit._fields)}  # column extraction reads rows with itemgetter (fast)
+_SHAPE, _OFFSETS = operator.attrgetter("shape"), operator.attrgetter("offsets")
 _new_unit = tuple.__new__  # `_new_unit(Unit, values)`: a Unit without `Unit.__new__`'s argument parsing (hot)
 
 
@@ -85,21 +87,82 @@ class _Columns:
         return cls(src, dst, nbytes, link, dep, count, *_dense_ids(src, dst))
 
 
+COMPACT_ROWS = 4096
+"""Plans with at least this many rows keep them as columns (`_Rows`): below it, the few objects cost the cyclic GC
+less than the conversion costs planning."""
+
+
+class _Rows(Sequence):
+    """The rows of a `_Transfers` once planning is done: every field as a column, the boxes as numbers, and a
+    `Unit` (with its `Box`es) built only when a row is read. A plan then holds no object per row, so the cyclic
+    GC has nothing of it to scan (a 65,536-transfer plan added ~265k tracked objects, a third of a second per full
+    pass, while it stayed alive).
+
+    Reads as the list of `Unit`s it was built from: `len`, indexing (an int or a slice), iteration.
+    """
+
+    __slots__ = ("src", "dst", "nbytes", "link", "stage", "members", "dep", "_coords", "_start", "_ndim")
+
+    def __init__(self, rows: Sequence[Unit], cols: _Columns) -> None:
+        """`rows` as columns; `cols`: the plan's unit columns (rows first), whose numeric fields are reused. The
+        three boxes of a row must have one shape (as a validated plan's do)."""
+        n = len(rows)
+        get = operator.itemgetter
+        self.src, self.dst, self.link, self.dep = cols.src[:n], cols.dst[:n], cols.link[:n], cols.dep[:n]
+        self.members: list[Members] = list(map(get(_FIELD["members"]), rows))  # shared tuples, few objects
+        self.nbytes = cols.nbytes[:n] // np.maximum(cols.count[:n], 1)
+        self.stage = np.fromiter(map(get(_FIELD["stage"]), rows), np.int64, n)
+        shapes = list(map(_SHAPE, map(get(_FIELD["global_box"]), rows)))
+        ndim = np.fromiter(map(len, shapes), np.int64, n)
+        total = int(ndim.sum())
+        flat = itertools.chain.from_iterable
+        cols_ = [np.fromiter(flat(shapes), np.int64, total)]
+        for box in ("src_box", "dst_box", "global_box"):  # offsets of each; shapes are the global box's
+            cols_.append(np.fromiter(flat(map(_OFFSETS, map(get(_FIELD[box]), rows))), np.int64, total))
+        self._ndim = ndim
+        self._start = np.concatenate([[0], np.cumsum(ndim)[:-1]]) if n else np.zeros(0, np.int64)
+        self._coords = cols_
+
+    def __len__(self) -> int:
+        return self.src.size
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self._row(k) for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        return self._row(i)
+
+    def __iter__(self) -> Iterator[Unit]:
+        return map(self._row, range(len(self)))
+
+    def _row(self, i: int) -> Unit:
+        a = int(self._start[i])
+        b = a + int(self._ndim[i])
+        shape, so, do, go = (tuple(c[a:b].tolist()) for c in self._coords)
+        return _new_unit(Unit, (int(self.src[i]), int(self.dst[i]), Box._make(so, shape), Box._make(do, shape),
+                                Box._make(go, shape), int(self.nbytes[i]), LINKS[self.link[i]], int(self.stage[i]),
+                                self.members[i], int(self.dep[i])))
+
+
 class _Transfers:
     """Every transfer unit of one plan, in plan order: first the ones emitted one at a time (`rows`), then the
     relay forwards of network arrivals, which are emitted a part at a time and kept as columns.
 
     A unit (`Unit`) moves the same boxes of each member tensor, `nbytes` per member. A whole-model plan forwards
-    each arrival to every other needer of its domain (most of its transfers): keeping those as a few flat lists
-    instead of a tuple each saves most of the time and memory of building them, and leaves the cyclic GC almost
-    nothing to scan.
+    each arrival to every other needer of its domain (most of its transfers): those are kept per part, as a few
+    flat lists (no tuple per forward), and the needers and their boxes as references to the lists the plan's
+    geometry already holds (shared by every part cut from the same need) and the index of the one that received
+    it: no object, and no list entry, per forward; the cyclic GC has almost nothing to scan.
     """
 
     __slots__ = ("rows", "p_src", "p_src_box", "p_box", "p_nbytes", "p_members", "p_dep", "p_count",
-                 "f_dst", "f_dst_box", "_f_start", "_columns")
+                 "p_needers", "p_dst_boxes", "p_skip", "_num_forwards", "_f_start", "_columns")
 
     def __init__(self) -> None:
-        self.rows: list[Unit] = []
+        self.rows: list[Unit] | _Rows = []  # a list while planning, then columns (`compact`)
         # per forwarded part: the relay (sender), its box, the global box, bytes, members, arrival, forwards
         self.p_src: list[int] = []
         self.p_src_box: list[Box] = []
@@ -108,39 +171,72 @@ class _Transfers:
         self.p_members: list[Members] = []
         self.p_dep: list[int] = []
         self.p_count: list[int] = []
-        # per forward: the needer and where the box goes in its tensor
-        self.f_dst: list[int] = []
-        self.f_dst_box: list[Box] = []
+        # per forwarded part: every needer and where the box goes in its tensor (shared, read only), and which
+        # needer is the relay (it gets no forward); the part's forwards go to the others, in order
+        self.p_needers: list[Sequence[int]] = []
+        self.p_dst_boxes: list[Sequence[Box]] = []
+        self.p_skip: list[int] = []
+        self._num_forwards = 0
         self._f_start: list[int] | None = None  # per part, its first forward (and the total at the end)
         self._columns: tuple[int, _Columns] | None = None  # (units when extracted, columns)
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.f_dst)
+        return len(self.rows) + self._num_forwards
 
     @property
     def num_parts(self) -> int:
         return len(self.p_count)
 
-    def add_forwards(self, relay: int, relay_box: Box, needers: list[int], dst_boxes: Sequence[Box], skip: int,
+    def add_forwards(self, relay: int, relay_box: Box, needers: Sequence[int], dst_boxes: Sequence[Box], skip: int,
                      box: Box, nbytes: int, members: Members, dep: int) -> int:
         """Forward `box` (arrival `dep`, held by `relay` at `relay_box`) to every needer but number `skip`; a
-        needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes."""
-        others = needers[:skip] + needers[skip + 1:]
-        self.f_dst.extend(others)
-        self.f_dst_box.extend(dst_boxes[:skip])
-        self.f_dst_box.extend(dst_boxes[skip + 1:])
+        needer that is the relay itself (another place in its tensor) gets a local copy. Returns the NVLink bytes.
+
+        `needers` and `dst_boxes` are kept by reference: the caller must not change them afterwards."""
+        count = len(needers) - 1
+        self.p_needers.append(needers)
+        self.p_dst_boxes.append(dst_boxes)
+        self.p_skip.append(skip)
         self.p_src.append(relay)
         self.p_src_box.append(relay_box)
         self.p_box.append(box)
         self.p_nbytes.append(nbytes)
         self.p_members.append(members)
         self.p_dep.append(dep)
-        self.p_count.append(len(others))
-        return nbytes * len(members) * (len(others) - others.count(relay))
+        self.p_count.append(count)
+        self._num_forwards += count
+        self._f_start = None
+        return nbytes * len(members) * (count + 1 - needers.count(relay))
+
+    def compact(self) -> None:
+        """Keep the rows as columns (`_Rows`) from now on, when there are at least `COMPACT_ROWS`: call once no
+        more units are added and the plan is validated (a row's three boxes then share one shape)."""
+        if isinstance(self.rows, list) and len(self.rows) >= COMPACT_ROWS:
+            self.rows = _Rows(self.rows, self.columns())
+
+    def row_members(self) -> Sequence[Members]:
+        """The members of every row, in order."""
+        rows = self.rows
+        return rows.members if isinstance(rows, _Rows) else list(map(operator.itemgetter(_FIELD["members"]), rows))
+
+    def targets(self, first: int, stop: int) -> tuple[list[int], list[Box]]:
+        """The destination rank and box of every forward of parts `first..stop-1`, in plan order."""
+        dsts: list[int] = []
+        boxes: list[Box] = []
+        for ns, bs, k in zip(self.p_needers[first:stop], self.p_dst_boxes[first:stop], self.p_skip[first:stop]):
+            dsts.extend(ns[:k])
+            dsts.extend(ns[k + 1:])
+            boxes.extend(bs[:k])
+            boxes.extend(bs[k + 1:])
+        return dsts, boxes
 
     def _forward(self, k: int, j: int) -> Unit:
-        src, dst = self.p_src[k], self.f_dst[j]
-        return _new_unit(Unit, (src, dst, self.p_src_box[k], self.f_dst_box[j], self.p_box[k], self.p_nbytes[k],
+        """Forward `j` (counted over all forwards), of part `k`."""
+        q = j - self._starts()[k]
+        if q >= self.p_skip[k]:
+            q += 1
+        src, dst = self.p_src[k], self.p_needers[k][q]
+        return _new_unit(Unit, (src, dst, self.p_src_box[k], self.p_dst_boxes[k][q], self.p_box[k], self.p_nbytes[k],
                                 "local" if dst == src else "nvlink", 1, self.p_members[k], self.p_dep[k]))
 
     def _starts(self) -> list[int]:
@@ -177,18 +273,28 @@ class _Transfers:
         rows = self.rows
         n = len(rows)
 
+        compact = isinstance(rows, _Rows)
+
         def col(name: str) -> np.ndarray:
+            if compact:
+                return getattr(rows, name)
             return np.fromiter(map(operator.itemgetter(_FIELD[name]), rows), np.int64, n)
 
-        link = np.fromiter(map(_LINK_CODE.__getitem__, map(operator.itemgetter(_FIELD["link"]), rows)), np.int8, n)
-        row_count = np.fromiter(map(len, map(operator.itemgetter(_FIELD["members"]), rows)), np.int64, n)
+        link = rows.link if compact else np.fromiter(
+            map(_LINK_CODE.__getitem__, map(operator.itemgetter(_FIELD["link"]), rows)), np.int8, n)
+        row_count = np.fromiter(map(len, self.row_members()), np.int64, n)
         count = np.asarray(self.p_count, dtype=np.int64)
 
         def per_forward(values: list[int]) -> np.ndarray:
             return np.repeat(np.asarray(values, dtype=np.int64), count)
 
         f_src = per_forward(self.p_src)
-        f_dst = np.asarray(self.f_dst, dtype=np.int64)
+        # every part's needers back to back, less the relay's own entry
+        lens = count + 1
+        flat = np.fromiter(itertools.chain.from_iterable(self.p_needers), np.int64, int(lens.sum()))
+        keep = np.ones(flat.size, bool)
+        keep[np.cumsum(lens) - lens + np.asarray(self.p_skip, dtype=np.int64)] = False
+        f_dst = flat[keep]
         f_link = np.where(f_dst == f_src, _LOCAL, _LINK_CODE["nvlink"]).astype(np.int8)
         f_count = per_forward(list(map(len, self.p_members)))
         units = np.concatenate([row_count, f_count])
@@ -231,8 +337,8 @@ def transfer_columns(units: _Transfers, cols: _Columns, chunks: np.ndarray) -> T
     """
     count = cols.count
     unit = np.repeat(np.arange(count.size), count)  # (T,) the unit of each transfer
-    rows = units.rows
-    row_items = [m[0] for u in rows for m in u[_FIELD["members"]]]
+    rows = units.row_members()
+    row_items = [m[0] for ms in rows for m in ms]
     part_items = [m[0] for ms in units.p_members for m in ms]
     items = np.asarray(row_items + part_items, dtype=np.int64)
     # where each unit's members start in `items`: rows back to back, then each forward at its part's members
@@ -316,50 +422,63 @@ class _OpenChunks:
             mk = self._masks[m] = (1 << (self.size - m)) - 1
         return mk
 
-    def place(self, src: list[int], dst: list[int], nbytes: list[int], min_chunk: list[int], cap: int) -> list[int]:
+    def place(self, src: list[int], nbytes: list[int], min_chunk: list[int], stops: list[int], dst: list[int],
+              cap: int) -> list[int]:
         """First fit, in the given order: each transfer goes to the first chunk >= its `min_chunk` open on both
         ends where both still have room for it. A chunk is closed for a rank when a transfer of the size just
         placed would no longer fit (later transfers of a stage are no larger), or when one does not fit. A rank's
-        first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own)."""
-        op, used, masks = self.open, self.used, self._masks
+        first transfer in a chunk always fits (a box larger than `cap` has a chunk of its own).
+
+        The transfers come in runs that share sender, size and earliest chunk (the forwards of one relayed box to
+        the other needers of its domain): run `i` is transfers `stops[i - 1]..stops[i] - 1` (from 0), to `dst[j]`
+        each, never the sender itself (local copies take no chunk room). The sender's open set and room are read
+        once per run; how the transfers are grouped into runs does not change where they go."""
+        op, used = self.open, self.used
         size = self.size
         out: list[int] = []
         append = out.append
-        for s, d, n, m in zip(src, dst, nbytes, min_chunk):
-            while True:
-                if m:
-                    mk = masks.get(m)
-                    if mk is None:  # may grow the sets: read them after
-                        mk = self.from_chunk(m)
+        lo = 0
+        for s, n, m, hi in zip(src, nbytes, min_chunk, stops):
+            mk = self.from_chunk(m) if m else -1  # may grow the sets: read the size after
+            size = self.size
+            xs = op[s] & mk
+            us = used[s]
+            for d in dst[lo:hi]:
+                x = xs & op[d]
+                while True:
+                    if not x:  # no chunk open on both ends yet: allocate more and look again
+                        self.grow(size)
                         size = self.size
-                    x = op[s] & op[d] & mk
-                else:
-                    x = op[s] & op[d]
-                if not x:
-                    self.grow(size)
-                    size = self.size
-                    continue
-                hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
-                c = size - 1 - hb
-                us, ud = used[s], used[d]
-                a, b = us[c], ud[c]
-                fit_s = a == 0 or a + n <= cap
-                fit_d = b == 0 or b + n <= cap
-                if fit_s and fit_d:
-                    break
-                if not fit_s:
-                    op[s] ^= 1 << hb
-                if not fit_d:
+                        xs = op[s] & (self.from_chunk(m) if m else -1)
+                        us = used[s]
+                        x = xs & op[d]
+                        continue
+                    hb = x.bit_length() - 1  # the first chunk open on both ends is the highest common bit
+                    c = size - 1 - hb
+                    ud = used[d]
+                    a = us[c] + n
+                    b = ud[c] + n
+                    fit_s = a <= cap or a == n  # room left, or the chunk is empty on this end
+                    fit_d = b <= cap or b == n
+                    if fit_s and fit_d:
+                        break
+                    bit = 1 << hb
+                    if not fit_s:
+                        op[s] ^= bit
+                        xs ^= bit
+                    if not fit_d:
+                        op[d] ^= bit
+                    x ^= bit  # closed on one end at least, so no longer common
+                us[c] = a
+                ud[c] = b
+                if a + n > cap:
+                    bit = 1 << hb
+                    op[s] ^= bit
+                    xs ^= bit
+                if b + n > cap:
                     op[d] ^= 1 << hb
-            a += n
-            b += n
-            us[c] = a
-            ud[c] = b
-            if a + n > cap:
-                op[s] ^= 1 << hb
-            if b + n > cap:
-                op[d] ^= 1 << hb
-            append(c)
+                append(c)
+            lo = hi
         return out
 
 
@@ -387,6 +506,12 @@ def _assign_chunks(cols: _Columns, chunk_cap: int) -> np.ndarray:
         sel, min_chunk = sel[~is_local], min_chunk[~is_local]
         order = np.lexsort((sel, -cols.nbytes[sel]))  # largest first, then plan order
         sel, min_chunk = sel[order], min_chunk[order]
-        chunks[sel] = state.place(src_id[sel].tolist(), dst_id[sel].tolist(), cols.nbytes[sel].tolist(),
-                                  min_chunk.tolist(), chunk_cap)
+        s_sel, n_sel = src_id[sel], cols.nbytes[sel]
+        # runs of one sender, size and earliest chunk (the forwards of one relayed box come as one)
+        new_run = np.r_[True, (s_sel[1:] != s_sel[:-1]) | (n_sel[1:] != n_sel[:-1]) |
+                        (min_chunk[1:] != min_chunk[:-1])] if sel.size else np.zeros(0, bool)
+        first = np.flatnonzero(new_run)
+        stops = np.r_[first[1:], sel.size].astype(np.int64)
+        chunks[sel] = state.place(s_sel[first].tolist(), n_sel[first].tolist(), min_chunk[first].tolist(),
+                                  stops.tolist(), dst_id[sel].tolist(), chunk_cap)
     return chunks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from typing import Sequence
 
 from reshard.planner._box import Box, intersect
@@ -77,12 +78,16 @@ def _pairwise_disjoint(boxes: Sequence[Box]) -> bool:
     return True
 
 
-def union_volume(boxes: Sequence[Box]) -> int:
+def union_volume(boxes: Sequence[Box], *, disjoint: bool = False) -> int:
     """The number of elements in the union of `boxes` (exact).
 
     Identical boxes are counted once. A set of pairwise disjoint boxes (what DTensor layouts give) is summed
     directly; otherwise the union is counted on the grid of all box boundaries (coordinate compression).
+    `disjoint=True` says the distinct boxes are known to be pairwise disjoint (pieces of a DTensor layout, whose
+    ranks' pieces are identical or disjoint), which skips checking it.
     """
+    if disjoint:
+        return sum(math.prod(b.shape) for b in set(boxes))
     unique = sorted(set(boxes), key=lambda b: (b.offsets, b.shape))
     if not unique:
         return 0
@@ -105,17 +110,18 @@ def _cell_volume(cuts: list[list[int]], cell: tuple[int, ...]) -> int:
     return v
 
 
-def intersection_volume(a: Sequence[Box], b: Sequence[Box]) -> int:
+def intersection_volume(a: Sequence[Box], b: Sequence[Box], *, disjoint: bool = False) -> int:
     """Elements in `union(a) ∩ union(b)` (exact).
 
     When each side is a set of pairwise disjoint boxes (after removing duplicates), the pairwise intersections are
     disjoint too and are summed; otherwise inclusion-exclusion over exact unions: `|A| + |B| - |A ∪ B|`.
+    `disjoint=True` says each side's distinct boxes are known to be pairwise disjoint (see `union_volume`).
     """
     ua = sorted(set(a), key=lambda x: (x.offsets, x.shape))
     ub = sorted(set(b), key=lambda x: (x.offsets, x.shape))
     if not ua or not ub:
         return 0
-    if _pairwise_disjoint(ua) and _pairwise_disjoint(ub):
+    if disjoint or (_pairwise_disjoint(ua) and _pairwise_disjoint(ub)):
         index = BoxIndex(ub)
         total = 0
         for x in ua:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import logging
 import math
 import operator
@@ -211,13 +212,18 @@ class _Builder:
         idle) stops at `SENDER_SPREAD_FACTOR` times that. No part is smaller than `min_split_bytes` unless the box
         is.
         """
-        nbytes = box.numel * itemsize
+        numel = 1
+        for s in box.shape:
+            numel *= s
+        nbytes = numel * itemsize
         want, senders = num_candidates, num_senders
         if fair_share > 0:
             want = min(want, max(1, math.ceil(SPREAD_FACTOR * nbytes / fair_share)))
             senders = min(senders, max(1, math.ceil(SENDER_SPREAD_FACTOR * nbytes / fair_share)))
         want = min(max(want, senders), max(1, nbytes // self.min_split_bytes))
         cap_numel = max(1, self.chunk_cap // itemsize)
+        if (want <= 1 or numel <= 1) and numel <= cap_numel:  # the common case: the box as it is
+            return [box]
         out: list[Box] = []
         for part in split_box(box, want):
             out.extend(split_to_fit(part, cap_numel))
@@ -225,7 +231,7 @@ class _Builder:
 
 
 def _delta(global_box: Box, local_box: Box) -> tuple[int, ...]:
-    return tuple(lo - go for lo, go in zip(local_box.offsets, global_box.offsets))
+    return tuple(map(operator.sub, local_box.offsets, global_box.offsets))
 
 
 @dataclass(slots=True)
@@ -290,11 +296,34 @@ def _translate(box: Box, delta: tuple[int, ...]) -> Box:
 
 
 def _part(box: Box, itemsize: int, dst_deltas: Sequence[tuple[int, ...]],
-          src_deltas: Sequence[tuple[int, ...]]) -> _Part:
-    # replicas usually sit at the same place in their local tensors: translate once per distinct delta
-    moved = {d: _translate(box, d) for d in {*dst_deltas, *src_deltas}}
-    return _Part(box, box.numel * itemsize, tuple(map(moved.__getitem__, dst_deltas)),
-                 tuple(map(moved.__getitem__, src_deltas)))
+          src_deltas: Sequence[tuple[int, ...]], src_one: tuple[int, ...] | None = None) -> _Part:
+    """`box` and its place in each needer's and each holder's local tensor; `src_one`: the one delta every holder
+    shares, when they do (replicas usually sit at the same place in their local tensors)."""
+    offsets, shape = box.offsets, box.shape
+    nbytes = itemsize
+    for s in shape:
+        nbytes *= s
+    make = Box._make
+    add = operator.add
+    moved: dict[tuple[int, ...], Box] = {}  # translate once per distinct delta
+    if src_one is not None:
+        sbox = moved[src_one] = make(tuple(map(add, offsets, src_one)), shape)
+        srcs = (sbox,) * len(src_deltas)
+    else:
+        for d in src_deltas:
+            if d not in moved:
+                moved[d] = make(tuple(map(add, offsets, d)), shape)
+        srcs = tuple(map(moved.__getitem__, src_deltas))
+    for d in dst_deltas:
+        if d not in moved:
+            moved[d] = make(tuple(map(add, offsets, d)), shape)
+    return _Part(box, nbytes, tuple(map(moved.__getitem__, dst_deltas)), srcs)
+
+
+def _one_delta(deltas: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The delta all of `deltas` share, or None."""
+    first = deltas[0]
+    return first if deltas.count(first) == len(deltas) else None
 
 
 def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
@@ -324,29 +353,41 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
     local: list[_LocalCopy] = []
     nvl_needs: list[tuple[Box, int, tuple[int, ...], list[tuple[int, tuple[int, ...]]]]] = []
     net_needs: dict[Any, dict[tuple[int, Box], list[tuple[int, tuple[int, ...]]]]] = {}
+    query = index.query
+    cuts: dict[Box, list[tuple[int, Box]]] = {}  # a needed box: the (group, intersection) pairs it is cut into
     for r in sorted(dst.ranks):
         dom = domain(r)
         own = src.pieces(r) if r in src_ranks else ()
+        dom_needs = net_needs.get(dom)
         for piece in dst.pieces(r):
-            d_delta = _delta(piece.global_box, piece.local_box)
-            remaining = [piece.global_box]
+            gbox = piece.global_box
+            d_delta = tuple(map(operator.sub, piece.local_box.offsets, gbox.offsets))
+            remaining = [gbox]
             for sp in own:
-                x = intersect(sp.global_box, piece.global_box)
+                x = intersect(sp.global_box, gbox)
                 if x is None:
                     continue
                 local.append(_LocalCopy(r, _translate(x, _delta(sp.global_box, sp.local_box)), _translate(x, d_delta),
                                         x))
                 remaining = [y for rem in remaining for y in subtract(rem, x)]
             for rem in remaining:
-                for gid in index.query(rem):
-                    x = intersect(rem, group_boxes[gid])
-                    if x is None:
-                        continue
+                hits = cuts.get(rem)
+                if hits is None:  # replicas of a destination shard need the same boxes: cut them once
+                    hits = cuts[rem] = [(gid, x) for gid in query(rem)
+                                        if (x := intersect(rem, group_boxes[gid])) is not None]
+                for gid, x in hits:
                     near = group_near[gid].get(dom)
                     if near:
                         nvl_needs.append((x, r, d_delta, near))
+                        continue
+                    if dom_needs is None:
+                        dom_needs = net_needs[dom] = {}
+                    key = (gid, x)
+                    lst = dom_needs.get(key)
+                    if lst is None:
+                        dom_needs[key] = [(r, d_delta)]
                     else:
-                        net_needs.setdefault(dom, {}).setdefault((gid, x), []).append((r, d_delta))
+                        lst.append((r, d_delta))
 
     # NVLink: largest boxes first; a box is split over several in-domain replicas only as far as other needs do
     # not already keep them busy
@@ -367,21 +408,34 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
         for gid, _ in needs:
             net_demand[gid] += 1
     net: list[_NetNeed] = []
+    split = b.parts
+    relay = b.relay
+    # per group: holder ranks, their deltas, the one delta they share or None (read only)
+    holder_cols: dict[int, tuple[list[int], list[tuple[int, ...]], tuple[int, ...] | None]] = {}
     for dom in sorted(net_needs, key=repr):
         needs = net_needs[dom]
-        for (gid, x) in sorted(needs, key=lambda k: (-k[1].numel, k[0], k[1].offsets)):
-            needers = needs[(gid, x)]
-            holders = group_holders[gid]
-            if b.relay:
-                k = -(-len(holders) // net_demand[gid])  # senders per part, so that no replica sits idle
-                boxes = b.parts(x, len(needers), itemsize, b.fair_recv.get(dom, 0.0), num_senders=k)
+        fair = b.fair_recv.get(dom, 0.0)
+        order = sorted([(-math.prod(x.shape), gid, x.offsets, k, x) for k, (gid, x) in enumerate(needs)])
+        keys = list(needs)
+        for *_, k, x in order:
+            key = keys[k]
+            gid = key[0]
+            needers = needs[key]
+            hc = holder_cols.get(gid)
+            if hc is None:
+                holders = group_holders[gid]
+                h_deltas = [h[1] for h in holders]
+                hc = holder_cols[gid] = ([h[0] for h in holders], h_deltas, _one_delta(h_deltas))
+            h_ranks, h_deltas, h_one = hc
+            if relay:
+                k = -(-len(h_ranks) // net_demand[gid])  # senders per part, so that no replica sits idle
+                boxes = split(x, len(needers), itemsize, fair, num_senders=k)
             else:
-                k = -(-len(holders) // (net_demand[gid] * len(needers)))
-                boxes = b.parts(x, k, itemsize)
+                k = -(-len(h_ranks) // (net_demand[gid] * len(needers)))
+                boxes = split(x, k, itemsize)
             n_deltas = [n[1] for n in needers]
-            h_deltas = [h[1] for h in holders]
-            net.append(_NetNeed(dom, gid, x, [n[0] for n in needers], n_deltas, [h[0] for h in holders], h_deltas,
-                                [_part(box, itemsize, n_deltas, h_deltas) for box in boxes], k))
+            net.append(_NetNeed(dom, gid, x, [n[0] for n in needers], n_deltas, h_ranks, h_deltas,
+                                [_part(box, itemsize, n_deltas, h_deltas, h_one) for box in boxes], k))
     check = not (getattr(src, "regular", False) and getattr(dst, "regular", False))
     largest = max([n.part.nbytes for n in nvl] + [p.nbytes for n in net for p in n.parts], default=0)
     return _Recipe(itemsize, local, nvl, net, check, largest)
@@ -437,20 +491,26 @@ def _emit_recipe(b: _Builder, rc: _Recipe, members: Members) -> None:
                 parts = [_part(box, rc.itemsize, n_deltas, h_deltas) for rem in remaining
                          for box in b.parts(rem, len(needers), rc.itemsize, b.fair_recv.get(dom, 0.0),
                                             num_senders=spread)]
+        forward = len(needers) > 1 and b.transfers.add_forwards
         for part in parts:
-            n = _least(needers, net_recv)
-            h = _least(holders, net_send)
-            recv, recv_box = needers[n], part.dst_boxes[n]
+            loads = list(map(net_recv.__getitem__, needers))
+            n = loads.index(min(loads))  # the least-loaded needer receives; the lowest rank among equals
+            if len(holders) > 1:
+                loads = list(map(net_send.__getitem__, holders))
+                h = loads.index(min(loads))
+            else:
+                h = 0
+            recv, dst_boxes, nbytes = needers[n], part.dst_boxes, part.nbytes
+            sender = holders[h]
             a_idx = len(raw)
-            raw.append(_new_unit(Unit, (holders[h], recv, part.src_boxes[h], recv_box, part.box, part.nbytes,
+            raw.append(_new_unit(Unit, (sender, recv, part.src_boxes[h], dst_boxes[n], part.box, nbytes,
                                         "network", 0, members, -1)))
-            net_send[holders[h]] += part.nbytes * k
-            net_recv[recv] += part.nbytes * k
+            net_send[sender] += nbytes * k
+            net_recv[recv] += nbytes * k
             if rc.check_arrivals:
                 arrivals[(dom, gid)].append((part.box, recv, n_deltas[n], a_idx))
-            if len(needers) > 1:
-                nvl_send[recv] += b.transfers.add_forwards(recv, recv_box, needers, part.dst_boxes, n, part.box,
-                                                           part.nbytes, relayed, a_idx)
+            if forward:
+                nvl_send[recv] += forward(recv, dst_boxes[n], needers, dst_boxes, n, part.box, nbytes, relayed, a_idx)
 
 
 _KEY_DIGESTS = _checks.bounded_cache("layout digests", 4096)
@@ -486,8 +546,11 @@ def _network_lower_bound(items: Sequence[PlanItem], topology: Topology) -> dict[
             d = topology.domain(r)
             if d in need:
                 held[d].extend(p.global_box for p in item.src.pieces(r))
+        # DTensor layouts: any two ranks' pieces are identical or disjoint, so the distinct boxes of each side are
+        regular = getattr(item.src, "regular", False) and getattr(item.dst, "regular", False)
         for d, boxes in need.items():
-            this[d] = (union_volume(boxes) - intersection_volume(boxes, held.get(d, []))) * item.dst.dtype.itemsize
+            this[d] = (union_volume(boxes, disjoint=regular)
+                       - intersection_volume(boxes, held.get(d, []), disjoint=regular)) * item.dst.dtype.itemsize
             out[d] += this[d]
     return out
 
@@ -497,6 +560,24 @@ def _unit_transfers(u: Unit, chunk: int) -> list[Transfer]:
     return [Transfer(u.src, u.dst, u.src_box, u.dst_box, u.global_box, u.nbytes, u.link, u.stage, chunk, item,
                      src_t, dst_t) for item, src_t, dst_t in u.members]
 
+
+_GBOX, _SRC_BOX, _DST_BOX, _DST = (operator.itemgetter(Unit._fields.index(f)) for f in
+                                   ("global_box", "src_box", "dst_box", "dst"))
+_SHAPE, _OFFSETS = operator.attrgetter("shape"), operator.attrgetter("offsets")
+_UNBOUNDED = 1 << 62
+
+
+def _repeat_each(values: Sequence[Any], counts: Sequence[int]) -> Iterable[Any]:
+    """Each of `values` `counts[i]` times, in order."""
+    return itertools.chain.from_iterable(map(itertools.repeat, values, counts))
+
+
+def _expected_elements(layout: Any, rank: int) -> int:
+    """Elements of `layout`'s pieces on `rank` (what the plan must write there)."""
+    return sum(math.prod(piece.global_box.shape) for piece in layout.pieces(rank))
+
+
+_RANK_FIELDS = {f: i for i, f in enumerate(RankBytes.__dataclass_fields__)}  # `RankBytes` fields in order
 
 _PLAN_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _PLAN_CACHE_SIZE = 128
@@ -608,41 +689,45 @@ class Plan:
                        needed_bytes: int) -> PlanStats:
         # vectorized: a whole-model plan has up to millions of transfers
         n = chunks.size
-        src, dst, nbytes, kind, chunk = cols.src, cols.dst, cols.nbytes, cols.link, chunks
+        nbytes, kind, chunk = cols.nbytes, cols.link, chunks
         ranks, src_id, dst_id = cols.ranks, cols.src_id, cols.dst_id
-        per: dict[int, dict[str, int]] = defaultdict(dict)
+        num_ranks = ranks.size
+        # per dense rank, the fields of `RankBytes` in order (float64 sums are exact below 2**53 bytes per rank)
+        table = np.zeros((len(_RANK_FIELDS), num_ranks), np.int64)
+        weights = nbytes.astype(np.float64)
 
-        def accumulate(name: str, ranks: np.ndarray, values: np.ndarray | None) -> None:
-            """`per[rank][name]` = sum of `values` (or the count) over entries of each rank."""
-            if not ranks.size:
-                return
-            if values is None:
-                totals = np.bincount(ranks)
-            else:  # float64 sums are exact below 2**53 bytes per rank
-                totals = np.rint(np.bincount(ranks, weights=values.astype(np.float64))).astype(np.int64)
-            for r in np.flatnonzero(totals).tolist():
-                per[r][name] = int(totals[r])
+        def total(row: str, ids: np.ndarray, values: np.ndarray | None) -> None:
+            if ids.size:
+                sums = np.bincount(ids, weights=values, minlength=num_ranks)
+                table[_RANK_FIELDS[row]] = np.rint(sums).astype(np.int64) if values is not None else sums
 
         by_link = {}
         for code, link in enumerate(LINKS):
-            sel = kind == code
+            sel = np.flatnonzero(kind == code)
+            w = weights[sel]
             by_link[link] = int(nbytes[sel].sum())
             if link == "local":
-                accumulate("local", dst[sel], nbytes[sel])
+                total("local", dst_id[sel], w)
                 continue
-            accumulate(f"{link}_send", src[sel], nbytes[sel])
-            accumulate(f"{link}_recv", dst[sel], nbytes[sel])
+            total(f"{link}_send", src_id[sel], w)
+            total(f"{link}_recv", dst_id[sel], w)
             # a message is one (chunk, sender, receiver)
-            _, senders, receivers = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], ranks.size, ranks.size)
-            accumulate(f"{link}_messages_sent", ranks[senders], None)
-            accumulate(f"{link}_messages_received", ranks[receivers], None)
-        num_messages = sum(v for d in per.values() for k, v in d.items() if k.endswith("_messages_sent"))
+            _, senders, receivers = _unique_triples(chunk[sel], src_id[sel], dst_id[sel], num_ranks, num_ranks)
+            total(f"{link}_messages_sent", senders, None)
+            total(f"{link}_messages_received", receivers, None)
+        num_messages = int(table[_RANK_FIELDS["network_messages_sent"]].sum()
+                           + table[_RANK_FIELDS["nvlink_messages_sent"]].sum())
         num_chunks = int(chunk.max()) + 1 if n else 0
-        per_rank = {r: RankBytes(**v) for r, v in sorted(per.items())}
-        sends = [rb.send for rb in per_rank.values() if rb.send]
-        recvs = [rb.recv for rb in per_rank.values() if rb.recv]
-        mean_s = sum(sends) / len(sends) if sends else 0.0
-        mean_r = sum(recvs) / len(recvs) if recvs else 0.0
+        present = np.flatnonzero(table.any(axis=0))
+        per_rank = dict(zip(ranks[present].tolist(), itertools.starmap(RankBytes, table[:, present].T.tolist())))
+        send_all = table[_RANK_FIELDS["network_send"]] + table[_RANK_FIELDS["nvlink_send"]]
+        recv_all = table[_RANK_FIELDS["network_recv"]] + table[_RANK_FIELDS["nvlink_recv"]]
+        sends = send_all[send_all > 0]
+        recvs = recv_all[recv_all > 0]
+        mean_s = int(sends.sum()) / sends.size if sends.size else 0.0
+        mean_r = int(recvs.sum()) / recvs.size if recvs.size else 0.0
+        max_s = int(sends.max()) if sends.size else 0
+        max_r = int(recvs.max()) if recvs.size else 0
         return PlanStats(
             total_bytes=sum(by_link.values()),
             network_bytes=by_link["network"],
@@ -654,12 +739,12 @@ class Plan:
             num_transfers=int(cols.count.sum()),
             num_forwards=int(cols.count[cols.dep >= 0].sum()),
             num_chunks=num_chunks,
-            max_rank_send_bytes=max(sends, default=0),
-            max_rank_recv_bytes=max(recvs, default=0),
+            max_rank_send_bytes=max_s,
+            max_rank_recv_bytes=max_r,
             mean_rank_send_bytes=mean_s,
             mean_rank_recv_bytes=mean_r,
-            send_imbalance=max(sends) / mean_s if sends else 0.0,
-            recv_imbalance=max(recvs) / mean_r if recvs else 0.0,
+            send_imbalance=max_s / mean_s if sends.size else 0.0,
+            recv_imbalance=max_r / mean_r if recvs.size else 0.0,
             per_rank=per_rank,
         )
 
@@ -996,6 +1081,7 @@ def plan_many(
         result = Plan(PlanData(items, topology, relay, staging_bytes, min_split_bytes, b.transfers, chunks,
                                sum(lower_by_domain.values()), needed, tuple(templates)))
         _checks.check_plan(result, limits)
+        b.transfers.compact()  # no object per row from here on (see `_Rows`)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -1092,45 +1178,147 @@ def _validate(p: Plan, spans: Sequence[UnitSpan] | None = None) -> None:
     `spans`: where the units planned from scratch are; the others replay one of them (same geometry, same boxes),
     so checking the planned ones checks all, and the byte total (every unit's bytes sum to what the destinations
     need) catches a unit left out or added. None checks every unit.
+
+    The per-box checks run on numpy columns of the boxes (one group per number of dims); only the (item, rank)
+    pairs whose boxes overlap along dim 0 once sorted are checked box by box (`_overlap`).
     """
     s = p.stats
     if s.total_bytes != s.needed_bytes:
         raise _invalid(f"the transfers write {s.total_bytes} bytes, but the destinations need {s.needed_bytes}")
     store = p._raw
-    if spans is not None:
+    num_rows = len(store.rows)
+    if spans is None:
+        spans = (UnitSpan(0, num_rows, 0, store.num_parts),)
+        every_member = True
+    else:
         # the members of a unit share its boxes and their geometry: the first member of each first unit stands
         # for all
-        units = [u for a, b, pa, pb in spans for u in (*store.rows[a:b], *store.forwards(pa, pb))]
-        planned: set[int] | None = {u.members[0].item for u in units}
-    else:
-        units, planned = list(store), None
+        every_member = False
+    starts = store._starts()
     num_items = len(p.items)
-    written: dict[tuple[int, int], tuple[tuple[int, ...], list[Box]]] = {}  # (item, rank): (local shape, boxes)
-    for u in units:
-        _, dst_rank, src_box, dst_box, gbox, _, _, _, members, _ = u
-        shape = gbox.shape
-        if shape != src_box.shape or shape != dst_box.shape:
+    # one entry per checked (unit, member): its item, destination rank and box; `where` finds the unit again
+    items_of: list[int] = []
+    dst_ranks: list[int] = []
+    boxes: list[Box] = []
+    where: list[int] = []
+    for a, b, pa, pb in spans:
+        rows = store.rows[a:b]
+        g_shapes = list(map(_SHAPE, map(_GBOX, rows)))
+        if g_shapes != list(map(_SHAPE, map(_SRC_BOX, rows))) or g_shapes != list(map(_SHAPE, map(_DST_BOX, rows))):
+            u = next(u for u in rows if not u.global_box.shape == u.src_box.shape == u.dst_box.shape)
             raise _invalid(f"transfer shapes disagree: {u}")
-        for item, _, _ in members if planned is None else members[:1]:
-            entry = written.get((item, dst_rank))
-            if entry is None:
-                if not 0 <= item < num_items:
-                    raise _invalid(f"unit names item {item}, but the plan has {num_items}: {u}")
-                entry = written[(item, dst_rank)] = (p.items[item].dst.local_shape(dst_rank), [])
-            dst_local, boxes = entry
-            if any(o < 0 or o + e > n for o, e, n in zip(dst_box.offsets, shape, dst_local)):
-                raise _invalid(f"destination box out of bounds of local shape {dst_local}: {u}")
-            boxes.append(dst_box)
-    for i, it in enumerate(p.items):
-        if planned is not None and i not in planned:
+        fa, fb = starts[pa], starts[pb]
+        counts = store.p_count[pa:pb]
+        part_shapes = list(map(_SHAPE, store.p_box[pa:pb]))
+        f_dst, f_boxes = store.targets(pa, pb)
+        if part_shapes != list(map(_SHAPE, store.p_src_box[pa:pb])) or \
+                list(map(_SHAPE, f_boxes)) != list(_repeat_each(part_shapes, counts)):
+            j = next(j for j in range(fa, fb) if not store.row(num_rows + j).global_box.shape ==
+                     store.row(num_rows + j).src_box.shape == store.row(num_rows + j).dst_box.shape)
+            raise _invalid(f"transfer shapes disagree: {store.row(num_rows + j)}")
+        if every_member:
+            for k, u in enumerate(rows, a):
+                for m in u[8]:
+                    items_of.append(m[0])
+                    dst_ranks.append(u[1])
+                    boxes.append(u[3])
+                    where.append(k)
+            for k, (ms, c) in enumerate(zip(store.p_members[pa:pb], counts), pa):
+                for j in range(starts[k], starts[k] + c):
+                    for m in ms:
+                        items_of.append(m[0])
+                        dst_ranks.append(f_dst[j - fa])
+                        boxes.append(f_boxes[j - fa])
+                        where.append(num_rows + j)
+        else:
+            items_of.extend(u[8][0][0] for u in rows)
+            dst_ranks.extend(map(_DST, rows))
+            boxes.extend(map(_DST_BOX, rows))
+            where.extend(range(a, b))
+            items_of.extend(_repeat_each([ms[0][0] for ms in store.p_members[pa:pb]], counts))
+            dst_ranks.extend(f_dst)
+            boxes.extend(f_boxes)
+            where.extend(range(num_rows + fa, num_rows + fb))
+    planned: set[int] | None = None if every_member else set(items_of)
+    if items_of and not (0 <= min(items_of) and max(items_of) < num_items):
+        k = next(k for k, i in enumerate(items_of) if not 0 <= i < num_items)
+        raise _invalid(f"unit names item {items_of[k]}, but the plan has {num_items}: {store.row(where[k])}")
+    # every (planned item, destination rank): its key, local shape and the elements it must receive, per geometry
+    check_items = sorted(planned) if planned is not None else range(num_items)
+    span = 1 + max([*dst_ranks, *(max(p.items[i].dst.ranks, default=0) for i in check_items)], default=0)
+    geo: dict[int, tuple[np.ndarray, list[tuple[int, ...]], np.ndarray]] = {}
+    table_keys, table_shapes, table_expected = [], [], []
+    for i in check_items:
+        dst = p.items[i].dst
+        gid = _geometry_id(dst)
+        g = geo.get(gid)
+        if g is None:
+            ranks = list(dst.ranks)
+            g = geo[gid] = (np.asarray(ranks, np.int64), [tuple(dst.local_shape(r)) for r in ranks],
+                            np.asarray([_expected_elements(dst, r) for r in ranks], np.int64))
+        table_keys.append(g[0] + i * span)
+        table_shapes.extend(g[1])
+        table_expected.append(g[2])
+    keys_t = np.concatenate(table_keys) if table_keys else np.zeros(0, np.int64)
+    expected_t = np.concatenate(table_expected) if table_expected else np.zeros(0, np.int64)
+    order_t = np.argsort(keys_t, kind="stable")
+    sorted_t = keys_t[order_t]
+    keys = np.asarray(items_of, np.int64) * span + np.asarray(dst_ranks, np.int64)
+    pos = np.minimum(np.searchsorted(sorted_t, keys), max(sorted_t.size - 1, 0))
+    found = sorted_t[pos] == keys if sorted_t.size else np.zeros(keys.size, bool)
+    row = np.where(found, order_t[pos] if sorted_t.size else 0, -1)  # table row of each entry, -1: none
+    max_nd = max(map(len, table_shapes), default=0)
+    bound_t = np.fromiter(itertools.chain.from_iterable((*ls, *(_UNBOUNDED,) * (max_nd - len(ls))) for ls in
+                                                        table_shapes), np.int64, len(table_shapes) * max_nd)
+    bound_t = bound_t.reshape(len(table_shapes), max_nd)
+    got = np.zeros(keys_t.size, np.int64)
+    ndims = np.fromiter(map(len, map(_SHAPE, boxes)), np.int64, len(boxes))
+    flat = itertools.chain.from_iterable
+    suspects: list[int] = []  # table rows whose boxes may overlap
+    for ndim in np.unique(ndims).tolist():
+        sel = np.flatnonzero(ndims == ndim)
+        rows_s = row[sel]
+        if not ndim:  # 0-d: every box is the one element
+            np.add.at(got, rows_s[rows_s >= 0], 1)
             continue
-        for r in it.dst.ranks:
-            expected = sum(piece.global_box.numel for piece in it.dst.pieces(r))
-            boxes = written.get((i, r), ((), []))[1]
-            got = sum(b.numel for b in boxes)
-            if got != expected:
-                raise _invalid(f"tensor {it.label!r}: rank {r} receives {got} elements, expected {expected}")
-            if len(boxes) > 1 and _overlap(boxes):
-                raise _invalid(f"tensor {it.label!r}: rank {r} receives some elements more than once")
+        sel_boxes = boxes if sel.size == len(boxes) else list(map(boxes.__getitem__, sel.tolist()))
+        off = np.fromiter(flat(map(_OFFSETS, sel_boxes)), np.int64, sel.size * ndim).reshape(-1, ndim)
+        ext = np.fromiter(flat(map(_SHAPE, sel_boxes)), np.int64, sel.size * ndim).reshape(-1, ndim)
+        bound = np.full((sel.size, ndim), _UNBOUNDED, np.int64)
+        known = rows_s >= 0
+        width = min(ndim, max_nd)
+        bound[known, :width] = bound_t[rows_s[known], :width]
+        for k in np.flatnonzero(~known).tolist():  # a rank outside the item's destination ranks
+            ls = tuple(p.items[items_of[sel[k]]].dst.local_shape(dst_ranks[sel[k]]))[:ndim]
+            bound[k, :len(ls)] = ls
+        bad = ((off < 0) | (off + ext > bound)).any(axis=1)
+        if bad.any():
+            k = int(sel[int(np.argmax(bad))])
+            ls = p.items[items_of[k]].dst.local_shape(dst_ranks[k])
+            raise _invalid(f"destination box out of bounds of local shape {ls}: {store.row(where[k])}")
+        np.add.at(got, rows_s[known], ext[known].prod(axis=1))
+        # sorted by (row, dim-0 start), boxes that start at or after the previous one's end cannot overlap
+        order = np.lexsort((off[:, 0], rows_s))
+        ids_s, start, stop = rows_s[order], off[order, 0], (off + ext)[order, 0]
+        clash = (ids_s[1:] == ids_s[:-1]) & (start[1:] < stop[:-1]) & (ids_s[1:] >= 0)
+        suspects.extend(np.unique(ids_s[1:][clash]).tolist())
+    if ndims.size and (ndims == 0).any():
+        counts = np.bincount(row[(ndims == 0) & (row >= 0)], minlength=keys_t.size)
+        suspects.extend(np.flatnonzero(counts > 1).tolist())
+    short = np.flatnonzero(got != expected_t)
+    if short.size:
+        k = int(short[0])
+        i, r = divmod(int(keys_t[k]), span)
+        raise _invalid(f"tensor {p.items[i].label!r}: rank {r} receives {int(got[k])} elements, expected "
+                       f"{int(expected_t[k])}")
+    if suspects:
+        members: dict[int, list[Box]] = {k: [] for k in suspects}
+        for b, k in zip(boxes, row.tolist()):
+            if k in members:
+                members[k].append(b)
+        for k in sorted(members):
+            if _overlap(members[k]):
+                i, r = divmod(int(keys_t[k]), span)
+                raise _invalid(f"tensor {p.items[i].label!r}: rank {r} receives some elements more than once")
     if p.relay and s.network_bytes != s.network_lower_bound:
         raise _invalid(f"network bytes {s.network_bytes} != lower bound {s.network_lower_bound} with relay")
