@@ -254,6 +254,7 @@ class _Run:
         self.streams = staging.streams
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
+        self.packed_ahead: tuple[int, int] | None = None  # (chunk index, unit) packed during the handshake
 
     def _tensors(self, copies: BoxList) -> list[torch.Tensor]:
         src, dst = self.src, self.dst
@@ -281,6 +282,26 @@ class _Run:
         return self.verify or bool(paths.pack_groups) or bool(paths.unpack_boxes)
 
     # -- stages ---------------------------------------------------------------------------------------------
+
+    def pack_ahead(self) -> None:
+        """CPU, while the plan handshake is in flight: pack the first staged wire send of the first chunk (the first
+        one the run packs after the verdict) into its staging slot. It reads only source tensors and writes only
+        staging, so a refused call still leaves every destination untouched."""
+        if self.streams is not None or self.verify or not self.prog.chunks:
+            return
+        step = self.prog.chunks[0]
+        if (not step.sends or step.unpack_before_pack >= 0 or any(step.pack.from_dst)
+                or not self._staged(step)):
+            return
+        for u, (copies, _, _) in enumerate(self._send_units(step, 0).units):
+            if copies:
+                t0 = time.perf_counter()
+                for copy in copies:
+                    copy.run()
+                self.report.seconds_pack += time.perf_counter() - t0
+                self.report.sends_packed_early += 1
+                self.packed_ahead = (step.index, u)
+                return
 
     def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
         if not step.pack.boxes:
@@ -369,8 +390,8 @@ class _Run:
         # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed
         first = _post_tagged(sums, recvs, self.group, 0, num_recvs, self.verify, self.timeout, what)
         handles: list[TransferHandle] = []
-        for copies, peer, tensor in self._send_units(step, slot).units if step.sends else ():
-            if copies:
+        for u, (copies, peer, tensor) in enumerate(self._send_units(step, slot).units if step.sends else ()):
+            if copies and self.packed_ahead != (step.index, u):
                 t0 = time.perf_counter()
                 for copy in copies:
                     copy.run()
@@ -614,14 +635,25 @@ def execute(
     start = time.perf_counter()
     with group.exclusive("execute"), torch.no_grad():  # one call at a time per group (see Group)
         prog = plan.for_rank(rank)
-        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify)
+        srcs, dsts = src_tensors or (), dst_tensors or ()
+        ahead: list[_Run] = []
+
+        def new_run(staging: Staging) -> _Run:
+            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+            return _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
+
+        def early(staging: Staging) -> None:  # while the handshake is in flight: pack the first send (CPU)
+            if staging.streams is None and not verify:
+                run = new_run(staging)
+                run.pack_ahead()
+                ahead.append(run)
+
+        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify, early=early)
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
         if staging is not None:
             report.staging_bytes = staging.nbytes
-            srcs, dsts = src_tensors or (), dst_tensors or ()
-            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
-            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
+            run = ahead[0] if ahead and ahead[0].staging is staging else new_run(staging)
             run.run()
             verify_errors = run.errors
         if (verify or confirm) and len(ranks) > 1:
