@@ -2,9 +2,11 @@
 
 One call, on every rank of the plan:
 
-1. check the local tensors against the plan's layouts, reserve staging (once per plan, reused), and agree with the
-   other ranks (plan fingerprint + error flags, see `_handshake.agree`): bad input raises on every rank before any
-   byte moves;
+1. check the local tensors against the plan's layouts (skipped for the same plan and tensors as before), reserve
+   staging (once per plan, reused), and agree with the other ranks (plan fingerprint + error flags, see
+   `_handshake.agree`), on every call: bad input raises on every rank before any byte moves. On CPU a source that
+   is not the round's root packs its first staged send while the round is in flight (`_Run.pack_ahead`: sources
+   read, staging written, nothing another rank or a destination sees);
 2. for each of the rank's chunks, in increasing chunk index:
    pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post the chunk's sends
    and receives, make its local copies, then finish the *previous* chunk (wait for it and unpack it into the

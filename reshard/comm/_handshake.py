@@ -187,10 +187,6 @@ class PendingAgreement:
         self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL, timeout=timeout, what=self.label,
                             control=True)
 
-    def ready(self) -> bool:
-        """Whether this rank's first messages are all through (`finish` would not wait for them)."""
-        return self._handle.is_completed()
-
     def finish(self) -> None:
         """Complete the round: return when every rank agrees, else raise (see `agree`)."""
         group, label = self.group, self.label
