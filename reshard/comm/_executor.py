@@ -389,16 +389,23 @@ class _Run:
                 self._send_sums(step, slot)
             sums = [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
             recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
-        # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed
+        # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed: the
+        # sends that need no packing now are posted together, just before the next pack (or at the end)
         first = _post_tagged(sums, recvs, self.group, 0, num_recvs, self.verify, self.timeout, what)
         handles: list[TransferHandle] = []
+        ready: list[tuple[int, torch.Tensor]] = []
         for u, (copies, peer, tensor) in enumerate(self._send_units(step, slot).units if step.sends else ()):
             if copies and self.packed_ahead != (step.index, u):
+                if ready:
+                    handles.append(post(ready, [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
+                    ready = []
                 t0 = time.perf_counter()
                 for copy in copies:
                     copy.run()
                 self.report.seconds_pack += time.perf_counter() - t0
-            handles.append(post([(peer, tensor)], [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
+            ready.append((peer, tensor))
+        if ready:
+            handles.append(post(ready, [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
         return _Both(first, joined(handles, self.group, self.timeout, what)) if handles else first
 
     def local(self, step: RankChunk) -> None:
@@ -650,7 +657,8 @@ def execute(
                 run.pack_ahead()
                 ahead.append(run)
 
-        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify, early=early)
+        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify, early=early,
+                                 ranks=ranks)
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
         if staging is not None:

@@ -250,7 +250,8 @@ def _checked(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tensor] | 
 def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequence[torch.Tensor] | None,
                 dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
-                reserving: str = "staging", early: Callable[[Staging], None] | None = None) -> tuple[Staging | None, Any]:
+                reserving: str = "staging", early: Callable[[Staging], None] | None = None,
+                ranks: Sequence[int] | None = None) -> tuple[Staging | None, Any]:
     """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
     plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
     the device, then agree with the other ranks (plan fingerprint + error flags), so bad input raises on every rank
@@ -262,9 +263,12 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
     error is logged and its result dropped (the run does the same work again after the verdict, where a failure
     counts as usual).
 
+    `ranks`: `plan.ranks` if the caller has it already (it is computed from every item).
+
     Returns:
         `(staging, reserve(device))`, or `(None, None)` for a rank without chunks.
     """
+    ranks = plan.ranks if ranks is None else ranks
     errs, device = _checked(group, plan, rank, src, dst)
     errs.extend(errors)
     staging, reserved = None, None
@@ -277,9 +281,9 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             reserved = reserve(device) if reserve is not None else None
         except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
             errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
-    if len(plan.ranks) > 1:
+    if len(ranks) > 1:
         with group.exclusive("plan handshake"):
-            pending = start_agree(group, plan.ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
+            pending = start_agree(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
                                   timeout=timeout, what="plan handshake")
             if early is not None and staging is not None and not errs and not pending.is_root:
                 try:
