@@ -323,6 +323,37 @@ def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, wh
                 for r, (b, s) in enumerate(zip(bufs, sizes))]
 
 
+_DIGEST = struct.Struct(f"<I{_FP_BYTES}s")  # magic, digest (ASCII)
+
+
+def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta, what: str) -> list[str]:
+    """Every rank's `digest` (`_FP_BYTES` ASCII characters, e.g. 32 hex digits), in rank order: one fixed-size
+    all-gather on the control backend (magic with the wire version + the digest), so no size round first.
+    Collective: every rank of the group calls it.
+
+    Raises:
+        ValueError: `digest` is not `_FP_BYTES` ASCII characters (on this rank, before any message).
+        CommError: a rank did not answer within `timeout`, or sent another magic (another reshard version) or bytes
+            that are not ASCII (naming it; every rank sees the same bytes, so every rank raises).
+    """
+    data = digest.encode("ascii", errors="replace")
+    if len(data) != _FP_BYTES or not digest.isascii():
+        raise ValueError(f"{what}: the digest must be {_FP_BYTES} ASCII characters, got {digest!r}")
+    with group.exclusive(what):
+        pg = group.control
+        buf = _to_tensor(_DIGEST.pack(_MAGIC, data))
+        bufs = [torch.empty(_DIGEST.size, dtype=torch.uint8) for _ in range(group.size)]
+        _wait(lambda: pg.allgather([bufs], [buf]), group, timeout, what)
+        out = []
+        for r, b in enumerate(bufs):
+            (d,) = _unpack(_DIGEST, b.numpy().tobytes(), r, group, what)
+            if not d.isascii():
+                raise _refused(group, r, CommError(f"rank {group.rank} of {group}: {what}: rank {r} sent a digest "
+                                                   f"that is not ASCII: {d!r}"), what)
+            out.append(d.decode("ascii"))
+        return out
+
+
 def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, what: str) -> None:
     """Start a collective and wait for it (watching for other ranks' fault reports); a failure to start (gloo
     refuses a connection a dead peer closed) or to finish is a `CommError` that every rank learns."""
