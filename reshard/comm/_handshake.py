@@ -130,40 +130,25 @@ def agree(
         (naming it, on every rank).
     """
     with group.exclusive(what):
-        start_agree(group, ranks, fingerprint, errors, describe, timeout=timeout, what=what, error_type=error_type,
-                    failure=failure).finish()
-
-
-def start_agree(
-    group: Group,
-    ranks: Sequence[int],
-    fingerprint: str,
-    errors: Sequence[str],
-    describe: Callable[[], list[tuple[str, str]]],
-    *,
-    timeout: datetime.timedelta,
-    what: str,
-    error_type: type[Exception] = ValueError,
-    failure: str = "bad input, nothing was moved",
-) -> PendingAgreement:
-    """`agree` in two steps: post this rank's first messages now (a non-root rank its header and the receive of the
-    root's reply, the root the receives of every header) and return; `PendingAgreement.finish()` completes the round
-    (and raises as `agree` does). In between the caller may do local work that writes nothing another rank or a
-    destination can see (packing from source tensors into staging). Call both inside `group.exclusive`."""
-    return PendingAgreement(group, ranks, fingerprint, errors, describe, timeout, what, error_type, failure)
+        PendingAgreement(group, ranks, fingerprint, errors, describe, timeout=timeout, what=what,
+                         error_type=error_type, failure=failure).finish()
 
 
 class PendingAgreement:
-    """One `agree` round in flight on this rank (see `start_agree`).
+    """`agree` in two steps: constructing it posts this rank's first messages (a non-root rank its header and the
+    receive of the root's reply, the root the receives of every header) and returns; `finish()` completes the round
+    (and raises as `agree` does). In between the caller may do local work that writes nothing another rank or a
+    destination can see (packing from source tensors into staging). Arguments as in `agree`; construct and finish it
+    inside `group.exclusive`.
 
     Attributes:
         is_root: whether this rank is the round's root (the lowest rank): it answers the others, so work done
-            between `start_agree` and `finish` there delays every rank's verdict.
+            between construction and `finish` there delays every rank's verdict.
     """
 
     def __init__(self, group: Group, ranks: Sequence[int], fingerprint: str, errors: Sequence[str],
-                 describe: Callable[[], list[tuple[str, str]]], timeout: datetime.timedelta, what: str,
-                 error_type: type[Exception], failure: str) -> None:
+                 describe: Callable[[], list[tuple[str, str]]], *, timeout: datetime.timedelta, what: str,
+                 error_type: type[Exception] = ValueError, failure: str = "bad input, nothing was moved") -> None:
         self.group, self.describe, self.timeout = group, describe, timeout
         self.error_type, self.failure = error_type, failure
         self.root = min(ranks)

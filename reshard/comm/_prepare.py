@@ -17,7 +17,7 @@ import torch
 
 from reshard.comm._alias import overlap_errors
 from reshard.comm._group import Group
-from reshard.comm._handshake import EXACT_SUFFIX, start_agree
+from reshard.comm._handshake import EXACT_SUFFIX, PendingAgreement
 from reshard.planner import PIPELINE_DEPTH, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
@@ -283,8 +283,8 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
     if len(ranks) > 1:
         with group.exclusive("plan handshake"):
-            pending = start_agree(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
-                                  timeout=timeout, what="plan handshake")
+            pending = PendingAgreement(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
+                                       timeout=timeout, what="plan handshake")
             if early is not None and staging is not None and not errs and not pending.is_root:
                 try:
                     early(staging)
