@@ -13,7 +13,8 @@ One call, on every rank of the plan:
    destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is packed and chunk
    i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed. On CPU the chunk's
    receives are posted first, then each wire send is packed and posted at once (`Message.parts`: a strided box is
-   sent in parts), so packing the next part overlaps the transfer of this one. Chunks whose messages are all
+   sent in parts), so packing the next part overlaps the transfer of this one (sends that need no packing go out
+   together, in one post, just before the next pack). Chunks whose messages are all
    direct use no staging slot, so they are all in flight together. On CUDA the chunk is packed in one call on the
    pack stream and its sends posted together on the comm stream.
    Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor; large boxes are messages
