@@ -247,11 +247,12 @@ def check_paths(device: torch.device) -> list[str]:
             dsts = [[torch.zeros_like(t) for t in want[r]] for r in range(2)]
             groups = _groups(LoopbackHub(device))
             errors: list[BaseException] = []
+            reports: dict[int, Any] = {}
 
             def rank_main(r: int, zc: bool = zero_copy, d: list = dsts, gr: list = groups, pl: Any = p,
-                          s: list = srcs, err: list = errors) -> None:
+                          s: list = srcs, err: list = errors, rep: dict = reports) -> None:
                 try:
-                    execute(pl, r, s[r], d[r], gr[r], timeout=60, zero_copy=zc)
+                    rep[r] = execute(pl, r, s[r], d[r], gr[r], timeout=60, zero_copy=zc)
                 except BaseException as e:  # noqa: BLE001 - reported below
                     err.append(e)
 
@@ -268,6 +269,15 @@ def check_paths(device: torch.device) -> list[str]:
             elif not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
                          for r in range(2) for a, b in zip(dsts[r], want[r])):
                 failures.append(f"{name} ({path}): wrong bytes")
+            else:
+                # rank 1 (not the handshake's root) packs its first staged send (a strided part, or any message on
+                # the staged path) during the handshake on CPU only; on CUDA packing stays on the pack stream, after
+                # the verdict
+                early = reports[1].sends_packed_early
+                want_early = int(device.type == "cpu" and (name.startswith("strided") or not zero_copy))
+                if early != want_early:
+                    failures.append(f"{name} ({path}): rank 1 packed {early} sends during the handshake, expected "
+                                    f"{want_early} on {device.type}")
             msgs = [m for r in range(2) for c in p.for_rank(r).chunks for m in c.sends]
             print(f"paths: {name:<24} {path:<9} {'ok' if not failures else 'FAILED'} ({len(msgs)} messages, "
                   f"{sum(m.direct for m in msgs)} direct at the sender, {sum(len(m.parts) for m in msgs)} wire sends)")

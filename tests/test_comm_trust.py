@@ -116,19 +116,42 @@ def on_rank_sends_oversized(w) -> str:
     return "returned"
 
 
+def on_rank_sends_foreign_digest(w) -> str:
+    """Rank 2 speaks another control-message version in the layout digest all-gather."""
+    import reshard.comm._handshake as hs
+
+    group = w.new_group("foreign-digest", timeout=20)
+    original = hs._MAGIC
+    if w.rank == 2:
+        hs._MAGIC = original ^ 0xFF
+    try:
+        hs.all_gather_digest(group, "0" * 32, timeout=datetime.timedelta(seconds=20), what="test digest")
+    finally:
+        hs._MAGIC = original
+        group.close()
+    return "returned"
+
+
+def test_a_digest_of_another_version_is_refused_naming_the_sender(pool) -> None:
+    outs = pool.run(on_rank_sends_foreign_digest, timeout=120)
+    # every rank raises; those that read rank 2's header first name it, rank 2 itself reports the group's verdict
+    _all_raise(outs, "CommError")
+    assert all("rank 2" in o.error for o in outs), [o.error for o in outs]
+
+
 def test_an_oversized_message_is_refused_unread_naming_the_sender(pool) -> None:
     outs = pool.run(on_rank_sends_oversized, timeout=120)
     _all_raise(outs, "CommError", "rank 2 announced a test gather message of 67108865 bytes")
 
 
 def test_wire_decoding_refuses_malformed_messages() -> None:
-    from reshard.comm._wire import decode, encode
+    from reshard.comm._wire import WIRE_VERSION, decode, encode
 
     assert decode(encode("k", {"a": (1, 2.5, None)}), 3, "k", "me") == {"a": [1, 2.5, None]}
     for data, fragment in [(b"\x80\x04junk", "not UTF-8 JSON"), (b"[1]", "expected an object"),
                            (b'{"v": 9, "kind": "k", "data": 1}', "speaks control-message version 9"),
-                           (b'{"v": 1, "kind": "other", "data": 1}', "'other' message where 'k'"),
-                           (b'{"v": 1, "kind": "k", "data": NaN}', "not UTF-8 JSON"),
+                           (b'{"v": %d, "kind": "other", "data": 1}' % WIRE_VERSION, "'other' message where 'k'"),
+                           (b'{"v": %d, "kind": "k", "data": NaN}' % WIRE_VERSION, "not UTF-8 JSON"),
                            (b"[" * 100_000 + b"]" * 100_000, "rank 3 sent a malformed")]:
         with pytest.raises(CommError, match="rank 3") as e:
             decode(data, 3, "k", "me")

@@ -218,3 +218,48 @@ def test_default_thresholds_split_the_many_tensor_refit() -> None:
                                                      ((0, 2048 * row), (2048 * row, 2048 * row)))
     r = p.for_rank(m.peer).chunks[0].recvs
     assert [x.cuts for x in r if x.peer == 0] == [m.cuts] and all(x.direct for x in r)  # contiguous at the receiver
+
+
+def on_rank_plan_changes_after_agreement(w) -> None:
+    """The strided-source plan runs twice (its checks, prepared copies and staging are cached by then, and the
+    non-root sources pack their first part while the handshake is in flight), bit-exact both times; then rank 2, a
+    source that packs ahead, changes its plan (half the staging budget) with the same tensors: every rank raises,
+    every destination stays untouched and every source unchanged."""
+    from reshard.comm import execute
+
+    with small_thresholds():
+        items, topology, staging = _case("strided-source")
+        (item,) = items
+        srcs = [dtensor_local(full_tensor(tuple(item.src.shape), item.src.dtype, "again"), item.src)] \
+            if w.rank in item.src.ranks else None
+        expected = _expected(item, w.rank, "again") if w.rank in item.dst.ranks else None
+        dsts = [torch.empty(item.dst.local_shape(w.rank), dtype=item.dst.dtype)] if expected is not None else None
+        w.group.cache.clear()
+        try:
+            p = plan_many(items, topology, staging_bytes=staging, min_split_bytes=64)
+            for k in range(2):
+                for d in dsts or ():
+                    as_bytes(d).fill_(SENTINEL)
+                rep = execute(p, w.rank, srcs, dsts, w.group, timeout=30)
+                assert dsts is None or torch.equal(as_bytes(dsts[0]), as_bytes(expected)), (w.rank, k)
+                if w.rank in (1, 2, 3):  # non-root sources: the first part was packed during the handshake
+                    assert rep.sends_packed_early == 1, (w.rank, k, rep)
+            before = [s.clone() for s in srcs] if srcs else None
+            for d in dsts or ():
+                as_bytes(d).fill_(SENTINEL)
+            changed = plan_many(items, topology, staging_bytes=staging // 2 if w.rank == 2 else staging,
+                                min_split_bytes=64)
+            try:
+                execute(changed, w.rank, srcs, dsts, w.group, timeout=30)
+            finally:
+                assert dsts is None or bool((as_bytes(dsts[0]) == SENTINEL).all()), \
+                    f"rank {w.rank}: bytes moved before the error"
+                assert srcs is None or torch.equal(as_bytes(srcs[0]), as_bytes(before[0]))
+        finally:
+            w.group.cache.clear()
+
+
+def test_a_plan_changed_on_one_rank_after_agreement_leaves_destinations_untouched(pool) -> None:
+    outs = pool.run(on_rank_plan_changes_after_agreement)
+    expect_all_raise(outs, "ValueError", "ranks hold different plans", "staging_bytes: rank 0 has 65536, rank 2 has "
+                     "32768")

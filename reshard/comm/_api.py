@@ -10,7 +10,7 @@ import torch
 
 from reshard.comm._executor import execute
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
-from reshard.comm._handshake import all_gather_json
+from reshard.comm._handshake import all_gather_digest, all_gather_json
 from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._layout import placement_str
@@ -187,16 +187,14 @@ def exchange_layouts(src: Any, dst: Any, group: Group, *, timeout: Timeout | Non
     Each rank contributes what it knows (its DTensors' layouts and its coordinates in their meshes); each mesh
     position is mapped to the group rank of the process holding it, so meshes may use each side's own world
     ranks. The result is cached on the group: a call first all-gathers a 16-byte digest of every rank's
-    metadata (so all ranks agree whether the cache applies), and the full metadata only when it does not.
+    metadata in one fixed-size collective (so all ranks agree whether the cache applies), and the full metadata
+    only when it does not.
     Collective: every rank of the group calls it.
     """
     td = as_timedelta(timeout, default=group.timeout)
     local = (_side_meta(src, "src"), _side_meta(dst, "dst"))
     digest = hashlib.sha256(json.dumps([local[0], local[1], name]).encode()).hexdigest()[:32]
-    digests = tuple(all_gather_json(group, digest, timeout=td, what="reshard_dtensor layout digest"))
-    bad = [r for r, d in enumerate(digests) if not isinstance(d, str)]
-    if bad:
-        raise CommError(f"reshard_dtensor: ranks {bad} sent a layout digest that is not a string")
+    digests = tuple(all_gather_digest(group, digest, timeout=td, what="reshard_dtensor layout digest"))
     cache = group.cache.setdefault("layouts", {})
     hit = cache.get(digests)
     if hit is not None:

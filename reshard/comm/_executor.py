@@ -2,16 +2,19 @@
 
 One call, on every rank of the plan:
 
-1. check the local tensors against the plan's layouts, reserve staging (once per plan, reused), and agree with the
-   other ranks (plan fingerprint + error flags, see `_handshake.agree`): bad input raises on every rank before any
-   byte moves;
+1. check the local tensors against the plan's layouts (skipped for the same plan and tensors as before), reserve
+   staging (once per plan, reused), and agree with the other ranks (plan fingerprint + error flags, see
+   `_handshake.agree`), on every call: bad input raises on every rank before any byte moves. On CPU a source that
+   is not the round's root packs its first staged send while the round is in flight (`_Run.pack_ahead`: sources
+   read, staging written, nothing another rank or a destination sees);
 2. for each of the rank's chunks, in increasing chunk index:
    pack the boxes bound for each peer into the chunk's send slot (`reshard.kernels.pack`), post the chunk's sends
    and receives, make its local copies, then finish the *previous* chunk (wait for it and unpack it into the
    destination tensors with `reshard.kernels.unpack`). So chunk i is in flight while chunk i+1 is packed and chunk
    i-1 unpacked. Relayed boxes are packed from the destination tensor after they landed. On CPU the chunk's
    receives are posted first, then each wire send is packed and posted at once (`Message.parts`: a strided box is
-   sent in parts), so packing the next part overlaps the transfer of this one. Chunks whose messages are all
+   sent in parts), so packing the next part overlaps the transfer of this one (sends that need no packing go out
+   together, in one post, just before the next pack). Chunks whose messages are all
    direct use no staging slot, so they are all in flight together. On CUDA the chunk is packed in one call on the
    pack stream and its sends posted together on the comm stream.
    Zero-copy: a message the plan marks `direct` (one box, contiguous in its local tensor; large boxes are messages
@@ -254,6 +257,7 @@ class _Run:
         self.streams = staging.streams
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
+        self.packed_ahead: tuple[int, int] | None = None  # (chunk index, unit) packed during the handshake
 
     def _tensors(self, copies: BoxList) -> list[torch.Tensor]:
         src, dst = self.src, self.dst
@@ -281,6 +285,26 @@ class _Run:
         return self.verify or bool(paths.pack_groups) or bool(paths.unpack_boxes)
 
     # -- stages ---------------------------------------------------------------------------------------------
+
+    def pack_ahead(self) -> None:
+        """CPU, while the plan handshake is in flight: pack the first staged wire send of the first chunk (the first
+        one the run packs after the verdict) into its staging slot. It reads only source tensors and writes only
+        staging, so a refused call still leaves every destination untouched."""
+        if self.streams is not None or self.verify or not self.prog.chunks:
+            return
+        step = self.prog.chunks[0]
+        if (not step.sends or step.unpack_before_pack >= 0 or any(step.pack.from_dst)
+                or not self._staged(step)):
+            return
+        for u, (copies, _, _) in enumerate(self._send_units(step, 0).units):
+            if copies:
+                t0 = time.perf_counter()
+                for copy in copies:
+                    copy.run()
+                self.report.seconds_pack += time.perf_counter() - t0
+                self.report.sends_packed_early += 1
+                self.packed_ahead = (step.index, u)
+                return
 
     def pack(self, step: RankChunk, slot: int, reused: bool, relay_ready: Any) -> None:
         if not step.pack.boxes:
@@ -366,16 +390,23 @@ class _Run:
                 self._send_sums(step, slot)
             sums = [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
             recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
-        # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed
+        # the receives (and checksums) of the chunk in one call, then each data send as soon as it is packed: the
+        # sends that need no packing now are posted together, just before the next pack (or at the end)
         first = _post_tagged(sums, recvs, self.group, 0, num_recvs, self.verify, self.timeout, what)
         handles: list[TransferHandle] = []
-        for copies, peer, tensor in self._send_units(step, slot).units if step.sends else ():
-            if copies:
+        ready: list[tuple[int, torch.Tensor]] = []
+        for u, (copies, peer, tensor) in enumerate(self._send_units(step, slot).units if step.sends else ()):
+            if copies and self.packed_ahead != (step.index, u):
+                if ready:
+                    handles.append(post(ready, [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
+                    ready = []
                 t0 = time.perf_counter()
                 for copy in copies:
                     copy.run()
                 self.report.seconds_pack += time.perf_counter() - t0
-            handles.append(post([(peer, tensor)], [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
+            ready.append((peer, tensor))
+        if ready:
+            handles.append(post(ready, [], self.group, tag=TAG_DATA, timeout=self.timeout, what=what))
         return _Both(first, joined(handles, self.group, self.timeout, what)) if handles else first
 
     def local(self, step: RankChunk) -> None:
@@ -614,14 +645,26 @@ def execute(
     start = time.perf_counter()
     with group.exclusive("execute"), torch.no_grad():  # one call at a time per group (see Group)
         prog = plan.for_rank(rank)
-        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify)
+        srcs, dsts = src_tensors or (), dst_tensors or ()
+        ahead: list[_Run] = []
+
+        def new_run(staging: Staging) -> _Run:
+            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+            return _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
+
+        def early(staging: Staging) -> None:  # while the handshake is in flight: pack the first send (CPU)
+            if staging.streams is None and not verify:
+                run = new_run(staging)
+                run.pack_ahead()
+                ahead.append(run)
+
+        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify, early=early,
+                                 ranks=ranks)
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
         if staging is not None:
             report.staging_bytes = staging.nbytes
-            srcs, dsts = src_tensors or (), dst_tensors or ()
-            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
-            run = _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
+            run = ahead[0] if ahead and ahead[0].staging is staging else new_run(staging)
             run.run()
             verify_errors = run.errors
         if (verify or confirm) and len(ranks) > 1:

@@ -130,24 +130,69 @@ def agree(
         (naming it, on every rank).
     """
     with group.exclusive(what):
-        _agree(group, ranks, fingerprint, errors, describe, timeout, what, error_type, failure)
+        PendingAgreement(group, ranks, fingerprint, errors, describe, timeout=timeout, what=what,
+                         error_type=error_type, failure=failure).finish()
 
 
-def _agree(group: Group, ranks: Sequence[int], fingerprint: str, errors: Sequence[str],
-           describe: Callable[[], list[tuple[str, str]]], timeout: datetime.timedelta, what: str,
-           error_type: type[Exception], failure: str) -> None:
-    root = min(ranks)
-    me = group.rank
-    fp = fingerprint.encode()[:_FP_BYTES].ljust(_FP_BYTES, b"\0")
-    payload = encode("errors", [str(e) for e in errors]) if errors else b""
-    label = f"{what} (root rank {root})"
-    if me != root:
-        _exchange(group, [(root, _HEADER.pack(_MAGIC, fp, len(payload))), (root, payload)], [], timeout, label)
-        reply = _exchange(group, [], [(root, _REPLY.size)], timeout, label)[root]
+class PendingAgreement:
+    """`agree` in two steps: constructing it posts this rank's first messages (a non-root rank its header and the
+    receive of the root's reply, the root the receives of every header) and returns; `finish()` completes the round
+    (and raises as `agree` does). In between the caller may do local work that writes nothing another rank or a
+    destination can see (packing from source tensors into staging). Arguments as in `agree`; construct and finish it
+    inside `group.exclusive`.
+
+    Attributes:
+        is_root: whether this rank is the round's root (the lowest rank): it answers the others, so work done
+            between construction and `finish` there delays every rank's verdict.
+    """
+
+    def __init__(self, group: Group, ranks: Sequence[int], fingerprint: str, errors: Sequence[str],
+                 describe: Callable[[], list[tuple[str, str]]], *, timeout: datetime.timedelta, what: str,
+                 error_type: type[Exception] = ValueError, failure: str = "bad input, nothing was moved") -> None:
+        self.group, self.describe, self.timeout = group, describe, timeout
+        self.error_type, self.failure = error_type, failure
+        self.root = min(ranks)
+        self.me = group.rank
+        self.is_root = self.me == self.root
+        self.fp = fingerprint.encode()[:_FP_BYTES].ljust(_FP_BYTES, b"\0")
+        self.errors = [str(e) for e in errors]
+        self.label = f"{what} (root rank {self.root})"
+        self.what = what
+        self.others = [r for r in sorted(set(ranks)) if r != self.me]
+        if self.is_root:
+            self._recvs = [(r, torch.empty(_HEADER.size, dtype=torch.uint8)) for r in self.others]
+            sends: list[tuple[int, torch.Tensor]] = []
+        else:
+            # the header (and the errors, if any) and the receive of the root's reply, in one post: one wait
+            payload = encode("errors", self.errors) if self.errors else b""
+            sends = [(self.root, _to_tensor(_HEADER.pack(_MAGIC, self.fp, len(payload))))]
+            if payload:
+                sends.append((self.root, _to_tensor(payload)))
+            self._recvs = [(self.root, torch.empty(_REPLY.size, dtype=torch.uint8))]
+        self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL, timeout=timeout, what=self.label,
+                            control=True)
+
+    def finish(self) -> None:
+        """Complete the round: return when every rank agrees, else raise (see `agree`)."""
+        group, label = self.group, self.label
+        self._handle.wait()
+        got = {p: t.numpy().tobytes() for p, t in self._recvs}
+        if not self.is_root:
+            self._finish_member(got[self.root])
+            return
+        fps: dict[int, bytes] = {self.me: self.fp}
+        sizes: dict[int, int] = {}
+        for r in self.others:
+            fps[r], size = _unpack(_HEADER, got[r], r, group, label)
+            sizes[r] = _size(group, size, r, "errors", label)
+        self._finish_root(fps, sizes)
+
+    def _finish_member(self, reply: bytes) -> None:
+        group, label, root, timeout = self.group, self.label, self.root, self.timeout
         status, size = _unpack(_REPLY, reply, root, group, label)
         if status in (_DESCRIBE, _WAIT):
             if status == _DESCRIBE:
-                desc = encode("describe", [[str(k), str(v)] for k, v in describe()])
+                desc = encode("describe", [[str(k), str(v)] for k, v in self.describe()])
                 _exchange(group, [(root, _LENGTH.pack(_MAGIC, len(desc))), (root, desc)], [], timeout, label)
             reply = _exchange(group, [], [(root, _REPLY.size)], timeout, label)[root]
             status, size = _unpack(_REPLY, reply, root, group, label)
@@ -156,46 +201,42 @@ def _agree(group: Group, ranks: Sequence[int], fingerprint: str, errors: Sequenc
         data = _exchange(group, [], [(root, _size(group, size, root, "verdict", label))], timeout, label)[root]
         message = _payload(group, data, root, "verdict", label)
         if status != _FAIL or not isinstance(message, str):
-            raise _refused(group, root, CommError(f"rank {me} of {group}: {label}: the root sent status {status} "
-                                                  f"with a {type(message).__name__} verdict"), label)
-        raise error_type(message)
+            raise _refused(group, root, CommError(f"rank {self.me} of {group}: {label}: the root sent status "
+                                                  f"{status} with a {type(message).__name__} verdict"), label)
+        raise self.error_type(message)
 
-    others = [r for r in sorted(set(ranks)) if r != me]
-    headers = _exchange(group, [], [(r, _HEADER.size) for r in others], timeout, label)
-    fps: dict[int, bytes] = {me: fp}
-    sizes: dict[int, int] = {}
-    for r, h in headers.items():
-        fps[r], size = _unpack(_HEADER, h, r, group, label)
-        sizes[r] = _size(group, size, r, "errors", label)
-    blobs = _exchange(group, [], [(r, n) for r, n in sizes.items() if n], timeout, label)
-    all_errors: dict[int, list[str]] = {me: [str(e) for e in errors]} if errors else {}
-    for r, b in blobs.items():
-        if b:
-            all_errors[r] = _strings(_payload(group, b, r, "errors", label), r, group, "errors", label)
-    differ = [r for r in others if fps[r] != fp]
-    message = ""
-    if differ:
-        _exchange(group, [(r, _REPLY.pack(_MAGIC, _DESCRIBE if r in differ else _WAIT, 0)) for r in others], [],
-                  timeout, label)
-        lens = _exchange(group, [], [(r, _LENGTH.size) for r in differ], timeout, label)
-        want = {r: _size(group, _unpack(_LENGTH, lens[r], r, group, label)[0], r, "describe", label) for r in differ}
-        descs = _exchange(group, [], list(want.items()), timeout, label)
-        theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in differ}
-        message = _describe_difference(me, [(str(k), str(v)) for k, v in describe()], theirs, fps, what)
-        if all_errors:
-            message += "\n" + _describe_errors(all_errors, failure)
-    elif all_errors:
-        message = _describe_errors(all_errors, failure)
-    data = encode("verdict", message) if message else b""
-    status = _FAIL if message else _OK
-    sends: list[tuple[int, bytes]] = []
-    for r in others:
-        sends.append((r, _REPLY.pack(_MAGIC, status, len(data))))
-        if data:
-            sends.append((r, data))
-    _exchange(group, sends, [], timeout, label)
-    if message:
-        raise error_type(message)
+    def _finish_root(self, fps: dict[int, bytes], sizes: dict[int, int]) -> None:
+        group, label, timeout, me, others = self.group, self.label, self.timeout, self.me, self.others
+        blobs = _exchange(group, [], [(r, n) for r, n in sizes.items() if n], timeout, label)
+        all_errors: dict[int, list[str]] = {me: self.errors} if self.errors else {}
+        for r, b in blobs.items():
+            if b:
+                all_errors[r] = _strings(_payload(group, b, r, "errors", label), r, group, "errors", label)
+        differ = [r for r in others if fps[r] != self.fp]
+        message = ""
+        if differ:
+            _exchange(group, [(r, _REPLY.pack(_MAGIC, _DESCRIBE if r in differ else _WAIT, 0)) for r in others], [],
+                      timeout, label)
+            lens = _exchange(group, [], [(r, _LENGTH.size) for r in differ], timeout, label)
+            want = {r: _size(group, _unpack(_LENGTH, lens[r], r, group, label)[0], r, "describe", label)
+                    for r in differ}
+            descs = _exchange(group, [], list(want.items()), timeout, label)
+            theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in differ}
+            message = _describe_difference(me, [(str(k), str(v)) for k, v in self.describe()], theirs, fps, self.what)
+            if all_errors:
+                message += "\n" + _describe_errors(all_errors, self.failure)
+        elif all_errors:
+            message = _describe_errors(all_errors, self.failure)
+        data = encode("verdict", message) if message else b""
+        status = _FAIL if message else _OK
+        sends: list[tuple[int, bytes]] = []
+        for r in others:
+            sends.append((r, _REPLY.pack(_MAGIC, status, len(data))))
+            if data:
+                sends.append((r, data))
+        _exchange(group, sends, [], timeout, label)
+        if message:
+            raise self.error_type(message)
 
 
 def _describe_errors(all_errors: dict[int, list[str]], failure: str) -> str:
@@ -265,6 +306,37 @@ def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, wh
         _wait(lambda: pg.allgather([bufs], [buf]), group, timeout, what)
         return [_payload(group, b[: int(s.item())].numpy().tobytes(), r, what, what)
                 for r, (b, s) in enumerate(zip(bufs, sizes))]
+
+
+_DIGEST = struct.Struct(f"<I{_FP_BYTES}s")  # magic, digest (ASCII)
+
+
+def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta, what: str) -> list[str]:
+    """Every rank's `digest` (`_FP_BYTES` ASCII characters, e.g. 32 hex digits), in rank order: one fixed-size
+    all-gather on the control backend (magic with the wire version + the digest), so no size round first.
+    Collective: every rank of the group calls it.
+
+    Raises:
+        ValueError: `digest` is not `_FP_BYTES` ASCII characters (on this rank, before any message).
+        CommError: a rank did not answer within `timeout`, or sent another magic (another reshard version) or bytes
+            that are not ASCII (naming it; every rank sees the same bytes, so every rank raises).
+    """
+    data = digest.encode("ascii", errors="replace")
+    if len(data) != _FP_BYTES or not digest.isascii():
+        raise ValueError(f"{what}: the digest must be {_FP_BYTES} ASCII characters, got {digest!r}")
+    with group.exclusive(what):
+        pg = group.control
+        buf = _to_tensor(_DIGEST.pack(_MAGIC, data))
+        bufs = [torch.empty(_DIGEST.size, dtype=torch.uint8) for _ in range(group.size)]
+        _wait(lambda: pg.allgather([bufs], [buf]), group, timeout, what)
+        out = []
+        for r, b in enumerate(bufs):
+            (d,) = _unpack(_DIGEST, b.numpy().tobytes(), r, group, what)
+            if not d.isascii():
+                raise _refused(group, r, CommError(f"rank {group.rank} of {group}: {what}: rank {r} sent a digest "
+                                                   f"that is not ASCII: {d!r}"), what)
+            out.append(d.decode("ascii"))
+        return out
 
 
 def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, what: str) -> None:

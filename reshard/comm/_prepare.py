@@ -7,6 +7,8 @@ Shared by the full executor (`reshard.comm._executor`) and delta runs (`reshard.
 from __future__ import annotations
 
 import datetime
+import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,11 +17,13 @@ import torch
 
 from reshard.comm._alias import overlap_errors
 from reshard.comm._group import Group
-from reshard.comm._handshake import EXACT_SUFFIX, agree
+from reshard.comm._handshake import EXACT_SUFFIX, PendingAgreement
 from reshard.planner import PIPELINE_DEPTH, Plan, RankChunk, RankPlan
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["NUM_SLOTS", "ExecutionReport", "Staging", "check_tensors", "describe_plan", "prepare_run",
-           "staging_for"]
+           "staging_for", "tensor_key"]
 
 NUM_SLOTS = PIPELINE_DEPTH
 """Pipeline slots: chunk i and chunk i+1 are in flight together (the plan's `PIPELINE_DEPTH`)."""
@@ -113,8 +117,9 @@ class ExecutionReport:
     """What one rank did in one `execute` call (bytes exclude checksums; seconds are host wall time).
 
     `bytes_direct`: bytes sent or received on the zero-copy path (straight from or into the local tensors).
-    `seconds_handshake`: checks, staging and the plan agreement round; `seconds_confirm`: the completion (or verify)
-    round at the end, which includes waiting for the slowest rank.
+    `seconds_handshake`: checks, staging and the plan agreement round, including any packing done while the round
+    is in flight (`sends_packed_early` wire sends, also counted in `seconds_pack`); `seconds_confirm`: the
+    completion (or verify) round at the end, which includes waiting for the slowest rank.
     """
 
     rank: int
@@ -133,6 +138,7 @@ class ExecutionReport:
     seconds_unpack: float = 0.0
     seconds_confirm: float = 0.0
     verified_boxes: int = 0
+    sends_packed_early: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -203,19 +209,67 @@ def describe_plan(plan: Plan) -> list[tuple[str, str]]:
     return out
 
 
+def tensor_key(tensors: Sequence[Any] | None) -> tuple | None:
+    """What `check_tensors` reads of a list of local tensors (address, shape, strides, dtype, device per tensor), or
+    None when some entry is not a tensor (not cached)."""
+    if tensors is None:
+        return ()
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        elif isinstance(t, torch.Tensor):
+            out.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device))
+        else:
+            return None
+    return tuple(out)
+
+
+_CHECKED = 4
+"""`(plan, rank, tensors)` whose clean `check_tensors` result a group remembers."""
+
+
+def _checked(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
+             dst: Sequence[torch.Tensor] | None) -> tuple[list[str], torch.device | None]:
+    """`check_tensors`, skipped when the same plan and the same tensors (addresses, shapes, strides, dtypes,
+    devices: everything it reads) passed it before on this group; only clean results are remembered."""
+    ks, kd = tensor_key(src), tensor_key(dst)
+    key = None if ks is None or kd is None else (plan.fingerprint, rank, ks, kd)
+    cache: OrderedDict = group.cache.setdefault("checked", OrderedDict())
+    if key is not None and key in cache:
+        cache.move_to_end(key)
+        return [], cache[key]
+    errs, device = check_tensors(plan, rank, src, dst)
+    if not errs and key is not None:
+        cache[key] = device
+        while len(cache) > _CHECKED:
+            cache.popitem(last=False)
+    return errs, device
+
+
 def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequence[torch.Tensor] | None,
                 dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
-                reserving: str = "staging") -> tuple[Staging | None, Any]:
+                reserving: str = "staging", early: Callable[[Staging], None] | None = None,
+                ranks: Sequence[int] | None = None) -> tuple[Staging | None, Any]:
     """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
     plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
     the device, then agree with the other ranks (plan fingerprint + error flags), so bad input raises on every rank
     before any byte moves (alone, without a round, on a one-rank plan).
 
+    `early(staging)`, if given, runs while the agreement round is in flight, on a rank with staging, no local error
+    and that is not the round's root (whose answer every rank waits for): work that writes only this rank's staging
+    (packing from source tensors), so a refused call still leaves every destination untouched. If it raises, the
+    error is logged and its result dropped (the run does the same work again after the verdict, where a failure
+    counts as usual).
+
+    `ranks`: `plan.ranks` if the caller has it already (it is computed from every item).
+
     Returns:
         `(staging, reserve(device))`, or `(None, None)` for a rank without chunks.
     """
-    errs, device = check_tensors(plan, rank, src, dst)
+    ranks = plan.ranks if ranks is None else ranks
+    errs, device = _checked(group, plan, rank, src, dst)
     errs.extend(errors)
     staging, reserved = None, None
     if not errs and prog.chunks:
@@ -227,9 +281,17 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             reserved = reserve(device) if reserve is not None else None
         except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
             errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
-    if len(plan.ranks) > 1:
-        agree(group, plan.ranks, plan.fingerprint, errs, lambda: describe_plan(plan), timeout=timeout,
-              what="plan handshake")
+    if len(ranks) > 1:
+        with group.exclusive("plan handshake"):
+            pending = PendingAgreement(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
+                                       timeout=timeout, what="plan handshake")
+            if early is not None and staging is not None and not errs and not pending.is_root:
+                try:
+                    early(staging)
+                except Exception:  # redone after the verdict, where it raises as usual
+                    logger.debug("rank %d: work during the plan handshake failed; redone after it", rank,
+                                 exc_info=True)
+            pending.finish()
     elif errs:
         raise ValueError("bad input, nothing was moved:\n  " + "\n  ".join(errs))
     return staging, reserved

@@ -17,8 +17,9 @@ from typing import Any
 
 from reshard.comm._errors import CommError
 
-WIRE_VERSION = 1
-"""Version of the control-message format; peers with another version are refused."""
+WIRE_VERSION = 2
+"""Version of the control-message format; peers with another version are refused. 2: `reshard_dtensor`'s layout
+digests travel in one fixed-size all-gather (magic + digest) instead of a size and a JSON payload."""
 
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest control payload a rank accepts from a peer (64 MiB); larger announced sizes are refused unread."""
