@@ -401,10 +401,10 @@ def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, se
                 row["delta_unpack_s"] = max(r["delta_unpack_s"] for r in rs)
                 out.append(row)
                 logger.info("%s lr=%g step %d: %.2f%% changed, full %.3f s vs delta %.3f s (%.2fx; CPU summed over "
-                            "ranks %.3f vs %.3f s), bytes %d vs %d (%.1fx), wire/encoded %.3f, equal=%s", part, lr, k + 1,
-                            row["changed_pct"], row["full_s"], row["delta_s"], row["time_ratio"], row["full_cpu_s"],
-                            row["delta_cpu_s"], row["full_wire_bytes"], row["delta_wire_bytes"], row["bytes_ratio"],
-                            row["wire_over_encoded"], row["equal"])
+                            "ranks %.3f vs %.3f s), bytes %d vs %d (%.1fx), wire/encoded %.3f, equal=%s", part, lr,
+                            k + 1, row["changed_pct"], row["full_s"], row["delta_s"], row["time_ratio"],
+                            row["full_cpu_s"], row["delta_cpu_s"], row["full_wire_bytes"], row["delta_wire_bytes"],
+                            row["bytes_ratio"], row["wire_over_encoded"], row["equal"])
             for r in range(REFIT_WORLD):  # per rank, per phase: the median over steps of the delta run's seconds
                 names = sorted({k for row in per_rank[r] for k in row["phases"]})
                 med = {k: round(1000 * statistics.median(row["phases"].get(k, 0.0) for row in per_rank[r]), 1)
