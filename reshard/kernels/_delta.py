@@ -538,12 +538,12 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
         tc64 = bits.to(torch.int64)
         before = torch.cumsum(tc64, 0) - tc64
         block_base = before - before[first][block_box]
-        launches.append((word, base, table, block_box, first, block_base, grid, ndim))
+        launches.append((word, base, table, block_box, first, block_base, grid, ndim, block))
     dense = [i for i, h in enumerate(headers) if h.format == DeltaFormat.DENSE and h.numel]
     if dense:
         unpack(buffer, [offs[i] + DELTA_HEADER_BYTES for i in dense], [dests[i] for i in dense],
                [boxes[i] for i in dense], backend="triton")
-    for word, base, table, block_box, first, block_base, grid, ndim in launches:
+    for word, base, table, block_box, first, block_base, grid, ndim, block in launches:
         launch_in_mode(code._delta_scatter_kernel[grid], interpret, _storage_view(base, word), table, block_box,
                        first, block_base, _storage_view(buffer, word), _storage_view(buffer, torch.int32),
                        NUM_DIMS=ndim, BLOCK=block)
