@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 
+from reshard.kernels import _pack
 from reshard.testing import device_under_test
 
 
@@ -30,6 +31,18 @@ from reshard.testing import device_under_test
 def device() -> torch.device:
     """The device the tests run on (`RESHARD_TEST_DEVICE`, default `cpu`)."""
     return device_under_test()
+
+
+@pytest.fixture
+def max_interpreted_block(monkeypatch: pytest.MonkeyPatch):
+    """`cap(lanes)`: for this test, Triton's interpreter (CPU tensors) makes tiles of at most `lanes` lanes, so a
+    larger box is several programs, the last partly masked. By default it makes most test boxes one program
+    (`reshard.kernels.launch_config`); GPU tiles do not change."""
+
+    def cap(lanes: int) -> None:
+        monkeypatch.setattr(_pack, "INTERPRETED_MAX_BLOCK", lanes)
+
+    return cap
 
 
 MAX_WORKERS = 4

@@ -223,7 +223,8 @@ GEOMETRY = {
 @pytest.mark.parametrize("pattern", ["odd", "aligned", "shuffled"])
 @pytest.mark.parametrize("case", sorted(GEOMETRY))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_geometry(backend: str, case: str, pattern: str) -> None:
+def test_geometry(backend: str, case: str, pattern: str, max_interpreted_block) -> None:
+    max_interpreted_block(4096)  # multi_tile's boxes are several tiles of 4096 (test_interpreter_tiles)
     specs, boxes = GEOMETRY[case]
     check_pack_unpack(specs, boxes, backend, pattern=pattern)
 
@@ -402,6 +403,34 @@ def test_kernels_compile_for_gpu() -> None:
                 pytest.skip(f"cannot compile for CUDA here: {e}")
             raise
         assert f"global.{access}" in compiled.asm["ptx"], (name, constexprs)
+
+
+def test_interpreter_tiles(max_interpreted_block) -> None:
+    # the interpreter's BLOCK holds the largest box whole, between 256 and INTERPRETED_MAX_BLOCK; CUDA's depends on
+    # the word size only. The multi_tile geometry is several programs per box with tiles of 4096 (the fixture
+    # test_geometry uses), one per box without that cap.
+    max_interpreted_block(4096)
+    assert pack_module.launch_config(4, "cpu", 10) == (256, 1)
+    assert pack_module.launch_config(4, "cpu", 257) == (512, 1)
+    assert pack_module.launch_config(4, "cpu", 10**9) == (4096, 1)
+    assert pack_module.launch_config(4, "cuda", 10) == (4096, 8)
+    assert pack_module.launch_config(1, "cuda") == (8192, 8)
+    sizes = np.array([[1497, 5], [1, 10], [3, 4096], [3, 4097]], dtype=np.int64)
+    assert pack_module.tile_lanes(sizes) == 3 * 8192
+    assert pack_module.tile_lanes(sizes[:2]) == 1497 * 8
+
+    specs, boxes = GEOMETRY["multi_tile"]
+    arena, starts = make_arena(specs, 0)
+    tensors = views(arena.cpu(), specs, starts)  # CPU tensors: the interpreter's tiles
+    buf = torch.zeros(sum(b.numel for b in boxes) * 4, dtype=torch.uint8)
+    # box 0: 3 rows of 9000 float32 as 4-byte words, 3 tiles of 4096 columns per row; box 1: 1497 x 5 strided int16
+    # are 7485 rows of one 2-byte word, 2 tiles of 4096 rows; box 2: 38 x 27 rows of 7 bytes (8 columns), 1026 rows
+    # in tiles of 512: 3 tiles
+    per_box = [build_launch([t], [b], buf, [0]) for t, b in zip(tensors, boxes)]
+    assert [(launch.block, launch.num_tiles) for launch in per_box] == [(4096, 9), (4096, 2), (4096, 3)]
+    max_interpreted_block(1 << 16)
+    per_box = [build_launch([t], [b], buf, [0]) for t, b in zip(tensors, boxes)]
+    assert [(launch.block, launch.num_tiles) for launch in per_box] == [(65536, 1), (8192, 1), (16384, 1)]
 
 
 def test_merge_dims() -> None:

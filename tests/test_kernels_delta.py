@@ -469,10 +469,12 @@ def test_scan_of_other_tensors_is_refused_and_a_late_change_is_sent_next_step() 
 
 @pytest.mark.parametrize("fmt", [None, DeltaFormat.BITMASK, DeltaFormat.INDICES],
                          ids=lambda f: "auto" if f is None else f.name)
-def test_triton_boxes_of_many_tiles(fmt: DeltaFormat | None) -> None:
-    """Boxes of several tiles (BLOCK is 4096 elements on CPU): a prime-length box (3 tiles of rows), a box whose rows
-    are longer than a tile (tiles along the row, from a transposed source) and one of many short rows (16-column
-    tiles of 256 rows): a changed element's rank crosses tiles, and bitmask words are shared by tiles."""
+def test_triton_boxes_of_many_tiles(fmt: DeltaFormat | None, max_interpreted_block) -> None:
+    """Boxes of several tiles (BLOCK 4096 under the interpreter here, as on a GPU): a prime-length box (3 tiles of
+    rows), a box whose rows are longer than a tile (tiles along the row, from a transposed source) and one of many
+    short rows (16-column tiles of 256 rows): a changed element's rank crosses tiles, and bitmask words are shared
+    by tiles. The decode's blocks differ by element size (512, 4096 and 512 elements for INDICES)."""
+    max_interpreted_block(4096)
     case = Case([
         ((10007,), torch.bfloat16, "contiguous", Box((0,), (10007,)), 0.03),
         ((3, 4099), torch.float32, "transposed", Box((0, 0), (3, 4099)), 0.2),
@@ -483,10 +485,12 @@ def test_triton_boxes_of_many_tiles(fmt: DeltaFormat | None) -> None:
 
 @pytest.mark.parametrize("fmt", [DeltaFormat.BITMASK, DeltaFormat.INDICES, None],
                          ids=lambda f: "auto" if f is None else f.name)
-def test_triton_decode_equals_reference(fmt: DeltaFormat | None) -> None:
+def test_triton_decode_equals_reference(fmt: DeltaFormat | None, max_interpreted_block) -> None:
     """The Triton scatter-apply writes the same bytes as `delta_decode_reference` into the same destinations (two
     identical cases from one seed, whole storages compared, gaps included), over strided and transposed
-    destinations, several element sizes in one call, many blocks per box and a box changed at 0%."""
+    destinations, several element sizes in one call, several blocks of 256 per box (the last partly masked) and a
+    box changed at 0%."""
+    max_interpreted_block(256)
     specs = [
         ((300, 7), torch.bfloat16, "transposed", Box((3, 1), (290, 6)), 0.05),
         ((9, 5, 40), torch.float32, "strided", Box((1, 0, 2), (8, 5, 37)), 0.3),

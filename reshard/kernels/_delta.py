@@ -67,7 +67,7 @@ import torch
 
 from reshard.kernels._backend import choose_backend
 from reshard.kernels._loader import launch_in_mode, load_device_module
-from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_table, unpack
+from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_lanes, tile_table, unpack
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg, check_copy_args
 from reshard.planner._box import Box
 
@@ -421,7 +421,7 @@ def _tile_groups(args, which: list[int]) -> list[_TileGroup]:
             raise NotImplementedError("delta kernels: a tensor's storage is not aligned to its elements; the Triton "
                                       "backend cannot address it, use backend='torch'")
         sizes, strides = _merge_dims(sizes, strides)
-        block, num_warps = launch_config(itemsize, device.type)
+        block, num_warps = launch_config(itemsize, device.type, tile_lanes(sizes))
         starts, table, num_tiles, tiles = tile_table(sizes, strides, (tensor_abs - tensor_storage) // itemsize,
                                                      (snap_abs - snap_storage) // itemsize, block, device)
         word = INT_DTYPE_BY_SIZE[itemsize]
@@ -492,7 +492,8 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
     code = _device_code(interpret)
     for itemsize, idx in by_size.items():
         word = INT_DTYPE_BY_SIZE[itemsize]
-        block = launch_config(itemsize, buffer.device.type)[0]
+        block = launch_config(itemsize, buffer.device.type, max(
+            headers[i].count if headers[i].format == DeltaFormat.INDICES else headers[i].numel for i in idx))[0]
         ndim = max(1, max(boxes[i].ndim for i in idx))
         base = dests[idx[0]]
         base_ptr = base.untyped_storage().data_ptr()
@@ -538,12 +539,12 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
         tc64 = bits.to(torch.int64)
         before = torch.cumsum(tc64, 0) - tc64
         block_base = before - before[first][block_box]
-        launches.append((word, base, table, block_box, first, block_base, grid, ndim))
+        launches.append((word, base, table, block_box, first, block_base, grid, ndim, block))
     dense = [i for i, h in enumerate(headers) if h.format == DeltaFormat.DENSE and h.numel]
     if dense:
         unpack(buffer, [offs[i] + DELTA_HEADER_BYTES for i in dense], [dests[i] for i in dense],
                [boxes[i] for i in dense], backend="triton")
-    for word, base, table, block_box, first, block_base, grid, ndim in launches:
+    for word, base, table, block_box, first, block_base, grid, ndim, block in launches:
         launch_in_mode(code._delta_scatter_kernel[grid], interpret, _storage_view(base, word), table, block_box,
                        first, block_base, _storage_view(buffer, word), _storage_view(buffer, torch.int32),
                        NUM_DIMS=ndim, BLOCK=block)

@@ -29,18 +29,46 @@ _MAX_WORD_BYTES = 8  # widest int Triton loads natively; a raw copy moves words 
 _TABLE_HEAD = 5  # columns before the sizes in a descriptor row (see _triton.py)
 
 
-def launch_config(word_bytes: int, device_type: str) -> tuple[int, int]:
+INTERPRETED_MAX_BLOCK = 1 << 16
+"""The largest BLOCK under Triton's interpreter (CPU tensors); a box of up to this many tile lanes is one program."""
+_INTERPRETED_MIN_BLOCK = 256
+
+
+def launch_config(word_bytes: int, device_type: str, lanes: int | None = None) -> tuple[int, int]:
     """`(BLOCK, num_warps)` for kernels moving `word_bytes`-byte elements: the one place these are chosen.
 
     On CUDA a program moves about 16 KiB (BLOCK elements), so the grid is large enough to fill the GPU and each
-    thread has several independent loads in flight. Not autotuned: no GPU measurement has been made yet. The
-    interpreter runs programs one after another in Python at a few ms each, so fewer, larger programs win (measured
-    on the 2-core dev VM: 2**20 float32 elements in 1.26 s with BLOCK 1024, 0.33 s with 4096).
+    thread has several independent loads in flight. Not autotuned: no GPU measurement has been made yet.
+
+    The interpreter (any other device) runs programs one after another in Python, and a program costs about the same
+    (6 to 8 ms on the 2-core dev VM) whatever its tile holds up to about 16,384 lanes; past that numpy's work on the
+    lanes adds up (about +6 ms at 65,536). So there BLOCK is the smallest power of two >= `lanes`, the most lanes one
+    box's tile needs (`tile_lanes`), between 256 and `INTERPRETED_MAX_BLOCK`: most boxes are one program, and a
+    large box is few (measured: 2**20 float32 elements in 1.26 s with BLOCK 1024, 0.33 s with 4096, 0.09 s with
+    2**18). Without `lanes`, `INTERPRETED_MAX_BLOCK`.
+
+    Example: `launch_config(4, "cpu", 10)` is `(256, 1)`; `launch_config(4, "cuda")` is `(4096, 8)`.
     """
     if device_type != "cuda":
-        return 4096, 1
+        if lanes is None:
+            return INTERPRETED_MAX_BLOCK, 1
+        return min(INTERPRETED_MAX_BLOCK, max(_INTERPRETED_MIN_BLOCK, 1 << max(int(lanes) - 1, 0).bit_length())), 1
     block = min(8192, max(1024, 16384 // word_bytes))
     return block, 8 if block >= 4096 else 4
+
+
+def tile_lanes(sizes: np.ndarray) -> int:
+    """The lanes a tile needs to hold the largest of these boxes whole (`sizes`: `[num_boxes, D]` from
+    `_merge_dims`): its rows times the power of two >= its row length, as `tile_table` lays rows out. 0 for none.
+
+    Example: sizes `[[1497, 5], [1, 10]]` -> 1497 rows of 8 columns, 11,976 lanes.
+    """
+    if not sizes.size:
+        return 0
+    # the power of two >= n is 2**bit_length(n - 1); frexp gives bit lengths exactly below 2**53
+    cols = np.int64(1) << np.frexp(np.minimum(sizes[:, -1] - 1, 1 << 52).astype(np.float64))[1].astype(np.int64)
+    rows = np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(len(sizes), dtype=np.int64)
+    return int((cols * rows).max())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,7 +261,8 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         buffer_unit = buffer_itemsize if aligned else 1
         buffer_bytes = 0 if aligned else buffer_itemsize
         buffer_dtype = INT_DTYPE_BY_SIZE[buffer_itemsize] if aligned else torch.uint8
-    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type)
+    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type,
+                                      tile_lanes(sizes))
     vec = 1
     if not buffer_bytes and (strides[:, -1] == 1).all():
         # Widest group of elements (at most 16 bytes on either side) that every base, stride and row length keeps
