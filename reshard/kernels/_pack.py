@@ -65,10 +65,18 @@ def tile_lanes(sizes: np.ndarray) -> int:
     """
     if not sizes.size:
         return 0
-    # the power of two >= n is 2**bit_length(n - 1); frexp gives bit lengths exactly below 2**53
-    cols = np.int64(1) << np.frexp(np.minimum(sizes[:, -1] - 1, 1 << 52).astype(np.float64))[1].astype(np.int64)
-    rows = np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(len(sizes), dtype=np.int64)
-    return int((cols * rows).max())
+    return int(((np.int64(1) << _ceil_log2(sizes[:, -1])) * _num_rows(sizes)).max())
+
+
+def _ceil_log2(n: np.ndarray) -> np.ndarray:
+    """Per entry of `n` (int64, each >= 1) the smallest `k` with `2**k >= n`: the bit length of `n - 1`, which
+    `frexp` gives exactly below 2**53 (larger entries give 53)."""
+    return np.frexp(np.minimum(n - 1, 1 << 52).astype(np.float64))[1].astype(np.int64)
+
+
+def _num_rows(sizes: np.ndarray) -> np.ndarray:
+    """Per box of `sizes` (`[num_boxes, D]`) its rows: the product of every size but the last."""
+    return np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(len(sizes), dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,13 +181,8 @@ def tile_table(sizes: np.ndarray, strides: np.ndarray, tensor_base: np.ndarray, 
     num = sizes.shape[0]
     log_block = block.bit_length() - 1
     row_len = sizes[:, -1]
-    num_rows = np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(num, dtype=np.int64)
-    log2_cols = np.zeros(num, dtype=np.int64)
-    while True:  # smallest power of two >= row_len, capped at BLOCK
-        grow = ((np.int64(1) << log2_cols) < row_len) & (log2_cols < log_block)
-        if not grow.any():
-            break
-        log2_cols += grow
+    num_rows = _num_rows(sizes)
+    log2_cols = np.minimum(_ceil_log2(row_len), log_block)  # smallest power of two >= row_len, capped at BLOCK
     num_col_tiles = -(-row_len // (np.int64(1) << log2_cols))
     rows_per_tile = np.int64(block) >> log2_cols
     tiles = num_col_tiles * -(-num_rows // rows_per_tile)
