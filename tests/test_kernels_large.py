@@ -7,6 +7,8 @@ really is past 2**31 elements. Skipped, with the reason, where the memory is not
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -39,6 +41,18 @@ def need(nbytes: int) -> None:
     have = available_bytes()
     if have < nbytes:
         pytest.skip(f"needs {nbytes / GiB:.1f} GiB free on {DEVICE.type}, has {have / GiB:.1f} GiB")
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`torch.equal` for two `uint8` tensors of one shape; two contiguous CPU tensors are compared with `memcmp`
+    (`torch.equal` reads 4 GiB of bytes at ~2 GB/s on CPU, `memcmp` at memory speed: ~2 s -> ~0.25 s here)."""
+    assert a.dtype == b.dtype == torch.uint8 and a.shape == b.shape
+    if a.device.type == "cpu" and b.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
+        libc = ctypes.CDLL(None)
+        libc.memcmp.restype = ctypes.c_int
+        libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        return libc.memcmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+    return torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +95,10 @@ def test_box_of_more_than_2_31_elements(arena: torch.Tensor, backend: str) -> No
     need(3 * GiB)
     t = arena[:NUMEL].view(ROWS, COLS)
     box = Box((0, 0), (ROWS, COLS))
-    buf = torch.zeros(NUMEL + 5, dtype=torch.uint8, device=DEVICE)
+    buf = torch.empty(NUMEL + 5, dtype=torch.uint8, device=DEVICE)
+    torch.bitwise_not(arena[:NUMEL], out=buf[5:])  # every byte differs from what pack must write there
     pack(t, [box], buf, [5], backend=backend)
-    assert torch.equal(buf[5:], arena[:NUMEL])
+    assert same_bytes(buf[5:], arena[:NUMEL])
     saved = (t[0].clone(), t[-1].clone())
     t[0].zero_()
     t[-1].zero_()
