@@ -20,51 +20,15 @@ from reshard.planner._types import LINKS
 LOCAL, NVLINK, NETWORK = (LINKS.index(k) for k in ("local", "nvlink", "network"))
 
 
-def reference_chunks(src, dst, nbytes, link, dep, cap: int) -> list[int]:
+def reference_chunks(src, dst, nbytes, link, dep, cap: int, *, skip_runs: bool = False) -> list[int]:
     """The rule, spelled out: stage 0 (no dependency) then stage 1; within a stage, largest first, then plan order.
     Each transfer takes the first chunk >= its earliest (arrival + lag for a forward) that is open on both ends and
     where both ends have room (an empty chunk always has room). A chunk closes for a rank when the transfer does not
-    fit there, or when, after placing, another of the same size would not fit. Local copies take no room."""
-    n = len(src)
-    chunks = [0] * n
-    used: dict[tuple[int, int], int] = defaultdict(int)
-    closed: set[tuple[int, int]] = set()
-    for stage in (0, 1):
-        idx = [i for i in range(n) if (dep[i] >= 0) == bool(stage)]
-        idx.sort(key=lambda i: (-nbytes[i], i))
-        for i in idx:
-            earliest = chunks[dep[i]] + RELAY_CHUNK_LAG if dep[i] >= 0 else 0
-            if link[i] == LOCAL:
-                chunks[i] = earliest
-                continue
-            s, d, b = src[i], dst[i], nbytes[i]
-            c = earliest
-            while True:
-                if (s, c) in closed or (d, c) in closed:
-                    c += 1
-                    continue
-                fit_s = used[s, c] == 0 or used[s, c] + b <= cap
-                fit_d = used[d, c] == 0 or used[d, c] + b <= cap
-                if fit_s and fit_d:
-                    break
-                if not fit_s:
-                    closed.add((s, c))
-                if not fit_d:
-                    closed.add((d, c))
-            used[s, c] += b
-            used[d, c] += b
-            for r in (s, d):
-                if used[r, c] + b > cap:
-                    closed.add((r, c))
-            chunks[i] = c
-    return chunks
+    fit there, or when, after placing, another of the same size would not fit. Local copies take no room.
 
-
-def skipping_reference_chunks(src, dst, nbytes, link, dep, cap: int) -> list[int]:
-    """`reference_chunks` with one change, for plans of thousands of chunks: the search jumps over runs of chunks
-    closed for a rank through per-rank pointers (`skip[r, k]`: every chunk in `[k, skip[r, k])` is closed for `r`;
-    chunks never reopen, so a pointer stays true). Everything else is the plain rule, line for line; the
-    property test checks the two agree."""
+    The search steps one chunk at a time; with `skip_runs` (for plans of thousands of chunks) it jumps over runs of
+    chunks closed for a rank through per-rank pointers instead (`skip[r, k]`: every chunk in `[k, skip[r, k])` is
+    closed for `r`; chunks never reopen, so a pointer stays true). The property test checks both searches agree."""
     n = len(src)
     chunks = [0] * n
     used: dict[tuple[int, int], int] = defaultdict(int)
@@ -92,9 +56,12 @@ def skipping_reference_chunks(src, dst, nbytes, link, dep, cap: int) -> list[int
             s, d, b = src[i], dst[i], nbytes[i]
             c = earliest
             while True:
-                c = open_from(s, c)
-                if (d, c) in closed:
-                    c = open_from(d, c)
+                if skip_runs:
+                    c = open_from(d, open_from(s, c))
+                    if (s, c) in closed:
+                        continue
+                elif (s, c) in closed or (d, c) in closed:
+                    c += 1
                     continue
                 fit_s = used[s, c] == 0 or used[s, c] + b <= cap
                 fit_d = used[d, c] == 0 or used[d, c] + b <= cap
@@ -143,7 +110,7 @@ def test_bit_set_first_fit_equals_the_plain_rule(case) -> None:
     src, dst, nbytes, link, dep, cap = case
     got = _assign_chunks(columns(src, dst, nbytes, link, dep), cap).tolist()
     assert got == reference_chunks(src, dst, nbytes, link, dep, cap)
-    assert got == skipping_reference_chunks(src, dst, nbytes, link, dep, cap)
+    assert got == reference_chunks(src, dst, nbytes, link, dep, cap, skip_runs=True)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -166,8 +133,8 @@ def test_thousands_of_chunks_keep_budget_and_relay_lag(seed: int) -> None:
         load[s, c] += b
         load[d, c] += b
     assert max(load.values()) <= cap
-    assert chunks.tolist() == skipping_reference_chunks(src.tolist(), dst.tolist(), nbytes.tolist(), link.tolist(),
-                                                        dep.tolist(), cap)
+    assert chunks.tolist() == reference_chunks(src.tolist(), dst.tolist(), nbytes.tolist(), link.tolist(),
+                                               dep.tolist(), cap, skip_runs=True)
 
 
 def test_forward_past_the_allocated_chunks() -> None:
