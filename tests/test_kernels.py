@@ -374,8 +374,7 @@ def test_launch_widths() -> None:
 def test_kernels_compile_for_gpu() -> None:
     # Compile (no GPU needed) for sm_90 and check the aligned variants use 16-byte accesses; GPU-only compile
     # errors show up here on CPU-only CI.
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
+    pytest.importorskip("triton")
     from triton.compiler import ASTSource
 
     kernels = pack_module._kernels(interpret=False)
@@ -395,14 +394,22 @@ def test_kernels_compile_for_gpu() -> None:
                      **dict.fromkeys(["NUM_DIMS", "CAST", "BUFFER_BYTES", "VEC", "BLOCK"], "constexpr")}
         constexprs = {"NUM_DIMS": nd, "CAST": cast, "BUFFER_BYTES": nbytes, "VEC": vec, "BLOCK": block}
         src = ASTSource(fn=getattr(kernels, name), signature=signature, constexprs=constexprs, attrs=aligned)
-        try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": 4, "enable_fp_fusion": False})
-        except RuntimeError as e:  # e.g. no ptxas in this triton build
-            if "ptxas" in str(e).lower():
-                pytest.skip(f"cannot compile for CUDA here: {e}")
-            raise
-        assert f"global.{access}" in compiled.asm["ptx"], (name, constexprs)
+        assert f"global.{access}" in ptx_for_sm90(src), (name, constexprs)
+
+
+def ptx_for_sm90(src) -> str:
+    """The PTX of a Triton `ASTSource` compiled for sm_90 (no GPU needed); skips where this triton cannot."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "enable_fp_fusion": False})
+    except RuntimeError as e:  # e.g. no ptxas in this triton build
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"cannot compile for CUDA here: {e}")
+        raise
+    return compiled.asm["ptx"]
 
 
 def test_interpreter_tiles(max_interpreted_block) -> None:

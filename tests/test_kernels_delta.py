@@ -615,3 +615,36 @@ def test_dense_encoding_without_snapshot_equals_delta_encode(kind: str) -> None:
     with pytest.raises(ValueError, match="buffer has"):
         delta_encode_dense(case.sources, case.boxes, got[: end - 8], offsets, version=1)
     assert torch.equal(got, spare)
+
+
+def test_delta_kernels_compile_for_gpu() -> None:
+    """Compile the four delta kernels for sm_90 (no GPU needed), so GPU-only compile errors (the compiled-mode
+    combine function, the atomic OR of the mask words, the box the tile locator returns) show on CPU-only CI.
+    Element widths differ between the kernels (all four take the same code path for every width)."""
+    pytest.importorskip("triton")
+    from test_kernels import ptx_for_sm90
+    from triton.compiler import ASTSource
+
+    from reshard.kernels._delta import _device_code
+
+    code = _device_code(interpret=False)
+    cases = [  # kernel, element type, its arguments in order (pointers then ints), constexprs
+        ("_delta_count_kernel", "i16", ["tensor_ptr", "snap_ptr", "starts_ptr", "table_ptr", "tile_counts_ptr",
+                                        "num_boxes", "num_search_steps"], {"NUM_DIMS": 3, "BLOCK": 1024}),
+        ("_delta_compact_kernel", "i32", ["tensor_ptr", "snap_ptr", "starts_ptr", "table_ptr", "tile_base_ptr",
+                                          "out_table_ptr", "values_ptr", "words_ptr", "num_boxes",
+                                          "num_search_steps"], {"NUM_DIMS": 2, "UPDATE": True, "BLOCK": 1024}),
+        ("_delta_bits_kernel", "i8", ["table_ptr", "block_box_ptr", "block_first_ptr", "words_ptr",
+                                      "block_counts_ptr"], {"NUM_DIMS": 2, "BLOCK": 1024}),
+        ("_delta_scatter_kernel", "i64", ["tensor_ptr", "table_ptr", "block_box_ptr", "block_first_ptr",
+                                          "block_base_ptr", "values_ptr", "words_ptr"], {"NUM_DIMS": 3, "BLOCK": 1024}),
+    ]
+    for name, elem, args, constexprs in cases:
+        ptr = {"tensor_ptr": f"*{elem}", "snap_ptr": f"*{elem}", "values_ptr": f"*{elem}", "words_ptr": "*i32",
+               "tile_counts_ptr": "*i32", "block_counts_ptr": "*i32"}
+        signature = {a: (ptr.get(a, "*i64") if a.endswith("_ptr") else "i32") for a in args}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        ptx = ptx_for_sm90(ASTSource(fn=getattr(code, name), signature=signature, constexprs=constexprs))
+        assert "ld.global" in ptx, name
+        if name == "_delta_compact_kernel":
+            assert "atom.global" in ptx and ".or" in ptx, "the mask words' atomic OR"

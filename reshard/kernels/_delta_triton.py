@@ -50,8 +50,8 @@ def _delta_count_kernel(
     `[1, 2, 3, 4, 5]` against a snapshot `[1, 0, 3, 0, 0]` with BLOCK 8: one program, lanes 5..7 masked, stores 3.
     """
     pid = tl.program_id(0)
-    tensor_off, snap_off, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS, 0,
-                                              1, BLOCK)
+    tensor_off, snap_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
+                                                 0, 1, BLOCK)
     cur = tl.load(tensor_ptr + tensor_off, mask=mask, other=0)
     old = tl.load(snap_ptr + snap_off, mask=mask, other=0)
     changed = ((cur != old) & mask).to(tl.int32)
@@ -82,16 +82,9 @@ def _delta_compact_kernel(
     INDICES: values[vb + 0] = x[1], values[vb + 1] = x[4], words[ib + 0] = 1, words[ib + 1] = 4.
     """
     pid = tl.program_id(0)
-    tensor_off, snap_off, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS, 0,
-                                              1, BLOCK)
-    lo = num_boxes * 0
-    hi = num_boxes - 1
-    for _ in range(num_search_steps):  # the box of this tile, as in _locate_tile
-        mid = (lo + hi + 1) // 2
-        go_right = tl.load(starts_ptr + mid) <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid - 1)
-    box = lo.to(tl.int64)
+    tensor_off, snap_off, mask, box = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps,
+                                                   NUM_DIMS, 0, 1, BLOCK)
+    box = box.to(tl.int64)
     snap_base = tl.load(table_ptr + box * (_ROW_HEAD + 2 * NUM_DIMS) + 1)
     fmt = tl.load(out_table_ptr + box * 4)
     values_base = tl.load(out_table_ptr + box * 4 + 1)

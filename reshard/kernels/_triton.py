@@ -36,7 +36,8 @@ _NO_SPECIALIZE = ["num_boxes", "num_search_steps", "nan_sign_mask", "nan_base", 
 @triton.jit
 def _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS: tl.constexpr,
                  BUFFER_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
-    """Map program `pid` to its box and tile; return `(tensor_offsets, buffer_offsets, mask)`.
+    """Map program `pid` to its box and tile; return `(tensor_offsets, buffer_offsets, mask, box)` (`box`: the box's
+    row in the table, for kernels that read more per-box data; those that do not drop it).
 
     The box is found by binary search over `starts` (`num_search_steps = ceil(log2(num_boxes))` steps). Within the
     box, tile `t` covers rows `[(t // num_col_tiles) * R, +R)` and columns `[(t % num_col_tiles) * C, +C)` with
@@ -89,7 +90,7 @@ def _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DI
         tensor_off = tl.max_contiguous(tl.multiple_of(tensor_off, VEC), VEC)
         buffer_off = tl.max_contiguous(tl.multiple_of(buffer_off, VEC), VEC)
         mask = tl.max_constancy(mask, VEC)
-    return tensor_off, buffer_off, mask
+    return tensor_off, buffer_off, mask, lo
 
 
 @triton.jit
@@ -195,7 +196,7 @@ def _pack_kernel(
     copies box 0, programs 1..3 copy elements [0, 4096), [4096, 8192) and [8192, 9000) of box 1.
     """
     pid = tl.program_id(0)
-    tensor_off, buffer_off, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
+    tensor_off, buffer_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
                                                 BUFFER_BYTES, VEC, BLOCK)
     vals = _convert(tl.load(tensor_ptr + tensor_off, mask=mask), nan_sign_mask, nan_base, nan_payload_mask, CAST)
     if BUFFER_BYTES > 0:
@@ -230,7 +231,7 @@ def _unpack_kernel(
     and writes tensor offsets base + 0, 1, 2, 10, 11, 12.
     """
     pid = tl.program_id(0)
-    tensor_off, buffer_off, mask = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
+    tensor_off, buffer_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
                                                 BUFFER_BYTES, VEC, BLOCK)
     if BUFFER_BYTES > 0:
         vals = tl.load(buffer_ptr + buffer_off, mask=mask, other=0).to(tl.int32)
