@@ -212,9 +212,10 @@ def test_two_threads_on_one_group_never_cross_data(pool, different_plans) -> Non
     assert any(r != "ok" for o in outs for res in o.value.values() for r in res), "the threads never overlapped"
 
 
-def on_rank_two_threads_unguarded(w, calls: int) -> dict:
+def on_rank_two_threads_unguarded(w, calls: int, attempt: int = 0) -> dict:
     """The same race with the group's one-call-at-a-time guard switched off, on the staged path (both threads pack
-    into and unpack from the group's one staging, where the crossing shows reliably)."""
+    into and unpack from the group's one staging, where the crossing shows most often). Each attempt rendezvous a
+    group of its own."""
     import contextlib
     import os
 
@@ -224,16 +225,21 @@ def on_rank_two_threads_unguarded(w, calls: int) -> dict:
     Group.exclusive = lambda self, what: contextlib.nullcontext()
     os.environ[ZERO_COPY_ENV] = "0"
     try:
-        return on_rank_two_threads(w, False, calls, "unguarded")
+        return on_rank_two_threads(w, False, calls, f"unguarded{attempt}")
     finally:
         Group.exclusive = original
         os.environ.pop(ZERO_COPY_ENV)
 
 
 def test_without_the_guard_the_race_crosses_data(pool) -> None:
-    """Negative control: the race above really hands one thread's bytes to the other when nothing refuses it."""
-    outs = pool.run(on_rank_two_threads_unguarded, 20, timeout=240)
-    wrong = sum(r == "WRONG BYTES" for o in outs if o.ok for res in o.value.values() for r in res)
+    """Negative control: the race above really hands one thread's bytes to the other when nothing refuses it.
+    A crossing can also garble a message header so that the group times out instead (seen once in a fresh-clone
+    run: every call a CommError, no wrong bytes), so the race gets up to three attempts to show wrong bytes."""
+    for attempt in range(3):
+        outs = pool.run(on_rank_two_threads_unguarded, 20, attempt, timeout=240)
+        wrong = sum(r == "WRONG BYTES" for o in outs if o.ok for res in o.value.values() for r in res)
+        if wrong:
+            break
     assert wrong > 0, [o.value if o.ok else o.error for o in outs]
 
 
