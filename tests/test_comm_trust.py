@@ -234,7 +234,7 @@ def on_rank_two_threads_unguarded(w, calls: int, attempt: int = 0) -> dict:
 def test_without_the_guard_the_race_crosses_data(pool) -> None:
     """Negative control: the race above really hands one thread's bytes to the other when nothing refuses it.
     A crossing can also garble a message header so that the group times out instead (seen once in a fresh-clone
-    run: every call a CommError, no wrong bytes), so the race gets up to three attempts to show wrong bytes."""
+    run: CommErrors, no wrong bytes), so the race gets up to three attempts to show wrong bytes."""
     for attempt in range(3):
         outs = pool.run(on_rank_two_threads_unguarded, 20, attempt, timeout=240)
         wrong = sum(r == "WRONG BYTES" for o in outs if o.ok for res in o.value.values() for r in res)
