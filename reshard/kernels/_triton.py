@@ -196,8 +196,8 @@ def _pack_kernel(
     copies box 0, programs 1..3 copy elements [0, 4096), [4096, 8192) and [8192, 9000) of box 1.
     """
     pid = tl.program_id(0)
-    tensor_off, buffer_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
-                                                BUFFER_BYTES, VEC, BLOCK)
+    tensor_off, buffer_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps,
+                                                   NUM_DIMS, BUFFER_BYTES, VEC, BLOCK)
     vals = _convert(tl.load(tensor_ptr + tensor_off, mask=mask), nan_sign_mask, nan_base, nan_payload_mask, CAST)
     if BUFFER_BYTES > 0:
         for k in tl.static_range(BUFFER_BYTES):
@@ -231,8 +231,8 @@ def _unpack_kernel(
     and writes tensor offsets base + 0, 1, 2, 10, 11, 12.
     """
     pid = tl.program_id(0)
-    tensor_off, buffer_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps, NUM_DIMS,
-                                                BUFFER_BYTES, VEC, BLOCK)
+    tensor_off, buffer_off, mask, _ = _locate_tile(pid, starts_ptr, table_ptr, num_boxes, num_search_steps,
+                                                   NUM_DIMS, BUFFER_BYTES, VEC, BLOCK)
     if BUFFER_BYTES > 0:
         vals = tl.load(buffer_ptr + buffer_off, mask=mask, other=0).to(tl.int32)
         for k in tl.static_range(1, BUFFER_BYTES):
