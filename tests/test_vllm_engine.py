@@ -137,7 +137,12 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int, vocab: int, tp: 
         llm.collective_rpc(vc.skip_reprocessing, args=(True,))
         _update(llm, trainers, V2)
         stale = _differences(_observe(llm), got_v2)
-        assert any("qkv_proj" in d for d in stale) and any(d.startswith("tokens") for d in stale), stale
+        # exactly the layers the live engine says it re-processes are stale (by their GEMM probes at least, on
+        # any processor), and nothing written in place (norms) is
+        layers = {n for worker in llm.collective_rpc(vc.reprocessed_layers) for n in worker}
+        stale_layers = {vc.module_of(d.partition(": ")[2]) for d in stale if d.startswith("worker")}
+        assert layers and any("qkv_proj" in n for n in layers), layers
+        assert stale_layers == layers and any(d.startswith("tokens") for d in stale), (sorted(layers), stale)
         llm.collective_rpc(vc.skip_reprocessing, args=(False,))
         _update(llm, trainers, V2)
         _assert_same(_observe(llm), got_v2)

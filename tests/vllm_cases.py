@@ -174,18 +174,55 @@ class Trainers:
 
 # ---- run inside vLLM's workers (collective_rpc) -------------------------------------------------------------------
 def forward_tensors(worker: Any) -> dict[str, torch.Tensor]:
-    """Every tensor the model's forward can read: parameters, buffers, and the tensors held by the CPU backend's
-    GEMM closures (`cpu_linear`), as CPU copies."""
+    """Every tensor the model's forward can read, and what each GEMM layer computes, as CPU copies.
+
+    Keys: `module.param` for parameters and buffers, `module|cpu_linear[k]` for the tensors held by the CPU
+    backend's GEMM closures (`cpu_linear`), and `module|probe` for a per-layer GEMM probe (`gemm_probes`): the
+    CPU backend may hold a Linear weight in a form no tensor shows (a oneDNN handle, with the parameter left empty,
+    on processors without AMX), so the probe is what checks those weights, on every processor.
+    """
     model = worker.model_runner.get_model()
     out = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         out[name] = t.detach().cpu().clone()
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):
         fn = getattr(module, "cpu_linear", None)
         for k, cell in enumerate(getattr(fn, "__closure__", None) or ()):
             if isinstance(cell.cell_contents, torch.Tensor):
-                out[f"{name}.cpu_linear.closure[{k}]"] = cell.cell_contents.detach().cpu().clone()
+                out[f"{name}|cpu_linear[{k}]"] = cell.cell_contents.detach().cpu().clone()
+    out.update(gemm_probes(model))
     return out
+
+
+def gemm_probes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module|probe` -> the layer's own GEMM (`quant_method.apply`, as its forward calls it, bias included) on a
+    fixed `[3, in_features]` input, for every Linear and vocabulary layer (tied layers under each name)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    out = {}
+    with torch.no_grad():
+        for name, layer in model.named_modules(remove_duplicate=False):
+            if isinstance(layer, LinearBase):
+                k, bias = layer.input_size_per_partition, None if layer.skip_bias_add else layer.bias
+            elif isinstance(layer, VocabParallelEmbedding):
+                k, bias = layer.embedding_dim, None
+            else:
+                continue
+            dtype = getattr(layer, "params_dtype", torch.bfloat16)
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+            out[f"{name}|probe"] = layer.quant_method.apply(layer, x, bias).detach().cpu().clone()
+    return out
+
+
+def module_of(key: str) -> str:
+    """The module a `forward_tensors` key belongs to (`model.norm.weight` -> `model.norm`)."""
+    return key.partition("|")[0] if "|" in key else key.rpartition(".")[0]
+
+
+def reprocessed_layers(worker: Any) -> list[str]:
+    """The layers whose weights the backend re-processes after each update (asked of the live engine)."""
+    return worker.weight_transfer_engine.reprocessed_layers()
 
 
 def skip_reprocessing(worker: Any, skip: bool) -> None:

@@ -48,13 +48,12 @@ from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
 from reshard.refit._meta import LayoutLike, check_local
+from reshard.refit._names import NameMap, match_names, merge_aliases
 from reshard.refit._policy import Choice, choose
 from reshard.refit._replicas import replica_digests, replica_errors
 from reshard.refit._sources import source_layouts
 
 logger = logging.getLogger(__name__)
-
-NameMap = Mapping[str, str] | Callable[[str], "str | None"] | None
 
 POLICIES = ("auto", "reshard", "gather_broadcast")
 PRECISIONS = ("same", "cast", "fp8_block")
@@ -204,17 +203,23 @@ class Refit:
         self._follow: dict[tuple[str, str], Bound] = {}
         self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
         self._paths: dict[str, tuple[torch.nn.Module, str]] = {}  # add_module_sources: re-read at every run
+        self._src_aliases: dict[str, tuple[str, ...]] = {}  # trainer name -> its other names (a tie)
+        self._dst_aliases: dict[str, tuple[str, ...]] = {}  # inference global name -> its other names
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
         self._built: _Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
-    def add_source(self, name: str, tensor: Any, layout: LayoutLike | None = None) -> None:
+    def add_source(self, name: str, tensor: Any, layout: LayoutLike | None = None, *,
+                   aliases: Sequence[str] = ()) -> None:
         """Register a trainer weight held (in part) by this rank.
 
         Args:
             name: the trainer's name for it.
             tensor: a DTensor (its layout is read from it), or this rank's local tensor with `layout`.
             layout: the global layout, in group ranks, needed for a plain local tensor.
+            aliases: other names of this same tensor in the trainer (a tie: `["lm_head.weight"]` for a tied
+                embedding). The weight also feeds the inference tensors its aliases map to where nothing else
+                does; see `reshard.refit._names` for the tie rules.
 
         A DTensor's mesh is in this process's own default-world ranks: every mesh position is mapped to the group
         rank of the process holding it (its coordinate travels with the metadata), so the group may number the
@@ -235,6 +240,8 @@ class Refit:
         self._check_open(name)
         if name in self._sources:
             raise ValueError(f"Refit.add_source: {name!r} registered twice on rank {self.rank}")
+        if aliases:
+            self._src_aliases[name] = _alias_names("add_source", name, aliases)
         if layout is None:
             if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
                 raise ValueError(f"Refit.add_source: {name!r} is a plain tensor; pass its layout too")
@@ -275,6 +282,7 @@ class Refit:
         dim: int = 0,
         scale: torch.Tensor | None = None,
         placed: bool = False,
+        aliases: Sequence[str] | Mapping[str, Sequence[str]] = (),
     ) -> None:
         """Register an inference-engine tensor that this rank holds, to be overwritten in place by `run()`.
 
@@ -286,6 +294,10 @@ class Refit:
                 (vLLM's `qkv_proj`: q, k, v). Component layouts describe each global tensor's own sharding.
             placed: the component layouts are already in this local tensor's coordinates (as
                 `reshard.integrations.engine.EngineTensor.fused()` gives them): registered as they are, not fused.
+            aliases: other names of a global tensor in this engine (a tie: the engine's `lm_head.weight` is its
+                `model.embed_tokens.weight`): a list for a tensor of one component, or component name -> list.
+                A trainer weight under an alias writes the tensor; two trainer weights for one tied tensor are
+                refused, naming both (see `reshard.refit._names`).
             scale: for an FP8 block-quantized weight (layout dtype `float8_e4m3fn`), this rank's local
                 `weight_scale_inv` (float32), whose layout is derived from the weight's (see `scale_layout`).
         """
@@ -302,6 +314,14 @@ class Refit:
             renamed = [relabel(lay, name=gname) for gname, lay in parts]
             fused = fuse(renamed, dim=dim) if len(renamed) > 1 and not placed else renamed
             components = tuple((gname, lay) for (gname, _), lay in zip(parts, fused))
+        if aliases:
+            per = dict(aliases) if isinstance(aliases, Mapping) else (
+                {components[0][0]: aliases} if len(components) == 1 else None)
+            if per is None or not set(per) <= {g for g, _ in components}:
+                raise ValueError(f"Refit.add_destination: {name!r}: aliases must be a list (one component) or a "
+                                 f"mapping from its components {[g for g, _ in components]} to lists, got {aliases!r}")
+            for g, names in per.items():
+                self._dst_aliases[g] = _alias_names("add_destination", g, names)
         self._dests[name] = (tensor, _Dest(name, components))
         self._follow[("destination", name)] = Bound(tensor)
         if scale is not None:
@@ -518,15 +538,25 @@ class Refit:
             "dests": {n: [[g, encode_layout(lay)] for g, lay in d.components]
                       for n, (_, d) in sorted(self._dests.items())},
             "scaled": sorted(self._scales),
+            "aliases": {"sources": {n: list(a) for n, a in sorted(self._src_aliases.items())},
+                        "dests": {n: list(a) for n, a in sorted(self._dst_aliases.items())}},
             "errors": errors,
         }
         td = as_timedelta(self.timeout, default=self.group.timeout)
         metas = all_gather_json(self.group, mine, timeout=td, what="refit metadata exchange")
         for r, m in enumerate(metas):
             if not (isinstance(m, dict) and set(m) == set(mine) and m["rank"] == r and isinstance(m["sources"], dict)
-                    and isinstance(m["dests"], dict) and isinstance(m["errors"], list)):
+                    and isinstance(m["dests"], dict) and isinstance(m["errors"], list) and _aliases_ok(m["aliases"])):
                 raise CommError(f"refit metadata exchange: rank {r} sent malformed metadata: {str(m)[:200]}")
         return metas
+
+
+def _aliases_ok(aliases: Any) -> bool:
+    """A peer's `aliases` field is `{"sources": {name: [alias, ...]}, "dests": {...}}` of strings."""
+    return (isinstance(aliases, dict) and set(aliases) == {"sources", "dests"}
+            and all(isinstance(side, dict) and all(isinstance(n, str) and isinstance(a, list)
+                                                    and all(isinstance(x, str) for x in a) for n, a in side.items())
+                    for side in aliases.values()))
 
 
 @dataclass
@@ -573,14 +603,6 @@ def _check_scale(name: str, d: _Dest, scale: torch.Tensor | None, rank: int) -> 
     return []
 
 
-def _map_name(name_map: NameMap, name: str) -> str | None:
-    if name_map is None:
-        return name
-    if callable(name_map):
-        return name_map(name)
-    return name_map.get(name)
-
-
 def _build(refit: Refit, meta: list[dict]) -> _Built:
     """Check the gathered metadata (the same on every rank, so every rank raises the same error) and plan."""
     errors = [e for m in sorted(meta, key=lambda m: m["rank"]) for e in m["errors"]]
@@ -608,37 +630,20 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
                               f" and {dn!r}")
             dst_components[gname] = (dn, gname, lay)
 
-    # names: unmapped, extra (mapped to nothing declared), duplicate, missing
-    mapped: dict[str, str] = {}
-    unmapped, extra, dup = [], [], []
-    for sname in src_layouts:
-        if sname in refit.ignore_sources:
-            continue
-        target = _map_name(refit.name_map, sname)
-        if target is None:
-            unmapped.append(sname)
-        elif target not in dst_components:
-            extra.append(f"{sname} -> {target}")
-        elif target in mapped.values():
-            dup.append(f"{sname} -> {target}")
-        else:
-            mapped[sname] = target
-    covered = set(mapped.values())
-    missing = sorted(g for g in dst_components if g not in covered)
-    if unmapped:
-        errors.append(f"{len(unmapped)} trainer weights have no inference name (unmapped): {unmapped}")
-    if extra:
-        errors.append(f"{len(extra)} trainer weights map to names no inference tensor declares (extra): {extra}")
-    if dup:
-        errors.append(f"{len(dup)} trainer weights map to an inference name already taken (duplicate): {dup}")
-    if missing:
-        errors.append(f"{len(missing)} inference weights have no trainer weight mapped to them (missing): {missing}")
+    # names: unmapped, extra (mapped to nothing declared), duplicate, missing, one-sided ties (see _names)
+    by_rank = sorted(meta, key=lambda m: m["rank"])
+    src_aliases = merge_aliases([(m["rank"], m["aliases"]["sources"]) for m in by_rank], "trainer", errors)
+    dst_aliases = merge_aliases([(m["rank"], m["aliases"]["dests"]) for m in by_rank], "inference", errors)
+    pairs, name_errors = match_names(src_layouts, dst_components, name_map=refit.name_map,
+                                     ignore=refit.ignore_sources,
+                                     src_aliases=_by_name(src_aliases), dst_aliases=_by_name(dst_aliases))
+    errors.extend(name_errors)
     scaled: dict[str, set[int]] = {}
     for m in meta:
         for n in m["scaled"]:
             scaled.setdefault(n, set()).add(m["rank"])
     modes: dict[str, str] = {}
-    for sname, gname in sorted(mapped.items()):
+    for sname, gname in pairs:
         s, (dn, _, d) = src_layouts[sname], dst_components[gname]
         mode = modes[sname] = _precision(refit.precision, sname)
         if tuple(s.shape) != tuple(d.shape):
@@ -675,7 +680,7 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
     gather_broadcast: list[Any] = []
     fp8: list[Fp8Weight] = []
     pending: list[tuple[str, PlanItem]] = []  # policy "auto": decided with the whole-model plan below
-    for sname, gname in sorted(mapped.items(), key=lambda kv: (dst_components[kv[1]][0], kv[1])):
+    for sname, gname in sorted(pairs, key=lambda kv: (dst_components[kv[1]][0], kv[1])):
         dn, _, dlay = dst_components[gname]
         if modes[sname] == "fp8_block":
             w = Fp8Weight(gname, src_layouts[sname], dlay, s_index[sname], d_index[dn], scale_index[dn],
@@ -711,6 +716,20 @@ def _build(refit: Refit, meta: list[dict]) -> _Built:
             p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
     return _Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src,
                   extra_dst)
+
+
+def _alias_names(what: str, name: str, aliases: Any) -> tuple[str, ...]:
+    if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
+        raise ValueError(f"Refit.{what}: {name!r}: aliases must be a list of names, got {aliases!r}")
+    return tuple(a for a in aliases if a != name)
+
+
+def _by_name(aliases: dict[str, str]) -> dict[str, list[str]]:
+    """alias -> name, as name -> [aliases]."""
+    out: dict[str, list[str]] = {}
+    for a, n in sorted(aliases.items()):
+        out.setdefault(n, []).append(a)
+    return out
 
 
 def _fixed_method(refit: Refit, sname: str, item: PlanItem) -> Choice | None:

@@ -163,6 +163,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                     sum(t.processed for t in self.targets))
         return refit
 
+    def reprocessed_layers(self) -> list[str]:
+        """The names of the layers whose `quant_method.process_weights_after_loading` every update re-runs (their
+        forward reads tensors made from the loader-format buffers reshard writes; which of those tensors the
+        forward shows depends on the processor: see `docs/vllm.md`)."""
+        return sorted({t.module_name for t in self.targets if t.processed})
+
     def reprocess(self) -> None:
         """Re-run post-processing of every layer whose loader-format tensors were written."""
         layers: dict[int, tuple[str, torch.nn.Module, dict]] = {}
