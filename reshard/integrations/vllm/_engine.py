@@ -157,10 +157,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.targets = engine_targets(self.model, self.replicas)
         refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
                       timeout=self._info.timeout_s)
+        aliases: dict[str, list[str]] = {}
         for t in self.targets:
-            refit.add_destination(t.name, t.tensor, t.components, dim=t.dim)
-        logger.info("reshard: %d engine tensors registered (%d re-processed after each update)", len(self.targets),
-                    sum(t.processed for t in self.targets))
+            if t.alias_of is not None:
+                aliases.setdefault(t.alias_of, []).append(t.components[0][0])
+        for t in self.targets:
+            if t.alias_of is None:
+                tied = {t.components[0][0]: aliases[t.name]} if t.name in aliases else ()
+                refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
+        logger.info("reshard: %d engine tensors registered (%d re-processed after each update, %d tied)",
+                    len(self.targets), sum(t.processed for t in self.targets), len(aliases))
         return refit
 
     def reprocessed_layers(self) -> list[str]:

@@ -17,6 +17,11 @@ Where the layouts come from:
   (`layer_name`, `ckpt_gate_proj_name`, ...): `...mlp.experts.{gate,up,down}_proj.weight`;
 - fused names: the model's `packed_modules_mapping` (`qkv_proj` -> q, k, v; `gate_up_proj` -> gate, up).
 
+A parameter shared by two modules (a tied `lm_head`, vLLM's `tie_weights`) is written once, under the first
+module's name; the second's global name is declared a tie of it (`Refit.add_destination(..., aliases=...)`), so a
+trainer that ties them too sends it once, one that sends the two as separate weights is refused naming both, and
+both layers are re-processed.
+
 A parameter none of these rules covers (an unknown layer class with its own `weight_loader`) is an error that names
 it: the refit never skips a weight silently.
 """
@@ -47,6 +52,9 @@ class Target:
         components: `(global name, layout)` in concatenation order along `dim` (one entry when not fused).
         dim: the fused dim of the local tensor.
         processed: whether the layer's `quant_method.process_weights_after_loading` must run after the write.
+        alias_of: for a parameter tied to an earlier target's (vLLM's tied `lm_head` shares the embedding's
+            parameter), that target's name: this one is not written (it shares the earlier one's `tensor`) but is
+            re-processed too, and its global names are the earlier one's aliases.
     """
 
     module_name: str
@@ -57,6 +65,7 @@ class Target:
     dim: int = 0
     processed: bool = False
     loader_attrs: dict[str, Any] = field(default_factory=dict)
+    alias_of: str | None = None
 
     @property
     def name(self) -> str:
@@ -228,8 +237,9 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
     targets: list[Target] = []
     problems: list[str] = []
     seen: set[int] = set()
+    by_param: dict[int, Target] = {}  # id of a live parameter -> the first target that writes it
     for module_name, layer in model.named_modules():
-        if id(layer) in seen:  # tied modules (lm_head = embed_tokens) are written once
+        if id(layer) in seen:  # one module under two names (lm_head = embed_tokens) is written once
             continue
         seen.add(id(layer))
         live = {n: p for n, p in layer._parameters.items() if p is not None}
@@ -247,11 +257,24 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
                 problems.append(f"{full}: cannot lay out {got}")
                 continue
             components, dim = got
+            first = by_param.get(id(param))
+            if first is not None:  # a parameter tied to an earlier module's (lm_head.weight = embed_tokens.weight)
+                if [lay.shape for _, lay in components] != [lay.shape for _, lay in first.components] or \
+                        len(components) != 1 or quant != first.processed:
+                    problems.append(f"{full}: tied to {first.name} but laid out differently "
+                                    f"({[lay.shape for _, lay in components]} vs "
+                                    f"{[lay.shape for _, lay in first.components]})")
+                    continue
+                attrs = _loader_attrs(m, layer) if quant else {}
+                targets.append(Target(module_name, pname, layer, first.tensor, components, dim, quant, attrs,
+                                      alias_of=first.name))
+                continue
             if quant:
                 dtype = getattr(layer, "params_dtype", m.dtype) if pname == "bias" else m.dtype
                 buffer = torch.zeros(tuple(m.shape), dtype=dtype, device=param.device)
                 attrs = _loader_attrs(m, layer)
                 targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs))
+                by_param[id(param)] = targets[-1]
             else:
                 if tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:
                     problems.append(f"{full}: the live parameter ({tuple(param.shape)}, {param.dtype}) differs from "
@@ -259,6 +282,7 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
                                     "quant_method to re-run")
                     continue
                 targets.append(Target(module_name, pname, layer, param.data, components, dim, False))
+                by_param[id(param)] = targets[-1]
     if problems:
         raise ValueError(f"reshard vLLM backend: {len(problems)} engine parameter(s) the refit cannot reach:\n  "
                          + "\n  ".join(problems))

@@ -16,14 +16,14 @@ Two ways to drive vLLM:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from reshard.comm import Group
-from reshard.refit import Refit, RefitReport
+from reshard.refit import NameMap, Refit, RefitReport
 
 try:  # vLLM's base classes, where vLLM is installed (the trainer may live in an environment without it)
     from vllm.distributed.weight_transfer.base import TrainerInitInfo as _InitBase
@@ -114,31 +114,49 @@ class ReshardTrainer(_EngineBase):
 
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: Any = None,
-                     source: Weights | None = None) -> ReshardTrainer:
+                     source: Weights | None = None, name_map: NameMap = None, ignore_sources: Sequence[str] = (),
+                     ties: Mapping[str, Sequence[str]] | None = None, config: Any = None) -> ReshardTrainer:
         """Join the group and register this rank's weights (see the module docstring for `client`).
 
         Args:
             init_info: this rank's init info.
             client: optional; on rank 0 it is told to initialize the engines' side, concurrently.
             source: HuggingFace name -> DTensor, or -> `(local tensor, reshard.Layout)`; or a module whose
-                parameters are DTensors.
+                parameters are DTensors. One tensor under several names (a module's tied parameters, a
+                `state_dict()`'s tied entries) is sent once, the other names being its aliases (`find_ties`).
+            name_map: trainer name -> the engine's (HuggingFace) name, a dict or a callable returning None for a
+                name to leave out of the map (which is then an error unless ignored); default identity.
+            ignore_sources: trainer names the engine does not serve, left out on purpose (an MTP head, a value
+                head).
+            ties: more ties, name -> its other names (`{"model.embed_tokens.weight": ["lm_head.weight"]}`), for
+                a source that holds one of them only.
+            config: the model's HuggingFace config (default: the module's `.config`): with
+                `tie_word_embeddings`, a source that has the input embedding but no `lm_head.weight` ties the two.
         """
         if not isinstance(init_info, ReshardTrainerInitInfo):
             raise TypeError(f"ReshardTrainer.trainer_init: init_info must be a ReshardTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
-        weights = _weights(source)
+        weights, found = _weights(source)
+        found = _config_ties(weights, found, config if config is not None else getattr(source, "config", None))
+        for name, names in (ties or {}).items():
+            if name not in weights:
+                raise ValueError(f"ReshardTrainer.trainer_init: ties names {name!r}, which the source does not hold")
+            found.setdefault(name, [])
+            found[name] += [n for n in names if n not in found[name]]
         sender = init_info.is_sender and client is not None
         call = _Background(client.init_weight_transfer_engine, init_info.engine_init_info()) if sender else None
         group = Group.rendezvous(init_info.master_address, init_info.master_port, init_info.group_rank,
                                  init_info.world_size + init_info.engine_world_size, timeout=init_info.timeout_s)
         if call is not None:
             call.join()
-        refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s)
+        refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s,
+                      name_map=name_map, ignore_sources=ignore_sources)
         for name, w in weights.items():
+            aliases = found.get(name, ())
             if isinstance(w, tuple):
-                refit.add_source(name, w[0], w[1])
+                refit.add_source(name, w[0], w[1], aliases=aliases)
             else:
-                refit.add_source(name, w)
+                refit.add_source(name, w, aliases=aliases)
         return cls(client=client, source=source, is_sender=init_info.is_sender, group=group, refit=refit,
                    info=init_info)
 
@@ -161,16 +179,68 @@ class ReshardTrainer(_EngineBase):
         self.group.close()
 
 
-def _weights(source: Weights | None) -> dict[str, Any]:
+def _weights(source: Weights | None) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The weights to register (one name per tensor) and the ties found among them (name -> its other names)."""
     if source is None:
         raise ValueError("ReshardTrainer.trainer_init: pass source= (name -> DTensor or (local, Layout), or a "
                          "module with DTensor parameters)")
     if isinstance(source, torch.nn.Module):
-        return dict(source.named_parameters())
-    if not isinstance(source, Mapping):
+        entries = list(source.named_parameters(remove_duplicate=False))
+    elif isinstance(source, Mapping):
+        entries = list(source.items())
+    else:
         raise TypeError(f"ReshardTrainer.trainer_init: source must be a mapping or a torch.nn.Module, got "
                         f"{type(source).__name__}")
-    return dict(source)
+    ties = find_ties(entries)
+    aliases = {a for names in ties.values() for a in names}
+    return {n: w for n, w in entries if n not in aliases}, ties
+
+
+def find_ties(entries: Sequence[tuple[str, Any]]) -> dict[str, list[str]]:
+    """Names that hold one tensor: first name -> the later ones.
+
+    Two entries are one tensor when they are the same object, or views of the same memory with the same shape,
+    strides, dtype (and layout, for `(local, Layout)`): a module's tied parameters (`named_parameters(
+    remove_duplicate=False)`), a `state_dict()`'s tied entries. Empty tensors are never ties (they share no memory).
+    """
+    first: dict[Any, str] = {}
+    ties: dict[str, list[str]] = {}
+    for name, w in entries:
+        key = _identity(w)
+        if key is None:
+            continue
+        if key in first:
+            ties.setdefault(first[key], []).append(name)
+        else:
+            first[key] = name
+    return ties
+
+
+def _identity(w: Any) -> Any:
+    layout = None
+    if isinstance(w, tuple) and len(w) == 2:
+        w, layout = w
+    if hasattr(w, "to_local") and hasattr(w, "placements"):  # a DTensor: its local tensor, mesh and placements
+        layout = (tuple(w.placements), tuple(w.device_mesh.mesh.flatten().tolist()), tuple(w.shape))
+        w = w._local_tensor
+    if not isinstance(w, torch.Tensor) or w.numel() == 0:
+        return None
+    return (w.device, w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype,
+            repr(layout))
+
+
+def _config_ties(weights: Mapping[str, Any], ties: dict[str, list[str]], config: Any) -> dict[str, list[str]]:
+    """With `tie_word_embeddings` in `config`, a source holding `...embed_tokens.weight` and no `lm_head.weight`
+    ties them (the usual HuggingFace names)."""
+    tied = config.get("tie_word_embeddings") if isinstance(config, Mapping) else getattr(
+        config, "tie_word_embeddings", None)
+    named = {a for names in ties.values() for a in names} | set(weights)
+    if not tied or "lm_head.weight" in named:
+        return ties
+    embeds = [n for n in weights if n.endswith("embed_tokens.weight")]
+    if len(embeds) == 1:
+        ties.setdefault(embeds[0], []).append("lm_head.weight")
+    return ties
 
 
 class _Background:
