@@ -536,7 +536,8 @@ def test_word_compare_fast_path_equals_elementwise(dtype: torch.dtype) -> None:
     """Contiguous boxes of whole aligned 8-byte words take the word-at-a-time comparison on CPU: its positions equal
     the elementwise `view != snapshot` ones (neighbours in one word, the first and the last element changed), and
     a round trip through it is exact."""
-    from reshard.kernels._delta import _box_view, _changed_positions, _slot, _word_positions
+    from reshard.kernels._delta_format import _slot
+    from reshard.kernels._delta_reference import _box_view, _changed_positions, _word_positions
 
     case = Case([((64, 32), dtype, "contiguous", Box((0, 0), (64, 32)), 0.05),
                  ((16, 8), dtype, "contiguous", Box((4, 0), (8, 8)), 0.3)], seed=3)
@@ -560,7 +561,8 @@ def test_word_compare_of_strided_rows_equals_elementwise(dtype: torch.dtype) -> 
     equal the elementwise `view != snapshot` ones (first and last element of the box changed, neighbours in one
     word), and a round trip of such boxes through the scan is exact. A box whose rows are not whole words takes
     the elementwise path (None)."""
-    from reshard.kernels._delta import _box_view, _changed_positions, _slot, _word_changes
+    from reshard.kernels._delta_format import _slot
+    from reshard.kernels._delta_reference import _box_view, _changed_positions, _word_changes
 
     per = 8 // dtype.itemsize
     case = Case([((16, 12 * per), dtype, "contiguous", Box((2, 4 * per), (9, 4 * per)), 0.1),
@@ -625,7 +627,7 @@ def test_delta_kernels_compile_for_gpu() -> None:
     from test_kernels import ptx_for_sm90
     from triton.compiler import ASTSource
 
-    from reshard.kernels._delta import _device_code
+    from reshard.kernels._delta_launch import _device_code
 
     code = _device_code(interpret=False)
     cases = [  # kernel, element type, its arguments in order (pointers then ints), constexprs

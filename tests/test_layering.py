@@ -6,6 +6,10 @@ model shapes) only; testing and the top-level modules (the public `__init__`, th
 any of them. The pure packages (planner, cost, sim, models) make no `torch.distributed` process-group calls:
 importing DTensor's placement classes (`torch.distributed.tensor`) is fine, `torch.distributed` itself is not.
 Nothing in `reshard/` imports tests, perf or examples, and no `reshard` import hides in a function.
+
+Inside the units too, the modules form no circle: the graph of module imports (those under `TYPE_CHECKING` and in
+functions included) has no cycle, so each module can be read knowing only the ones below it (`planner/_plan` and
+`planner/_format` formed the last one, until `describe` moved to the plan type).
 """
 
 from __future__ import annotations
@@ -168,6 +172,72 @@ def test_table_has_no_cycle_and_follows_the_stack() -> None:
     for i, unit in enumerate(stack):
         assert not ALLOWED[unit] & set(stack[i + 1:]), f"{unit} may import a unit above it"
     assert ALLOWED["sim"] == {"planner", "cost", "models"}
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """`module -> the reshard modules it imports`, for `sources` (`module -> (its text, whether it is a package)`).
+
+    `from reshard.planner import _checks` imports the module `reshard.planner._checks`; `from reshard.planner
+    import Box` the package `reshard.planner` (its `__init__`). Every import counts: module level, in a function,
+    under `TYPE_CHECKING`."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for module, (source, is_package) in sources.items():
+        for _, target, names, _ in _imports(ast.parse(source), module, is_package):
+            if target.split(".")[0] != "reshard":
+                continue
+            for t in [f"{target}.{n}" if f"{target}.{n}" in sources else target for n in names] or [target]:
+                if t in sources and t != module:
+                    graph[module].add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` as `[a, b, ..., a]`, or `[]` when there is none (depth-first, in sorted order)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        state[m] = 2
+        path.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_modules_form_no_import_cycle() -> None:
+    sources = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in library_modules()}
+    graph = import_graph(sources)
+    assert sum(map(len, graph.values())) > 100  # the walk sees the imports (about 250 edges)
+    cycle = find_cycle(graph)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_check_flags_a_circle_through_type_checking() -> None:
+    # the circle this check was written for: `_plan` imported `describe_plan`, `_format` imported `Plan` for a hint
+    sources = {
+        "reshard.planner": ("from reshard.planner._plan import plan\n", True),
+        "reshard.planner._plan": ("from reshard.planner._format import describe_plan\n", False),
+        "reshard.planner._format": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    "    from reshard.planner._plan import Plan\n", False),
+        "reshard.planner._box": ("from reshard.planner import Box\n", False),
+    }
+    assert find_cycle(import_graph(sources)) == ["reshard.planner._plan", "reshard.planner._format",
+                                                 "reshard.planner._plan"]
+    sources["reshard.planner._format"] = ("from reshard.planner._types import PlanStats\n", False)
+    assert find_cycle(import_graph(sources)) == []
+    # a module importing its own package's __init__, which imports it back
+    sources["reshard.planner"] = ("from reshard.planner._box import Box\n", True)
+    assert find_cycle(import_graph(sources)) == ["reshard.planner", "reshard.planner._box", "reshard.planner"]
 
 
 # ---- negative controls: the checker flags what it must ---------------------------------------------------------

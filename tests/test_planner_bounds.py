@@ -130,13 +130,13 @@ def test_every_planner_cache_is_bounded_and_cleared(monkeypatch: pytest.MonkeyPa
     """Every cache holds its documented bound; filled past a bound it stops there, not past it, and
     `clear_plan_cache()` empties them all. The bounds are lowered for the fill (each cache evicts by its own
     `maxsize`, the plan cache by `_PLAN_CACHE_SIZE`, read on every insert), so a few hundred plans overflow them."""
-    from reshard.planner import _blocks, _layout, _plan
+    from reshard.planner import _blocks, _layout, _plan, _plan_type
 
     clear_plan_cache()
     assert set(_cache_sizes()) == {"layout geometries", "layout digests", "derived block layouts", "plans"}
     caches = {c.name: c for c in _layout._CACHES}
     assert caches["layout geometries"].maxsize == _layout.GEOMETRY_CACHE_SIZE
-    assert caches["layout digests"] is _plan._KEY_DIGESTS and caches["derived block layouts"] is _blocks._DERIVED
+    assert caches["layout digests"] is _plan_type._KEY_DIGESTS and caches["derived block layouts"] is _blocks._DERIVED
     # lowered, and all different, so a cache evicting by another's bound fails
     bounds = {"layout geometries": 96, "layout digests": 64, "derived block layouts": 24, "plans": 16}
     for name, cache in caches.items():

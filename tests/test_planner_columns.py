@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from reshard import Layout, Mesh, Topology, clear_plan_cache, plan, plan_many
 from reshard.cost import HARDWARE, LinkLoads, link_time
 from reshard.planner import LINKS, PlanItem
-from reshard.planner import _plan as planner_plan
+from reshard.planner import _build as planner_build
 from reshard.refit._policy import item_seconds_and_bytes
 
 
@@ -52,13 +52,13 @@ def test_tp8_to_tp4_replicas_plans_one_transfer_per_box_and_domain() -> None:
         expected = np.zeros(64, np.int64)
         expected[16 * j:16 * j + 16] = 1
         assert (rows_written(p, r, 64) == expected).all(), r
-    old = planner_plan.SPREAD_FACTOR
+    old = planner_build.SPREAD_FACTOR
     try:
-        planner_plan.SPREAD_FACTOR = 8
+        planner_build.SPREAD_FACTOR = 8
         clear_plan_cache()
         split = plan(src, dst, topo, min_split_bytes=64)
     finally:
-        planner_plan.SPREAD_FACTOR = old
+        planner_build.SPREAD_FACTOR = old
         clear_plan_cache()
     assert split.stats.num_transfers == 64 and split.stats.network_bytes == p.stats.network_bytes
 

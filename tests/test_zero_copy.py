@@ -37,16 +37,17 @@ def pool():
 @contextlib.contextmanager
 def small_thresholds(split: int = SPLIT, part: int = PART):
     """Lower the planner's split and part sizes (and clear its caches) for the body, then restore them."""
-    import reshard.planner._plan as pl
+    import reshard.planner._messages as pl
+    from reshard.planner import clear_plan_cache
 
     saved = pl.DIRECT_SPLIT_BYTES, pl.PART_BYTES
     pl.DIRECT_SPLIT_BYTES, pl.PART_BYTES = split, part
-    pl.clear_plan_cache()
+    clear_plan_cache()
     try:
         yield
     finally:
         pl.DIRECT_SPLIT_BYTES, pl.PART_BYTES = saved
-        pl.clear_plan_cache()
+        clear_plan_cache()
 
 
 def _case(name: str) -> tuple[list[PlanItem], Topology | None, int]:
@@ -197,7 +198,7 @@ def test_default_thresholds_split_the_many_tensor_refit() -> None:
     """With the default thresholds (planning only, no tensors): boxes of exactly `DIRECT_SPLIT_BYTES` go direct box
     by box, boxes one row smaller are packed per peer, and a strided source box of twice `PART_BYTES` is cut once,
     at a row boundary."""
-    import reshard.planner._plan as pl
+    import reshard.planner._messages as pl
 
     bf16 = torch.bfloat16
     assert (pl.DIRECT_SPLIT_BYTES, pl.PART_BYTES) == (256 << 10, 8 << 20)

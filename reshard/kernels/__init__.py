@@ -37,6 +37,13 @@ Exports:
 from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels._checksum import CHECKSUM_STEP, checksum
 from reshard.kernels._delta import (
+    count_changed,
+    delta_decode,
+    delta_encode,
+    delta_encode_dense,
+    scan_changes,
+)
+from reshard.kernels._delta_format import (
     DELTA_DENSE_FRACTION,
     DELTA_HEADER_BYTES,
     ChangeScan,
@@ -44,21 +51,18 @@ from reshard.kernels._delta import (
     DeltaHeader,
     DeltaVersionError,
     choose_delta_format,
-    count_changed,
-    count_changed_reference,
-    delta_decode,
-    delta_decode_reference,
-    delta_encode,
-    delta_encode_dense,
-    delta_encode_reference,
     delta_max_nbytes,
     delta_nbytes,
     delta_offsets,
     read_delta_headers,
     resolve_delta_formats,
-    scan_changes,
-    scan_changes_reference,
     walk_delta_offsets,
+)
+from reshard.kernels._delta_reference import (
+    count_changed_reference,
+    delta_decode_reference,
+    delta_encode_reference,
+    scan_changes_reference,
 )
 from reshard.kernels._pack import (
     PreparedCopy,

@@ -1,7 +1,7 @@
 """Triton device code for delta encoding and decoding: the comparison (per-tile changed counts), the compaction,
 and the scatter-apply of sparse boxes (`_delta_bits_kernel`, `_delta_scatter_kernel`).
 
-Only `@triton.jit` functions; `_delta.py` loads this file twice (interpreted for CPU tensors, compiled for CUDA
+Only `@triton.jit` functions; `_delta_launch.py` loads this file twice (interpreted for CPU tensors, compiled for CUDA
 tensors), as `_pack.py` loads `_triton.py`. Tiles and the descriptor table are those of the pack kernels
 (`_triton._locate_tile`, table columns in `_triton.py`'s docstring), built over elements (never widened words):
 the "tensor" side is the box's strided view, the "buffer" side its row-major slot in the snapshot, so

@@ -1,18 +1,11 @@
-"""Text for people: byte counts, plan statistics and `Plan.describe()`. Nothing here decides anything."""
+"""Text for people: byte counts and plan statistics, which `Plan.describe()` (in `_plan_type`) is written with.
+Nothing here decides anything."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from reshard.planner._types import PlanStats
 
-if TYPE_CHECKING:
-    from reshard.planner._plan import Plan
-
-__all__ = ["describe_plan", "format_bytes", "format_stats"]
-
-_MAX_ITEMS = 20
-"""`describe_plan` lists at most this many items."""
+__all__ = ["format_bytes", "format_stats"]
 
 
 def format_bytes(n: float) -> str:
@@ -38,24 +31,3 @@ def format_stats(s: PlanStats) -> str:
             f"recv {format_bytes(s.max_rank_recv_bytes)} (imbalance {s.recv_imbalance:.2f})",
         ]
     )
-
-
-def describe_plan(p: Plan, *, max_transfers: int = 200) -> str:
-    """The text of `Plan.describe`: the layouts, the statistics, then who sends what to whom, over which link."""
-    lines = [f"Plan {p.fingerprint[:12]}: {len(p.items)} tensor(s), {p.topology}, relay={p.relay}"]
-    for i, it in enumerate(p.items[:_MAX_ITEMS]):
-        lines.append(f"  item {i} {it.label!r}: {it.src!r} -> {it.dst!r}")
-    if len(p.items) > _MAX_ITEMS:
-        lines.append(f"  ... {len(p.items) - _MAX_ITEMS} more items")
-    lines.append(format_stats(p.stats))
-    lines.append("transfers (chunk: src -> dst, link, bytes, item, global box, src box -> dst box):")
-    transfers = p.transfers
-    for t in transfers[:max_transfers]:
-        relay = f" relay-stage{t.stage}" if t.stage else ""
-        lines.append(
-            f"  [{t.chunk}] {t.src_rank:>4} -> {t.dst_rank:<4} {t.link:<7}{relay} {format_bytes(t.nbytes):>10} "
-            f"item {t.item} global {t.global_box} src {t.src_box} -> dst {t.dst_box}"
-        )
-    if len(transfers) > max_transfers:
-        lines.append(f"  ... {len(transfers) - max_transfers} more transfers")
-    return "\n".join(lines)

@@ -22,7 +22,7 @@ import torch
 
 from reshard.planner._blocks import DEFAULT_BLOCK, block_halo_layout, is_block_aligned, scale_layout
 from reshard.planner._explicit import relabel
-from reshard.planner._plan import PlanItem
+from reshard.planner._item import PlanItem
 
 FP8 = torch.float8_e4m3fn
 

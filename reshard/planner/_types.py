@@ -71,7 +71,7 @@ class Message:
     sends.
 
     Per peer and chunk the boxes form at most one packed message, followed by one message per box that is large
-    enough (`reshard.planner._plan.DIRECT_SPLIT_BYTES`) and contiguous in its local tensor on at least one end:
+    enough (`reshard.planner._messages.DIRECT_SPLIT_BYTES`) and contiguous in its local tensor on at least one end:
     that end sends it from (receives it into) the tensor itself. Sender and receiver list the same messages in the
     same order, and the wire carries them in that order (first in, first out per peer).
 
@@ -91,7 +91,7 @@ class Message:
         cuts: byte offsets inside the message where it is cut into separate wire sends (empty: one send). Only a
             message of one box that is strided on at least one end is cut, at boundaries of the box's outermost
             dimension of extent > 1 (so each part is a sub-box, contiguous in the message), into parts of about
-            `reshard.planner._plan.PART_BYTES`: the sender packs part k+1 while part k is on the wire, the receiver
+            `reshard.planner._messages.PART_BYTES`: the sender packs part k+1 while part k is on the wire, the receiver
             gets every part at its offset (in staging or in the tensor).
     """
 
