@@ -38,20 +38,35 @@ def trainers():
     t.close()
 
 
-def _engine(path: str, tp: int, monkeypatch: pytest.MonkeyPatch):
+def _engine(path: str, tp: int, monkeypatch: pytest.MonkeyPatch, *, in_process: bool = False):
+    """A vLLM CPU engine of the checkpoint at `path`. `in_process` (TP 1): the engine core and its worker run in
+    this process (vLLM's `uni` executor without engine-core multiprocessing), which starts in ~3 s instead of ~20 s
+    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor."""
     from vllm import LLM
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the test's own functions
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if tp == 2 else "nobind")
+    extra = {}
+    if in_process:
+        assert tp == 1
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        extra["distributed_executor_backend"] = "uni"
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"})
+               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
 
 
 def _close(llm) -> None:
-    """Stop the engine's processes now, so no two engines share the 2 CPUs. vLLM does this when the `LLM` is
-    collected (not always promptly), granting 5 s before it kills them; its CPU workers never exit in that time."""
+    """Stop the engine now, so no two engines share the 2 CPUs. vLLM does this when the `LLM` is collected (not
+    always promptly), granting 5 s before it kills its processes; its CPU workers never exit in that time. An
+    in-process engine's distributed state is torn down too, so the next engine can build its own."""
     llm.llm_engine.engine_core.shutdown(timeout=1.0)
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def _reload(llm, path: str) -> None:
@@ -99,71 +114,99 @@ def _update(llm, trainers: vc.Trainers, seed: int) -> list:
     return trainers.wait()
 
 
-def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int, vocab: int, tp: int, negative: bool = False,
-             moe: bool = False):
-    cfg = vc.moe_config(kv_heads, vocab) if moe else vc.config(kv_heads, vocab)
+def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int = 1000, tp: int,
+             negative: bool = False, moe: bool = False, family: str | None = None, torch_gemm: bool = False):
+    """Refit a live engine V1 -> V2 -> V1 and compare it with vLLM's own loading of each version (module docstring).
+
+    Args:
+        family: a `vllm_cases.FAMILIES` model, built by `transformers` and saved by its `save_pretrained` (else the
+            hand-written Qwen3 of `kv_heads`, `vocab`, `moe`); the backend's engine tensors must also be the ones
+            `reshard.integrations.hf` names for it.
+        torch_gemm: (TP 1, in process) the engines load and re-process every Linear layer through the CPU backend's
+            plain `F.linear` branch (`force_torch_gemm`), not the one this processor takes (oneDNN or AMX).
+    """
+    if family is not None:
+        cfg = vc.family_config(family)
+        write = vc.write_hf_checkpoint
+    else:
+        cfg = vc.moe_config(kv_heads, vocab) if moe else vc.config(kv_heads, vocab)
+        write = vc.write_checkpoint
     ck1, ck2 = str(tmp_path / "v1"), str(tmp_path / "v2")
-    vc.write_checkpoint(ck1, cfg, V1)
-    vc.write_checkpoint(ck2, cfg, V2)
+    write(ck1, cfg, V1)
+    write(ck2, cfg, V2)
+    if torch_gemm:
+        assert tp == 1 and vc.default_gemm_branch() != "torch", "no other GEMM branch to force on this processor"
+        vc.force_torch_gemm(monkeypatch)
     want_v2 = None
-    if moe:  # vLLM's reload leaves the experts' prepacked kernels on the old weights: V2 gets an engine of its own
-        ref = _engine(ck2, tp, monkeypatch)
+    # vLLM's reload is no oracle for MoE (it leaves the experts' prepacked kernels on the old weights) nor for a tied
+    # embedding (a second reload left the tied lm_head's GEMM unlike a fresh load's): V2 gets an engine of its own
+    if moe or cfg.get("tie_word_embeddings"):
+        ref = _engine(ck2, tp, monkeypatch, in_process=tp == 1)
         want_v2 = _observe(ref)  # a fresh load of V2: the oracle for V2
         _close(ref)
-    llm = _engine(ck1, tp, monkeypatch)
+    llm = _engine(ck1, tp, monkeypatch, in_process=tp == 1)
     want_v1 = _observe(llm)  # a fresh load of V1: the oracle for V1, and the state the refit starts from
+    branches = {b for worker in llm.collective_rpc(vc.gemm_branches) for b in worker.values()}
+    assert branches == {"torch"} if torch_gemm else "torch" not in branches, branches
 
-    port = vc.free_port()
-    trainers.post("init", port, cfg, tp)
-    llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
-                                                   "trainer_world_size": 2, "timeout_s": 120.0}})
-    trainers.wait()
+    try:
+        port = vc.free_port()
+        trainers.post("init", port, cfg, tp, family is not None)
+        llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                       "trainer_world_size": 2, "timeout_s": 120.0}})
+        trainers.wait()
+        if family is not None:  # the backend and reshard.integrations.hf name the same engine tensors
+            live = llm.collective_rpc(vc.engine_names)[0]
+            assert live == vc.hf_engine_tensors(cfg, tp, first_rank=2), (live, vc.hf_engine_tensors(cfg, tp, 2))
 
-    first = _update(llm, trainers, V2)
-    assert all(r[0] for r in first)
-    got_v2 = _observe(llm)  # compared with V2's oracle: at once (MoE) or after the refits (vLLM's reload)
-    if want_v2 is not None:
-        assert _differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
-        _assert_same(got_v2, want_v2)
-    report = llm.collective_rpc(vc.last_report)[0]
-    assert report.first_run and report.seconds["process"] > 0 and report.network_bytes > 0
+        first = _update(llm, trainers, V2)
+        assert all(r[0] for r in first)
+        got_v2 = _observe(llm)  # compared with V2's oracle: at once (MoE) or after the refits (vLLM's reload)
+        if want_v2 is not None:
+            assert _differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
+            _assert_same(got_v2, want_v2)
+        report = llm.collective_rpc(vc.last_report)[0]
+        assert report.first_run and report.seconds["process"] > 0 and report.network_bytes > 0
 
-    second = _update(llm, trainers, V1)
-    assert not any(r[0] for r in second)  # the plan is cached
-    _assert_same(_observe(llm), want_v1)
+        second = _update(llm, trainers, V1)
+        assert not any(r[0] for r in second)  # the plan is cached
+        got_v1 = _observe(llm)
+        _assert_same(got_v1, want_v1)
 
-    if negative:
-        # an update whose loader-format writes are never re-processed reaches no tensor the forward reads
-        llm.collective_rpc(vc.skip_reprocessing, args=(True,))
-        _update(llm, trainers, V2)
-        stale = _differences(_observe(llm), got_v2)
-        # exactly the layers the live engine says it re-processes are stale (by their GEMM probes at least, on
-        # any processor), and nothing written in place (norms) is
-        layers = {n for worker in llm.collective_rpc(vc.reprocessed_layers) for n in worker}
-        stale_layers = {vc.module_of(d.partition(": ")[2]) for d in stale if d.startswith("worker")}
-        assert layers and any("qkv_proj" in n for n in layers), layers
-        assert stale_layers == layers and any(d.startswith("tokens") for d in stale), (sorted(layers), stale)
-        llm.collective_rpc(vc.skip_reprocessing, args=(False,))
-        _update(llm, trainers, V2)
-        _assert_same(_observe(llm), got_v2)
-        # a parameter no layout rule covers is an error that names it, never a silent no-op
-        errors = llm.collective_rpc(vc.unreachable_error)
-        assert all("model.layers.0.mlp.router_bias" in e for e in errors), errors
+        if negative:
+            # an update whose loader-format writes are never re-processed reaches no tensor the forward reads
+            llm.collective_rpc(vc.skip_reprocessing, args=(True,))
+            _update(llm, trainers, V2)
+            stale = _differences(_observe(llm), got_v2)
+            # exactly the layers the live engine says it re-processes are stale (by their GEMM probes at least, on
+            # any processor), and nothing written in place (norms) is
+            layers = {n for worker in llm.collective_rpc(vc.reprocessed_layers) for n in worker}
+            stale_layers = {vc.module_of(d.partition(": ")[2]) for d in stale if d.startswith("worker")}
+            assert layers and any("qkv_proj" in n for n in layers), layers
+            assert stale_layers == layers and any(d.startswith("tokens") for d in stale), (sorted(layers), stale)
+            llm.collective_rpc(vc.skip_reprocessing, args=(False,))
+            _update(llm, trainers, V2)
+            _assert_same(_observe(llm), got_v2)
+            # a parameter no layout rule covers is an error that names it, never a silent no-op
+            errors = llm.collective_rpc(vc.unreachable_error)
+            assert all("model.layers.0.mlp.router_bias" in e for e in errors), errors
+            _update(llm, trainers, V1)
 
-    trainers.post("close")
-    trainers.wait()
-    llm.shutdown_weight_transfer_engine()
-    if want_v2 is None:
-        # V2's oracle: vLLM's own in-place reload of the V2 checkpoint, into this engine after the refits; then
-        # its reload of V1 must give back the fresh V1 state bit for bit, so the reload is as good as a fresh load
-        # (and no refit left a tensor the reload does not write changed)
-        _reload(llm, ck2)
-        want_v2 = _observe(llm)
-        assert _differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
-        _assert_same(got_v2, want_v2)
-        _reload(llm, ck1)
-        _assert_same(_observe(llm), want_v1)
-    _close(llm)
+        trainers.post("close")
+        trainers.wait()
+        llm.shutdown_weight_transfer_engine()
+        if want_v2 is None:
+            # V2's oracle: vLLM's own in-place reload of the V2 checkpoint, into this engine after the refits; then
+            # its reload of V1 must give back the fresh V1 state bit for bit, so the reload is as good as a fresh
+            # load (and no refit left a tensor the reload does not write changed)
+            _reload(llm, ck2)
+            want_v2 = _observe(llm)
+            assert _differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
+            _assert_same(got_v2, want_v2)
+            _reload(llm, ck1)
+            _assert_same(_observe(llm), want_v1)
+    finally:
+        _close(llm)
 
 
 def test_refit_tp1_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers) -> None:
@@ -172,6 +215,21 @@ def test_refit_tp1_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers) -> N
 
 def test_refit_tp2_1_kv_head_replicated(tmp_path, monkeypatch, trainers) -> None:
     _session(tmp_path, monkeypatch, trainers, kv_heads=1, vocab=1000, tp=2)
+
+
+@pytest.mark.parametrize("family,tp", [("llama-tied", 2), ("qwen2-tied", 2), ("qwen3-tied", 1), ("mistral", 1),
+                                       ("gemma", 1)])
+def test_family_refit(tmp_path, monkeypatch, trainers, family: str, tp: int) -> None:
+    """The sweep: each family from a tiny random `transformers` config, saved by `save_pretrained` (a tied model
+    stores its embedding once), refit from a trainer holding the model's own parameters (a tied one under both
+    names, as a `state_dict` has them)."""
+    _session(tmp_path, monkeypatch, trainers, family=family, tp=tp)
+
+
+def test_refit_tp1_other_gemm_branch(tmp_path, monkeypatch, trainers) -> None:
+    """The CPU backend's other GEMM branch: engines whose every Linear layer runs `F.linear` (the branch of a
+    processor with neither AMX nor oneDNN; the parameter keeps its weight) refit bit-exactly too."""
+    _session(tmp_path, monkeypatch, trainers, kv_heads=2, vocab=1000, tp=1, torch_gemm=True)
 
 
 def test_refit_tp2_moe(tmp_path, monkeypatch, trainers) -> None:

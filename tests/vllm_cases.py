@@ -85,6 +85,73 @@ def write_checkpoint(path: str, cfg: dict[str, Any], seed: int) -> None:
     save_file(weights, os.path.join(path, "model.safetensors"))
 
 
+# ---- model families from transformers configs (the sweep) ---------------------------------------------------------
+_BASE = {"hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+         "num_attention_heads": HEADS, "head_dim": HEAD_DIM, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+         "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1}
+FAMILIES: dict[str, dict[str, Any]] = {
+    # tied, one KV head: fewer KV heads than the engine's TP 2 (vLLM replicates it)
+    "llama-tied": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 1,
+                   "vocab_size": 1001, "tie_word_embeddings": True, "hidden_act": "silu"},
+    # q/k/v biases, tied (as Qwen2.5-0.5B), an odd vocabulary
+    "qwen2-tied": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_key_value_heads": 2,
+                   "vocab_size": 1003, "tie_word_embeddings": True, "hidden_act": "silu"},
+    # q/k norms, tied (as Qwen3-0.6B)
+    "qwen3-tied": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 4,
+                   "vocab_size": 1000, "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False},
+    # sliding-window attention (shorter than the prompts and outputs), untied
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_key_value_heads": 2,
+                "vocab_size": 1000, "tie_word_embeddings": False, "hidden_act": "silu", "sliding_window": 4},
+    # the embedding scaled by sqrt(hidden) and (1 + w) norms in the forward, GeLU-tanh MLP, tied
+    "gemma": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "num_key_value_heads": 1,
+              "vocab_size": 1000, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
+              "hidden_activation": "gelu_pytorch_tanh"},
+}
+
+
+def family_config(family: str) -> dict[str, Any]:
+    """A tiny 2-layer config of `family` (a `config.json` dict)."""
+    return {**_BASE, **FAMILIES[family]}
+
+
+def hf_model(cfg: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The `transformers` model of `cfg`, bfloat16, with weights of version `seed` (the same on every call): norms
+    near 1, everything else ~ N(0, 0.05); tied parameters stay tied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rest = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    config = AutoConfig.for_model(cfg["model_type"], **rest)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for k, (name, p) in enumerate(model.named_parameters()):
+            g = torch.Generator().manual_seed(seed * 1000 + k)
+            w = torch.randn(p.shape, generator=g) * 0.05
+            p.copy_(w + 1.0 if "norm" in name and p.dim() == 1 and cfg["model_type"] != "gemma" else w)
+    return model
+
+
+def write_hf_checkpoint(path: str, cfg: dict[str, Any], seed: int) -> None:
+    """`hf_model(cfg, seed).save_pretrained(path)`: the checkpoint as transformers writes it (a tied model stores
+    its embedding once)."""
+    hf_model(cfg, seed).save_pretrained(path)
+
+
+def hf_engine_tensors(cfg: dict[str, Any], tp: int, first_rank: int) -> dict[str, list]:
+    """What `reshard.integrations.hf` says the engine holds on its first rank: engine tensor -> (its global
+    components, local shape)."""
+    from reshard.integrations.hf import EngineParallel, engine_tensors
+
+    ets = engine_tensors(hf_model(cfg, 0), EngineParallel(range(first_rank, first_rank + tp), tp=tp))
+    return {t.name: [[g for g, _ in t.components], list(t.local_shape(first_rank))] for t in ets}
+
+
+def engine_names(worker: Any) -> dict[str, list]:
+    """What the live engine's backend registered on this worker: engine tensor -> (its global components, local
+    shape), tied ones left out (they are the first name's tensor)."""
+    return {t.name: [[g for g, _ in t.components], list(t.tensor.shape)]
+            for t in worker.weight_transfer_engine.targets if t.alias_of is None}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,26 +176,41 @@ def _fill(local: torch.Tensor, full: torch.Tensor, layout: Any, rank: int) -> No
         local[lo] = full[g]
 
 
+def _full_weights(cfg: dict[str, Any], seed: int, hf: bool) -> dict[str, torch.Tensor]:
+    """Every weight of version `seed`, one per tensor (a tied one under its first name)."""
+    if hf:
+        return {n: p.detach() for n, p in hf_model(cfg, seed).named_parameters()}
+    return hf_weights(cfg, seed)
+
+
 def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
-    """One trainer rank: `("init", port, cfg, engine_world)`, `("send", seed)`, `("close",)`, `("exit",)`."""
+    """One trainer rank: `("init", port, cfg, engine_world, hf)`, `("send", seed)`, `("close",)`, `("exit",)`;
+    `hf`: the weights are a `transformers` model's (`hf_model`), else `hf_weights`."""
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 
-    trainer = weights = layouts = cfg = None
+    trainer = weights = layouts = cfg = hf = None
     while True:
         cmd = commands.get()
         try:
             if cmd[0] == "exit":
                 return
             if cmd[0] == "init":
-                _, port, cfg, engine_world = cmd
-                layouts = {n: trainer_layout(n, s, list(range(world))) for n, s in hf_shapes(cfg).items()}
+                _, port, cfg, engine_world, hf = cmd
+                full = _full_weights(cfg, 0, hf)
+                layouts = {n: trainer_layout(n, tuple(w.shape), list(range(world))) for n, w in full.items()}
                 weights = {n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16) for n, lay in layouts.items()}
                 info = ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port,
                                               world_size=world, engine_world_size=engine_world, timeout_s=120.0)
-                trainer = ReshardTrainer.trainer_init(info, source={n: (weights[n], layouts[n]) for n in weights})
+                source = {n: (weights[n], layouts[n]) for n in weights}
+                if hf:  # a state_dict's view: a tied parameter under each of its names, the same local tensor
+                    model = hf_model(cfg, 0)
+                    first = {}
+                    for n, p in model.named_parameters(remove_duplicate=False):
+                        source[n] = source[first.setdefault(id(p), n)]
+                trainer = ReshardTrainer.trainer_init(info, source=source)
                 results.put((rank, "ok", None))
             elif cmd[0] == "send":
-                for n, full in hf_weights(cfg, cmd[1]).items():  # the optimizer step: in place
+                for n, full in _full_weights(cfg, cmd[1], hf).items():  # the optimizer step: in place
                     _fill(weights[n], full, layouts[n], rank)
                 report = trainer.send_weights()
                 results.put((rank, "ok", (report.first_run, report.network_bytes)))
@@ -223,6 +305,47 @@ def module_of(key: str) -> str:
 def reprocessed_layers(worker: Any) -> list[str]:
     """The layers whose weights the backend re-processes after each update (asked of the live engine)."""
     return worker.weight_transfer_engine.reprocessed_layers()
+
+
+def gemm_branches(worker: Any) -> dict[str, str]:
+    """Which CPU GEMM each Linear layer's `cpu_linear` is (vLLM chooses by processor and shape): `"sgl"` (AMX
+    packed weight), `"onednn"` (an opaque handle), `"torch"` (`F.linear`) or `"zentorch"`."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    out = {}
+    for name, layer in worker.model_runner.get_model().named_modules():
+        fn = getattr(layer, "cpu_linear", None)
+        if isinstance(layer, LinearBase) and fn is not None:
+            out[name] = _branch(fn)
+    return out
+
+
+def default_gemm_branch(shape: tuple[int, int] = (512, 256)) -> str:
+    """The branch the CPU backend's GEMM dispatch takes on this processor for a bfloat16 weight of `shape`, asked
+    of vLLM's own dispatch on a bare layer."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    return _branch(layer.cpu_linear)
+
+
+def _branch(fn: Any) -> str:
+    free = set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))
+    return ("sgl" if "packed_weight" in free else "onednn" if "handler" in free
+            else "zentorch" if "zen_weight" in free else "torch")
+
+
+def force_torch_gemm(monkeypatch: Any) -> None:
+    """Make the CPU backend's GEMM dispatch in this process take its plain `F.linear` branch until `monkeypatch`
+    undoes it, as it does on a processor with neither AMX nor oneDNN: an in-process engine's worker then loads, and
+    re-processes, every Linear layer that way."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    monkeypatch.setattr(utils, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
+    monkeypatch.setattr(ops, "_supports_onednn", False)
 
 
 def skip_reprocessing(worker: Any, skip: bool) -> None:
