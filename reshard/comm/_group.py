@@ -114,6 +114,7 @@ class Group:
         self._depth = 0
         self._verdict: dict[str, Any] | None = None
         self._waiter: Any = None  # the job queue of the thread that runs blocking waits (see _transfer.wait_watched)
+        self._closed = False
         self.store_port: int | None = None
         """The store's port (a rendezvous group; useful when the store was started on port 0)."""
 
@@ -316,6 +317,8 @@ class Group:
             verdict = self.report_fault(None, clash)
             raise CommError(self.describe_fault(verdict, what))
         try:
+            if self._closed:
+                raise CommError(f"{what}: {self} was closed; rendezvous a new group")
             if outer or self._verdict is not None:  # one store round trip per outermost call
                 self.raise_if_aborted(what)
             yield
@@ -378,6 +381,11 @@ class Group:
         if self._closer is not None:
             closer, self._closer = self._closer, None
             closer()
+        if self._keepalive:
+            # drop every reference to the backends and the store now, so a store hosted here stops serving and
+            # its port is free at once (a `TCPStore` server lives as long as its Python object)
+            self._control, self._data, self._store, self._keepalive = None, {}, None, ()
+            self._closed = True
 
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank} of {self.size})"

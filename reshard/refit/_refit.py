@@ -167,7 +167,7 @@ class Refit:
         check_replicas: bool = False,
         delta: bool = False,
         delta_snapshot: str = "device",
-        delta_check: str = "sum",
+        delta_check: str = "checksum",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")

