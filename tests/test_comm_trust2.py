@@ -115,3 +115,82 @@ def test_with_the_sum_check_swapped_rows_stay_wrong(pool) -> None:
     """Negative control: the old default misses the swap, so rank 2 keeps the wrong rows."""
     outs = pool.run_ok(on_rank_engine_swaps_rows, "sum", timeout=120)
     assert not outs[2]["ok"] and outs[2]["stale"] == 0, outs
+
+
+# -------------------------------------------------------------------------------------------------------------
+# 3. Two refits of the same layouts on one group never swap
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_two_refits(w, swap_first: bool, named: bool, identity: bool = True) -> dict:
+    """A policy and a reference refit of identical names and layouts (trainer ranks 0, 1 -> engine ranks 2, 3).
+    Every rank runs policy then reference once (unless `swap_first`); then the engine runs them in the other order.
+    `identity=False` switches the refits' identity off (the negative control)."""
+    from reshard import Refit
+
+    src = Layout((16, 8), Mesh([0, 1]), [Shard(0)], torch.float32)
+    dst = Layout((16, 8), Mesh([2, 3]), [Shard(1)], torch.float32)
+    values = {"policy": full_tensor(src.shape, src.dtype, "policy"),
+              "reference": full_tensor(src.shape, src.dtype, "reference")}
+    refits, engine = {}, {}
+    for k in ("policy", "reference"):
+        r = refits[k] = Refit(w.group, name=k if named else None, timeout=30)
+        if w.rank in src.ranks:
+            r.add_source("w", dtensor_local(values[k], src).clone(), src)
+        else:
+            engine[k] = torch.zeros(dst.local_shape(w.rank))
+            r.add_destination("w", engine[k], dst)
+    original = Refit._agreed_fingerprint
+    if not identity:
+        Refit._agreed_fingerprint = lambda self, b: b.plan.fingerprint
+    errors = []
+    engine_side = w.rank in dst.ranks
+    try:
+        rounds = [("policy", "reference"), ("policy", "reference")]
+        if swap_first:
+            rounds = rounds[:1]
+        for i, order in enumerate(rounds):
+            if engine_side and (i == 1 or swap_first):
+                order = order[::-1]
+            for k in order:
+                try:
+                    refits[k].run()
+                except (ValueError, RuntimeError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        Refit._agreed_fingerprint = original
+    holds = {}
+    for k, t in engine.items():
+        holds[k] = [n for n, v in values.items() if torch.equal(as_bytes(t), as_bytes(dtensor_local(v, dst)))]
+    w.group.cache.clear()
+    return {"errors": errors, "holds": holds}
+
+
+def test_two_refits_run_in_another_order_refuse_naming_both(pool) -> None:
+    outs = pool.run_ok(on_rank_two_refits, False, False, timeout=120)
+    for r, o in enumerate(outs):
+        assert len(o["errors"]) == 2, (r, o["errors"])
+        for e in o["errors"]:
+            assert e.startswith("ValueError") and "refit live check" in e, (r, e)
+            assert "the 1st Refit made on this group" in e and "the 2nd Refit made on this group" in e, (r, e)
+        if r >= 2:  # the first run's values stay: nothing crossed
+            assert o["holds"] == {"policy": ["policy"], "reference": ["reference"]}, (r, o["holds"])
+
+
+def test_named_refits_in_another_order_refuse_at_the_first_run(pool) -> None:
+    outs = pool.run_ok(on_rank_two_refits, True, True, timeout=120)
+    for r, o in enumerate(outs):
+        assert len(o["errors"]) == 2, (r, o["errors"])
+        for e in o["errors"]:
+            assert "ranks run different refits" in e and "'policy'" in e and "'reference'" in e, (r, e)
+        if r >= 2:
+            assert o["holds"] == {"policy": [], "reference": []}, (r, o["holds"])
+
+
+def test_without_the_identity_two_refits_swap_weights(pool) -> None:
+    """Negative control: with the identity switched off, the engine's models silently hold each other's weights."""
+    outs = pool.run_ok(on_rank_two_refits, False, False, False, timeout=120)
+    for r, o in enumerate(outs):
+        assert o["errors"] == [], (r, o["errors"])
+        if r >= 2:
+            assert o["holds"] == {"policy": ["reference"], "reference": ["policy"]}, (r, o["holds"])
