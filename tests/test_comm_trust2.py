@@ -194,3 +194,43 @@ def test_without_the_identity_two_refits_swap_weights(pool) -> None:
         assert o["errors"] == [], (r, o["errors"])
         if r >= 2:
             assert o["holds"] == {"policy": ["reference"], "reference": ["policy"]}, (r, o["holds"])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# 6. Control metadata is bounded per call, by what the call's other ranks need
+# -------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_pads_metadata(w, pad: int) -> dict:
+    """Rank 2 pads its (valid JSON) payload of an all-gather with `pad` bytes of whitespace: under the 64 MiB
+    message limit, far over what the other ranks send. Returns what came back and this rank's peak RSS growth."""
+    import datetime
+    import resource
+
+    import reshard.comm._handshake as hs
+
+    group = w.new_group(f"pad-{pad}", timeout=30)
+    original = hs.encode
+    if w.rank == 2:
+        hs.encode = lambda kind, value: original(kind, value)[:-1] + b" " * pad + b"}"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        got = hs.all_gather_json(group, {"rank": w.rank, "layouts": ["x" * 100] * 20},
+                                 timeout=datetime.timedelta(seconds=30), what="refit metadata exchange")
+    finally:
+        hs.encode = original
+        group.close()
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return {"ranks": [g["rank"] for g in got], "peak_rss_growth_mib": grew}
+
+
+def test_a_padded_metadata_payload_is_refused_naming_the_sender(pool) -> None:
+    outs = pool.run(on_rank_pads_metadata, 20 << 20, timeout=120)
+    _all_comm_error(outs, "rank 2 announced a refit metadata exchange message of", "bounded per call")
+
+
+def test_honest_payloads_of_different_sizes_pass(pool) -> None:
+    """The bound follows the call: a payload 3x the next-largest passes (and the padding test above is refused
+    only for its size, not its form)."""
+    outs = pool.run_ok(on_rank_pads_metadata, 4000, timeout=120)
+    assert all(o["ranks"] == [0, 1, 2, 3] for o in outs), outs

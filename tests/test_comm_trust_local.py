@@ -23,3 +23,17 @@ def test_close_releases_the_store_port_at_once(monkeypatch) -> None:
     with pytest.raises(CommError, match="was closed"):
         with first.exclusive("a call after close"):
             pass
+
+
+def test_the_control_allowance_follows_the_call() -> None:
+    from reshard.comm._wire import CONTROL_SLACK, MAX_CONTROL_TOTAL_BYTES, MAX_MESSAGE_BYTES, control_allowance, \
+        over_allowance
+
+    assert control_allowance([3_000, 2_500, 20 << 20, 2_800]) == MAX_CONTROL_TOTAL_BYTES // 4  # the worked example
+    big = 40 << 20  # honest ranks that all need a lot: the bound grows with them (to the message limit)
+    assert control_allowance([big, big - 1, big, 5]) == MAX_MESSAGE_BYTES
+    assert control_allowance([1 << 20] * 1024) == CONTROL_SLACK << 20  # not 64 MiB per rank at 1,024 ranks
+    assert control_allowance([10, 0], own=1 << 20) == max(MAX_CONTROL_TOTAL_BYTES // 2, CONTROL_SLACK << 20)
+    assert over_allowance({0: 10, 1: 20}, "k", "me") is None
+    sender, message = over_allowance({0: 10, 1: 20 << 20, 2: 30, 3: 5}, "k", "me")
+    assert sender == 1 and "rank 1 announced a k message of 20971520 bytes" in message

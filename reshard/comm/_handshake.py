@@ -20,7 +20,7 @@ import torch
 
 from reshard.comm._group import CommError, Group
 from reshard.comm._transfer import TAG_CONTROL, fault, post, wait_watched
-from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode
+from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode, over_allowance
 
 _FP_BYTES = 32
 _MAGIC = 0x52530000 | WIRE_VERSION  # "RS" + wire version: a peer of another version is named, not misread
@@ -84,6 +84,13 @@ def _payload(group: Group, data: bytes, sender: int, kind: str, label: str) -> A
         return decode(data, sender, kind, f"rank {group.rank} of {group}: {label}")
     except CommError as e:
         raise _refused(group, sender, e, label) from None
+
+
+def _allowance(group: Group, sizes: dict[int, int], kind: str, label: str, *, own: int = 0) -> None:
+    """Refuse (a fault naming the sender) a call whose announced sizes exceed what it needs (`over_allowance`)."""
+    over = over_allowance(sizes, kind, f"rank {group.rank} of {group}: {label}", own=own)
+    if over is not None:
+        raise _refused(group, over[0], CommError(over[1]), label)
 
 
 def _size(group: Group, size: int, sender: int, kind: str, label: str) -> int:
@@ -185,6 +192,8 @@ class PendingAgreement:
         for r in self.others:
             fps[r], size = _unpack(_HEADER, got[r], r, group, label)
             sizes[r] = _size(group, size, r, "errors", label)
+        own = len(encode("errors", self.errors)) if self.errors else 0
+        _allowance(group, {**sizes, self.me: own}, "errors", label)
         self._finish_root(fps, sizes)
 
     def _finish_member(self, reply: bytes) -> None:
@@ -220,9 +229,11 @@ class PendingAgreement:
             lens = _exchange(group, [], [(r, _LENGTH.size) for r in differ], timeout, label)
             want = {r: _size(group, _unpack(_LENGTH, lens[r], r, group, label)[0], r, "describe", label)
                     for r in differ}
+            mine = [(str(k), str(v)) for k, v in self.describe()]
+            _allowance(group, want, "describe", label, own=len(encode("describe", [list(p) for p in mine])))
             descs = _exchange(group, [], list(want.items()), timeout, label)
             theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in differ}
-            message = _describe_difference(me, [(str(k), str(v)) for k, v in self.describe()], theirs, fps, self.what)
+            message = _describe_difference(me, mine, theirs, fps, self.what)
             if all_errors:
                 message += "\n" + _describe_errors(all_errors, self.failure)
         elif all_errors:
@@ -299,6 +310,7 @@ def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, wh
         _wait(lambda: pg.allgather([sizes], [size]), group, timeout, what)
         for r, s in enumerate(sizes):
             _size(group, int(s.item()), r, what, what)
+        _allowance(group, {r: int(s.item()) for r, s in enumerate(sizes)}, what, what)
         width = max(int(s.item()) for s in sizes)
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[: len(data)] = _to_tensor(data)
