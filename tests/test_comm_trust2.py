@@ -7,6 +7,7 @@ cheap, so it can be seen to fail.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -234,3 +235,157 @@ def test_honest_payloads_of_different_sizes_pass(pool) -> None:
     only for its size, not its form)."""
     outs = pool.run_ok(on_rank_pads_metadata, 4000, timeout=120)
     assert all(o["ranks"] == [0, 1, 2, 3] for o in outs), outs
+
+
+# -------------------------------------------------------------------------------------------------------------
+# 4. Blame lands on the culprit: signed verdicts, absent ranks named, a dead store host named (kills rank 0: last)
+# -------------------------------------------------------------------------------------------------------------
+
+FORGED = "forged: rank 1 is evil"
+
+
+def on_rank_forges_verdicts(w, tag: str) -> None:
+    """Rank 3, as any process that can write to the store, writes two forged verdicts for group `rv/<tag>`: one in
+    the old unsigned form, one with a wrong MAC."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    if w.rank == 3:
+        store = dist.PrefixStore(f"rv/{tag}/", dist.TCPStore(w.host, w.port, is_master=False,
+                                                             timeout=datetime.timedelta(seconds=10)))
+        store.set("abort", json.dumps({"failed": 1, "observer": 2, "message": FORGED}))
+        store.set("abort/1", json.dumps({"failed": 1, "observer": 2, "message": FORGED, "mac": "0" * 64}))
+
+
+def on_rank_reshards_on_a_token_group(w, tag: str, real_fault: bool) -> str:
+    """Every rank joins `rv/<tag>` with the job token and reshards; with `real_fault`, rank 0 also announces a
+    delta size beyond the plan."""
+    from reshard.comm import DeltaSession, Group, _delta, execute
+
+    group = Group.rendezvous(w.host, w.port, w.rank, WORLD, prefix=f"rv/{tag}", is_master=False, timeout=30,
+                             token="job-secret")
+    src, dst, p = _two_by_two()
+    full = full_tensor(src.shape, src.dtype, "forged")
+    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
+    d = [torch.zeros(dst.local_shape(w.rank))] if w.rank in dst.ranks else None
+    original = _delta._Run.encode
+    if real_fault and w.rank == 0:
+        _delta._Run.encode = lambda self, k, step, area: [([1 << 40, words[1], 1 << 40, *([0] * (len(words) - 3))],
+                                                           payload) for words, payload in original(self, k, step, area)]
+    try:
+        execute(p, w.rank, s, d, group, delta=DeltaSession(), timeout=30)
+        time.sleep(0.3)  # a few fault polls after the run
+        group.raise_if_aborted("a later call")
+    finally:
+        _delta._Run.encode = original
+        group.close()
+    return "ok" if d is None or torch.equal(as_bytes(d[0]), as_bytes(dtensor_local(full, dst))) else "WRONG BYTES"
+
+
+def test_a_forged_abort_key_makes_no_rank_raise(pool) -> None:
+    pool.run_ok(on_rank_forges_verdicts, "forged-quiet", timeout=60)
+    outs = pool.run(on_rank_reshards_on_a_token_group, "forged-quiet", False, timeout=120)
+    assert all(o.ok and o.value == "ok" for o in outs), [o.error or o.value for o in outs]
+
+
+def test_a_forged_abort_key_does_not_hide_the_real_verdict(pool) -> None:
+    pool.run_ok(on_rank_forges_verdicts, "forged-real", timeout=60)
+    outs = pool.run(on_rank_reshards_on_a_token_group, "forged-real", True, timeout=120)
+    _all_comm_error(outs, f"rank 0 announced {1 << 40} bytes")
+    assert not any(FORGED in o.error for o in outs), [o.error for o in outs]
+
+
+def on_rank_skips_a_run(w, tag: str, skip_first: bool, timeout: float) -> dict:
+    """Rank 3 builds its Refit but does not call `run()` (its first, or its second); it stays alive, its group open,
+    until the others had time to time out."""
+    from reshard import Refit
+
+    group = w.new_group(tag, timeout=timeout)
+    src, dst, _ = _two_by_two()
+    refit = Refit(group, timeout=timeout)
+    full = full_tensor(src.shape, src.dtype, "skip")
+    if w.rank in src.ranks:
+        refit.add_source("w", dtensor_local(full, src), src)
+    else:
+        refit.add_destination("w", torch.zeros(dst.local_shape(w.rank)), dst)
+    start = time.monotonic()
+    try:
+        if not skip_first:
+            refit.run()
+            start = time.monotonic()
+        if w.rank == 3:
+            time.sleep(timeout + 5.0)
+            return {"error": None, "seconds": 0.0}
+        refit.run()
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    finally:
+        if w.rank != 3:
+            time.sleep(1.0)  # rank 3 still skips: its group stays open, as the others' do
+        group.close()
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("skip_first", [False, True], ids=["later-run", "first-run"])
+def test_a_rank_that_never_calls_run_is_named_on_every_rank(pool, skip_first) -> None:
+    timeout = 4.0
+    outs = pool.run_ok(on_rank_skips_a_run, f"skip-{skip_first}", skip_first, timeout, timeout=120)
+    for r, o in enumerate(outs[:3]):
+        assert o["error"] is not None and o["error"].startswith("CommError"), (r, o)
+        assert "rank 3 failed" in o["error"] or "ranks [3] never reached it" in o["error"], (r, o["error"])
+        verdict = o["error"].split("\n  (here:")[0]  # what the rank blames (its own observation may follow)
+        assert "rank 0 failed" not in verdict, (r, o["error"])
+        assert o["seconds"] < timeout + 8.0, (r, o)
+
+
+def on_rank_store_host_dies(w, port: int, timeout: float) -> dict:
+    """Rank 0 hosts the group's store and exits when posting its first chunk; rank r sends to r + 1 (a ring), so
+    rank 2 and 3 wait on live peers that stopped (rank 1 raised, rank 2 raised or waits)."""
+    import os
+
+    import reshard.comm._executor as ex
+    from reshard.comm import ZERO_COPY_ENV, Group, reshard
+
+    os.environ[ZERO_COPY_ENV] = "0"  # staged: one chunk at a time, so rank 1 stops sending to rank 2 when it raises
+    group = Group.rendezvous(w.host, port, w.rank, WORLD, prefix="store-dies", is_master=w.rank == 0,
+                             timeout=timeout, token="job-secret")
+    src = Layout((128, 64), Mesh([0, 1, 2, 3]), [Shard(0)], torch.float32)
+    dst = Layout((128, 64), Mesh([1, 2, 3, 0]), [Shard(0)], torch.float32)
+    p = plan(src, dst, staging_bytes=2048, min_split_bytes=256)
+    full = full_tensor(src.shape, src.dtype, "store-dies")
+    s, d = dtensor_local(full, src), torch.zeros(dst.local_shape(w.rank))
+    original = ex._post_tagged
+
+    def dying_post(*args, **kw):
+        os._exit(17)
+
+    if w.rank == 0:
+        ex._post_tagged = dying_post
+    start = time.monotonic()
+    try:
+        reshard(s, d, p, group, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    finally:
+        ex._post_tagged = original
+        os.environ.pop(ZERO_COPY_ENV)
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_a_dead_store_host_is_named_on_every_rank(pool) -> None:
+    from reshard.testing import free_port
+
+    timeout = 20.0
+    outs = pool.run(on_rank_store_host_dies, free_port(), timeout, timeout=120)
+    assert outs[0].died, outs[0]
+    for o in outs[1:]:
+        assert o.ok and o.value["error"] is not None, (o.rank, o.error, o.value)
+        e = o.value["error"]
+        assert e.startswith("CommError") and re.search(r"rank 0 failed|cannot post (receive from|send to) rank 0", e), \
+            (o.rank, e)
+        assert not re.search(r"rank [123] failed", e), (o.rank, e)  # no live rank is blamed
+        assert o.value["seconds"] < FAULT_S, (o.rank, o.value)
+    # rank 2 only ever waits on rank 1 (alive, stopped): it names rank 0 from the store's silence, not its timeout
+    assert "(hosted by rank 0) stopped answering" in outs[2].value["error"], outs[2].value

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import datetime
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from reshard.comm._group import CommError, Group
-from reshard.comm._transfer import TAG_CONTROL, fault, post, wait_watched
+from reshard.comm._transfer import TAG_CONTROL, blame, fault, post, wait_watched
 from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode, over_allowance
 
 _FP_BYTES = 32
@@ -33,6 +34,11 @@ EXACT_SUFFIX = " (exact)"
 """A described field `NAME (exact)` repeats field `NAME` exactly; it is reported only when `NAME` itself agrees."""
 _MAX_RANKS_SHOWN = 4
 _MAX_FIELDS_SHOWN = 4
+
+
+def member_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How long a non-root rank waits for the root's answer: `timeout` plus a grace of 10% (2 s to 30 s)."""
+    return timeout + datetime.timedelta(seconds=min(max(0.1 * timeout.total_seconds(), 2.0), 30.0))
 
 
 def _to_tensor(data: bytes) -> torch.Tensor:
@@ -176,7 +182,10 @@ class PendingAgreement:
             if payload:
                 sends.append((self.root, _to_tensor(payload)))
             self._recvs = [(self.root, torch.empty(_REPLY.size, dtype=torch.uint8))]
-        self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL, timeout=timeout, what=self.label,
+        # a member waits a little longer than the root, so that when a rank never joins the round, the root's
+        # timeout (which names that rank) is the verdict, not a member's (which could only name the live root)
+        self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL,
+                            timeout=timeout if self.is_root else member_timeout(timeout), what=self.label,
                             control=True)
 
     def finish(self) -> None:
@@ -304,6 +313,7 @@ def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, wh
     """
     data = encode(what, value)
     with group.exclusive(what):
+        group._collectives += 1
         pg = group.control
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size)]
@@ -337,6 +347,7 @@ def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta,
     if len(data) != _FP_BYTES or not digest.isascii():
         raise ValueError(f"{what}: the digest must be {_FP_BYTES} ASCII characters, got {digest!r}")
     with group.exclusive(what):
+        group._collectives += 1
         pg = group.control
         buf = _to_tensor(_DIGEST.pack(_MAGIC, data))
         bufs = [torch.empty(_DIGEST.size, dtype=torch.uint8) for _ in range(group.size)]
@@ -353,11 +364,20 @@ def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta,
 
 def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, what: str) -> None:
     """Start a collective and wait for it (watching for other ranks' fault reports); a failure to start (gloo
-    refuses a connection a dead peer closed) or to finish is a `CommError` that every rank learns."""
+    refuses a connection a dead peer closed) or to finish is a `CommError` that every rank learns. After a timeout
+    a roll call in the store names the ranks that never reached the collective (`Group.roll_call`)."""
+    began = time.monotonic()
     try:
         wait_watched(group, lambda: start().wait(timeout), what)
     except CommError:
         raise
     except Exception as e:
-        raise fault(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
-                    f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what) from e
+        timed_out = time.monotonic() - began >= 0.9 * timeout.total_seconds()
+        absent = group.roll_call() if timed_out else None
+        if absent:
+            raise fault(group, absent[0], f"rank {group.rank} of {group}: {what} timed out after "
+                        f"{timeout.total_seconds():.1f} s: ranks {absent} never reached it (every other rank did, by "
+                        "the roll call in the store); every rank of the group must call it", what) from e
+        raise blame(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
+                    f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what,
+                    timed_out=timed_out) from e
