@@ -146,8 +146,8 @@ def join(store: Any, rank: int, world_size: int, token: bytes, deadline: float, 
                              "mac": _mac(token, "claim", rank, world_size, nonce, bool(hosts_store))})
     current = store.compare_set(f"join/{rank}", "", claim)
     if current != claim:
-        raise _fail(verdicts, rank, rank, f"{me}: rank {rank} was already claimed by another process (a duplicate rank, "
-                                       "or this prefix was used by an earlier group on this store); refused")
+        raise _fail(verdicts, rank, rank, f"{me}: rank {rank} was already claimed by another process (a duplicate "
+                                          "rank, or this prefix was used by an earlier group on this store); refused")
     keys = [f"join/{r}" for r in range(world_size)]
     while not store.check(keys):
         _check_abort(verdicts, rank, label)
