@@ -241,7 +241,8 @@ def post(
                 works.append((kind, peer, pg.send([t], peer, tag)))
         except RuntimeError as e:  # gloo refuses to post on a connection a dead peer closed
             raise blame(group, peer, f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer "
-                        f"died or closed its connection: {e}", what, timed_out=False) from e
+                        f"died or closed its connection (rank {peer} failed after closing it): {e}", what,
+                        timed_out=False) from e
         finally:
             if coalesce:
                 work = pg._end_coalescing(dev)
