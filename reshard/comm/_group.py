@@ -251,6 +251,7 @@ class Group:
             raise CommError(f"rank {rank} of {label}: cannot reach the store at {host}:{port} within "
                             f"{td.total_seconds():.1f} s: {type(e).__name__}: {e}") from e
         base = dist.PrefixStore(f"{prefix}/", store)
+        store_host: int | None = None
         try:
             session, store_host = rv.join(base, rank, world_size, key, deadline, label, hosts_store=master)
             store.set_timeout(remaining())
@@ -261,7 +262,12 @@ class Group:
         except CommError:
             raise
         except Exception as e:  # torch's store errors while the backend connects
-            raise CommError(f"rank {rank} of {label}: the rendezvous failed: {type(e).__name__}: {e}") from e
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if store_host is not None and store_host != rank and isinstance(e, dist.DistError):
+                raise CommError(f"rank {rank} of {label}: the rendezvous failed: the store at {host}:{port}, hosted "
+                                f"by rank {store_host}, stopped answering while the group connected: rank "
+                                f"{store_host} failed (it exited or died): {why}") from e
+            raise CommError(f"rank {rank} of {label}: the rendezvous failed: {why}") from e
         finally:
             store.set_timeout(td)
         data: dict[str, Any] = {"cpu": control}
