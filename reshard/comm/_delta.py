@@ -26,7 +26,8 @@ One run, on every rank of the plan:
    then name the source's run all along a relay chain. If a message's encoding does not fit its planned bytes
    (less 7 bytes of alignment), the message goes *raw*: packed as the plan packs it, exactly the planned bytes.
    Then a *size round* (per message `[encoded bytes, version, bytes per box]`, or `[-1, version, version per box]`
-   for raw; control backend) and the payload of exactly those bytes; receivers decode (`delta_decode`, which
+   for raw; control backend; a size beyond the message's planned bytes is a fault naming the sender, before
+   anything is allocated) and the payload of exactly those bytes; receivers decode (`delta_decode`, which
    refuses a sparse box of another base version) or unpack, record version and fingerprint (and, for a box they
    forward, how it arrived), and the chunk's local copies run (always full). So staging stays what the plan
    reserved, within `staging_bytes`;

@@ -4,11 +4,12 @@ proven over the new connections.
 Protocol (every key under the group's prefix):
 
 1. each joiner claims its rank with `compare_set("join/<rank>", "", claim)`: a wire message with its rank, world
-   size, a fresh random nonce and `HMAC-SHA256(token, "claim|rank|world_size|nonce")`. A rank already claimed is a
-   duplicate and is refused. The token itself never enters the store.
+   size, a fresh random nonce, whether it hosts the store, and `HMAC-SHA256(token, "claim|rank|world_size|nonce|
+   store")`. A rank already claimed is a duplicate and is refused. The token itself never enters the store.
 2. each joiner waits (polling, within the deadline) until ranks `0 .. world_size-1` have claimed, then checks
    every claim: right rank, same world size, a MAC that verifies with its own token. Any failure is a `CommError`
-   naming the rank, and a fault verdict under `abort` tells the ranks still waiting.
+   naming the rank, and a fault verdict (signed with the token, see `reshard.comm._errors.Verdicts`) under
+   `abort` tells the ranks still waiting.
 3. after the gloo backend connected, the ranks all-gather `HMAC(token, "member|session|rank")`, where `session`
    hashes every claim's nonce: a process that took over a rank's connection without the token is refused.
 """
