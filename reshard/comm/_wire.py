@@ -18,9 +18,11 @@ from typing import Any
 
 from reshard.comm._errors import CommError
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Version of the control-message format; peers with another version are refused. 2: `reshard_dtensor`'s layout
-digests travel in one fixed-size all-gather (magic + digest) instead of a size and a JSON payload."""
+digests travel in one fixed-size all-gather (magic + digest) instead of a size and a JSON payload. 3: rendezvous
+claims say (signed) whether their rank hosts the store, fault verdicts carry the job token's MAC, refit metadata
+carries the refit's identity."""
 
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest control payload a rank accepts from a peer (64 MiB); larger announced sizes are refused unread."""
