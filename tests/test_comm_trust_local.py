@@ -37,3 +37,31 @@ def test_the_control_allowance_follows_the_call() -> None:
     assert over_allowance({0: 10, 1: 20}, "k", "me") is None
     sender, message = over_allowance({0: 10, 1: 20 << 20, 2: 30, 3: 5}, "k", "me")
     assert sender == 1 and "rank 1 announced a k message of 20971520 bytes" in message
+
+
+def test_verdicts_are_signed_and_forgeries_skipped() -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from reshard.comm._errors import VERDICT_CHAIN, Verdicts
+
+    store = dist.HashStore()
+    mine = Verdicts(store, b"job-token", "session-1")
+    assert mine.find() is None
+    store.set("abort", json.dumps({"failed": 1, "observer": 2, "message": "forged"}))  # the old unsigned form
+    store.set("abort/1", json.dumps({"failed": 1, "observer": 2, "message": "forged", "mac": "0" * 64}))
+    assert mine.find() is None  # both skipped: nobody failed
+    assert mine.record(3, 0, "rank 3 died") == {"failed": 3, "observer": 0, "message": "rank 3 died"}
+    other = Verdicts(store, b"job-token", "session-1")  # another rank of the group reads the real verdict
+    assert other.find() == {"failed": 3, "observer": 0, "message": "rank 3 died"}
+    assert other.record(1, 2, "later") == {"failed": 3, "observer": 0, "message": "rank 3 died"}  # first one wins
+    # the same verdict under another token or session is not accepted
+    assert Verdicts(store, b"other-token", "session-1").find() is None
+    assert Verdicts(store, b"job-token", "session-2").find() is None
+    # a store filled with forgeries is reported as a denial of service, not as some rank's failure
+    flooded = dist.HashStore()
+    for i in range(VERDICT_CHAIN):
+        flooded.set("abort" if i == 0 else f"abort/{i}", b"junk")
+    v = Verdicts(flooded, b"job-token", "s").find()
+    assert v["failed"] is None and "not signed with the job token" in v["message"]
