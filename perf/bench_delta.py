@@ -3,8 +3,8 @@
 Usage:
     python perf/bench_delta.py [--numel 4194304] [--steps 5] [--lrs 1e-6,1e-5] [--seed 0]
         [--model-steps 5] [--no-model] [--time-mib 64] [--time-frac 0.02] [--repeat 3] [--threads 0]
-        [--refit-numel 16777216] [--refit-weights 4] [--refit-steps 5] [--delta-check sum]
-        [--only synthetic,model,timing,refit,model_refit] [--out perf/out]
+        [--refit-numel 16777216] [--refit-weights 4] [--refit-steps 5] [--delta-check checksum]
+        [--only synthetic,model,timing,checks,refit,model_refit] [--out perf/out]
 
 Five parts, all on this machine's CPU with the torch path of `reshard.kernels` (`--only` picks some):
     synthetic  fp32 master weights `~N(0, 0.02)` (`--numel` elements), AdamW (torch defaults: betas (0.9, 0.999),
@@ -18,6 +18,10 @@ Five parts, all on this machine's CPU with the torch path of `reshard.kernels` (
     timing     a 64 MiB bf16 weight (`--time-mib`) with `--time-frac` of its elements changed: scan + encode
                (source; also count + encode, which compares twice) and decode (destination) next to a plain
                prepared pack + unpack of the whole weight. The snapshot is restored (untimed) before each encode.
+    checks     each delta destination check (`DeltaSession(check=...)`: checksum, sum, none) on a `--time-mib` MiB
+               bf16 box, contiguous and strided (a column half), with `kernels.checksum`'s torch form and an unpack
+               of the box for scale, and whether each check detects rows swapped, a paired +1/-1 ulp move and a
+               permutation of the even words (a receiver computes its check twice per run: state round, decode).
     refit      delta vs full refit side by side on 8 gloo ranks (`refit_job`): trainer ranks 0-3 hold fp32 master
                weights `S(0)` (`--refit-numel` elements in `--refit-weights` weights of 1024 rows) and their bf16
                copies, AdamW as above; inference ranks 4-7 (one NVLink domain, `[R, S(1)]`: relays) hold the
@@ -57,6 +61,7 @@ from _common import machine_info, write_csv
 from reshard.kernels import (
     DeltaFormat,
     count_changed,
+    checksum,
     delta_decode,
     delta_encode,
     delta_nbytes,
@@ -72,7 +77,7 @@ from reshard.planner._box import Box
 logger = logging.getLogger("bench_delta")
 MiB = 1 << 20
 FORMATS = (DeltaFormat.DENSE, DeltaFormat.BITMASK, DeltaFormat.INDICES)
-PARTS = ("synthetic", "model", "timing", "refit", "model_refit")
+PARTS = ("synthetic", "model", "timing", "checks", "refit", "model_refit")
 
 
 def whole(t: torch.Tensor) -> Box:
@@ -240,6 +245,58 @@ def timing(mib: int, frac: float, repeat: int, seed: int) -> list[dict[str, obje
 REFIT_WORLD = 8
 
 
+def _check_patterns(box: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Engine-side changes of `box` (bf16, 2-D) that keep its multiset of values or its word sums."""
+    swapped = box.clone()
+    swapped[[1, 3]] = swapped[[3, 1]].clone()  # rows 2 apart: each row a whole number of words
+    ulp = box.clone()
+    flat = ulp.view(-1).view(torch.int16)
+    flat[4 * 5] += 1  # +1 ulp in word 5, -1 ulp at the same place of word 9: both odd words
+    flat[4 * 9] -= 1
+    permuted = box.clone()
+    words = permuted.view(-1).view(torch.int64)
+    even = words[::2].clone()
+    words[::2] = even[torch.randperm(even.numel(), generator=torch.Generator().manual_seed(5))]
+    return {"swap_rows": swapped, "paired_ulp": ulp, "permute_even_words": permuted}
+
+
+def checks(mib: int, repeat: int, seed: int) -> list[dict[str, object]]:
+    """What each delta destination check (`DeltaSession(check=...)`, `reshard.comm._fingerprint`) costs on one
+    `mib` MiB bf16 box, contiguous and strided (the left half of a tensor twice as wide: a TP column shard), and
+    which engine-side changes it detects; next to `kernels.checksum`'s torch form and a prepared unpack of the box."""
+    from reshard.comm._fingerprint import CHECKS, fingerprint
+
+    numel = mib * MiB // 2
+    cols = 4096
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(numel // cols, 2 * cols, generator=gen).bfloat16()
+    boxes = {"contiguous": wide[:, :cols].contiguous(), "strided": wide[:, :cols]}
+    rows = []
+    for layout, box in boxes.items():
+        patterns = _check_patterns(box.contiguous())
+        for check in CHECKS:
+            samples = timed(lambda: fingerprint(box, check), repeat)  # noqa: B023 - called at once
+            base = fingerprint(box.contiguous(), check)
+            row = {"part": "checks", "op": f"check_{check}", "layout": layout, "numel": numel, "bytes": numel * 2,
+                   "median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples),
+                   "gb_per_s": round(numel * 2 / statistics.median(samples) / 1e9, 2)}
+            for name, changed in patterns.items():
+                row[f"detects_{name}"] = check != "none" and fingerprint(changed, check) != base
+            rows.append(row)
+        samples = timed(lambda: checksum(box), repeat)  # noqa: B023 - called at once
+        rows.append({"part": "checks", "op": "kernels_checksum_torch", "layout": layout, "numel": numel,
+                     "bytes": numel * 2, "median_s": statistics.median(samples), "min_s": min(samples),
+                     "max_s": max(samples), "gb_per_s": round(numel * 2 / statistics.median(samples) / 1e9, 2)})
+    dense = torch.empty(numel * 2, dtype=torch.uint8)
+    dest = boxes["strided"]
+    unpacker = prepare_unpack(dense, [0], [dest], [whole(dest)])
+    samples = timed(unpacker.run, repeat)
+    rows.append({"part": "checks", "op": "unpack", "layout": "strided", "numel": numel, "bytes": numel * 2,
+                 "median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples),
+                 "gb_per_s": round(numel * 2 / statistics.median(samples) / 1e9, 2)})
+    return rows
+
+
 def _barrier(group, timeout) -> None:
     from reshard.comm._handshake import all_gather_json
 
@@ -261,7 +318,7 @@ def tiny_llama(seed: int):
 
 
 def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
-              model: bool = False, check: str = "sum") -> list[dict[str, object]]:
+              model: bool = False, check: str = "checksum") -> list[dict[str, object]]:
     """On every rank: trainer ranks 0-3 hold fp32 master weights `S(0)` and their bf16 copies, AdamW on random
     gradients; inference ranks 4-7 (one NVLink domain, 2 x 2 `[R, S(1)]`: relays) hold two sets of bf16
     destinations, one for a full `Refit` and one for `Refit(delta=True)`. Per step the two refits run in
@@ -370,7 +427,7 @@ def refit_job(w, numel: int, num_weights: int, lr: float, steps: int, seed: int,
 
 
 def refit_compare(numel: int, num_weights: int, lrs: list[float], steps: int, seed: int,
-                  model: bool = False, check: str = "sum") -> list[dict[str, object]]:
+                  model: bool = False, check: str = "checksum") -> list[dict[str, object]]:
     """`refit_job` on `REFIT_WORLD` gloo ranks per learning rate; one row per step (summed over ranks, times as
     the slowest rank's) and one summary row per learning rate with median paired ratios. `model`: the tiny Llama's
     weights (part `model_refit`)."""
@@ -482,7 +539,7 @@ def main() -> None:
     ap.add_argument("--refit-numel", type=int, default=16 * MiB, help="bf16 elements of the refit part (0: skip)")
     ap.add_argument("--refit-weights", type=int, default=4)
     ap.add_argument("--refit-steps", type=int, default=5)
-    ap.add_argument("--delta-check", default="sum", choices=("sum", "checksum", "none"),
+    ap.add_argument("--delta-check", default="checksum", choices=("checksum", "sum", "none"),
                     help="Refit(delta_check=...) of the refit parts: how a destination finds it was overwritten")
     ap.add_argument("--only", default="", help="comma-separated parts to run (synthetic, model, timing, refit, "
                     "model_refit); "
@@ -522,6 +579,12 @@ def main() -> None:
             else:
                 logger.info("timing %s: median %.4f s (min %.4f, max %.4f), %d bytes", r["op"], r["median_s"],
                             r["min_s"], r["max_s"], r["bytes"])
+    if args.time_mib and "checks" in parts:
+        for r in checks(args.time_mib, args.repeat, args.seed):
+            rows.append(r)
+            detects = {k[len("detects_"):]: v for k, v in r.items() if k.startswith("detects_")}
+            logger.info("checks %s %s: median %.4f s (%.2f GB/s)%s", r["op"], r["layout"], r["median_s"],
+                        r["gb_per_s"], f", detects {detects}" if detects else "")
     if args.refit_numel and "refit" in parts:
         rows.extend(refit_compare(args.refit_numel, args.refit_weights, lrs, args.refit_steps, args.seed,
                                   check=args.delta_check))

@@ -26,7 +26,8 @@ One run, on every rank of the plan:
    then name the source's run all along a relay chain. If a message's encoding does not fit its planned bytes
    (less 7 bytes of alignment), the message goes *raw*: packed as the plan packs it, exactly the planned bytes.
    Then a *size round* (per message `[encoded bytes, version, bytes per box]`, or `[-1, version, version per box]`
-   for raw; control backend) and the payload of exactly those bytes; receivers decode (`delta_decode`, which
+   for raw; control backend; a size beyond the message's planned bytes is a fault naming the sender, before
+   anything is allocated) and the payload of exactly those bytes; receivers decode (`delta_decode`, which
    refuses a sparse box of another base version) or unpack, record version and fingerprint (and, for a box they
    forward, how it arrived), and the chunk's local copies run (always full). So staging stays what the plan
    reserved, within `staging_bytes`;
@@ -49,16 +50,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from reshard.comm._fingerprint import CHECKS
+from reshard.comm._fingerprint import fingerprint as _fingerprint
 from reshard.comm._group import Group
 from reshard.comm._handshake import agree
 from reshard.comm._prepare import ExecutionReport, describe_plan, prepare_run
-from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, post
+from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, fault, post
 from reshard.kernels import (
     DELTA_DENSE_FRACTION,
     ChangeScan,
     DeltaFormat,
     DeltaHeader,
-    checksum,
     delta_decode,
     delta_encode,
     delta_encode_dense,
@@ -73,7 +75,6 @@ from reshard.planner import Box, Plan, RankChunk, RankPlan
 logger = logging.getLogger(__name__)
 
 SNAPSHOTS = ("device", "host")
-CHECKS = ("sum", "checksum", "none")
 _NO_VERSION = -1
 _ALIGN_SLACK = 7  # an encoded message starts at an 8-aligned address inside the message's planned bytes
 _KEPT_PLANS = 2
@@ -217,18 +218,19 @@ class DeltaSession:
     Args:
         snapshot: where senders keep their snapshots: `"device"` (the tensors' device) or `"host"` (CPU memory,
             pinned when CUDA is available; on CUDA each message's snapshot is copied to the device to compare).
-        check: how a receiver finds that its box changed since it applied it (then it asks for a DENSE box):
-            `"sum"` (the wrapping 64-bit sums of the box's elements as same-width integers, all and every other
-            one: any changed element, any reload of other weights; not a permutation of equal sums), `"checksum"`
-            (`reshard.kernels.checksum`, position-sensitive, slower) or `"none"` (versions only: a reloaded engine or
-            a failed run, not an in-place overwrite).
+        check: how a receiver finds that its box changed since it applied it (then it asks for a DENSE box; see
+            `reshard.comm._fingerprint`): `"checksum"` (default; `reshard.kernels.checksum`, non-linear and
+            position-sensitive: any change of the bytes, swaps, permutations and paired ulp moves included),
+            `"sum"` (the wrapping 64-bit sums of the box's words, all and every other one: cheaper, but it misses
+            swaps and permutations within a word parity class and `+d` / `-d` on two words of one parity) or
+            `"none"` (versions only: a reloaded engine or a failed run, not an in-place overwrite).
         threshold: the fraction of changed elements above which a box goes DENSE (`choose_delta_format`).
 
     The first run of a plan on a session is full; so is any box whose receiver holds another version. State is kept
     for the last two plans per rank.
     """
 
-    def __init__(self, *, snapshot: str = "device", check: str = "sum",
+    def __init__(self, *, snapshot: str = "device", check: str = "checksum",
                  threshold: float = DELTA_DENSE_FRACTION) -> None:
         if snapshot not in SNAPSHOTS:
             raise ValueError(f"DeltaSession: snapshot must be one of {SNAPSHOTS}, got {snapshot!r}")
@@ -268,35 +270,6 @@ class DeltaSession:
 # -------------------------------------------------------------------------------------------------------------
 # Helpers
 # -------------------------------------------------------------------------------------------------------------
-
-
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _cpu_words(view: torch.Tensor) -> np.ndarray | None:
-    """`view`'s bytes as int64 words (a numpy view, no copy) for a contiguous CPU box of whole aligned words, or
-    None."""
-    if (view.device.type != "cpu" or not view.is_contiguous() or (view.numel() * view.element_size()) % 8
-            or view.data_ptr() % 8 or not view.numel()):
-        return None
-    return view.reshape(-1).view(_INTS[view.element_size()]).numpy().view(np.int64)
-
-
-def _fingerprint(view: torch.Tensor, check: str) -> tuple:
-    """A fingerprint of `view`'s bytes (see `DeltaSession.check`)."""
-    if check == "none" or view.numel() == 0:
-        return ()
-    if check == "checksum":
-        return (int(checksum(view)),)
-    words = _cpu_words(view)
-    if words is not None:  # numpy's int64 sums, 8 bytes at a time: far faster than widening small ints
-        return int(words.sum()), int(words[::2].sum())
-    ints = view.view(_INTS[view.element_size()])
-    flat = ints.reshape(-1) if ints.is_contiguous() else None
-    if flat is not None and flat.numel() * flat.element_size() % 8 == 0 and flat.data_ptr() % 8 == 0:
-        w = flat.view(torch.int64)
-        return int(w.sum()), int(w[::2].sum())
-    return int(ints.sum(dtype=torch.int64)), int(ints.reshape(-1)[::2].sum(dtype=torch.int64))
 
 
 def _aligned(area: torch.Tensor, offset: int, nbytes: int) -> tuple[int, int]:
@@ -554,13 +527,14 @@ class _Run:
                 plans.append(("raw", sizes))  # raw: the version of each box
                 continue
             start, room = _aligned(recv_area, m.buffer_offset, m.nbytes)
-            if not 0 < total <= min(room, m.nbytes - _ALIGN_SLACK) or sum(sizes) != total or min(sizes) < 0:
-                # a malformed announcement: receive it (the sender sends it) into nothing, apply nothing
-                self.errors.append(f"rank {self.prog.rank}: delta chunk {step.index}: rank {m.peer} announced "
-                                   f"{total} bytes for a message of {m.nbytes} planned bytes (box sizes {sizes})")
-                recvs.append((m.peer, torch.empty(max(total, 0), dtype=torch.uint8, device=recv_area.device)))
-                plans.append(None)
-                continue
+            allowed = min(room, m.nbytes - _ALIGN_SLACK)
+            if not 0 < total <= allowed or sum(sizes) != total or min(sizes) < 0:
+                # checked against the agreed plan before anything is allocated or received: a fault naming the
+                # sender, which every rank learns from the group's verdict (the sender's send is never received)
+                raise fault(self.group, m.peer, f"rank {self.prog.rank} of {self.group}: {what}: rank {m.peer} "
+                            f"announced {total} bytes (box sizes {sizes[:8]}) for a message the plan allows at most "
+                            f"{allowed} bytes of ({m.nbytes} planned); refused before anything was allocated",
+                            f"{what} sizes")
             recvs.append((m.peer, recv_area.narrow(0, start, total)))
             offs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
             plans.append(("encoded", start, offs, sizes))
@@ -597,8 +571,6 @@ class _Run:
             versions = [held[b][0] if held[b] is not None else None for b in ix]
             for b in ix:
                 held[b] = None  # until applied
-            if p is None:
-                continue  # a malformed size message (an error is recorded)
             if p[0] == "raw":
                 msg = recv_area.narrow(0, m.buffer_offset, m.nbytes)
                 try:

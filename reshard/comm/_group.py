@@ -23,16 +23,19 @@ their messages belong to, so continuing could hand one thread's bytes to the oth
 its own `Group.rendezvous` prefix) to reshard concurrently.
 
 Faults. When a rank sees a peer fail (a closed connection, a timeout, a malformed message), it records a verdict in
-the group's store naming the failed rank and itself; every other rank polls for it while it waits and raises
-`CommError` with that verdict within `FAULT_POLL_S` (plus scheduling). After that the group is unusable: every
-later call raises the same verdict; close it and rendezvous anew under a fresh prefix.
+the group's store naming the failed rank and itself, signed with the job token (forged entries in the store are
+skipped: `reshard.comm._errors.Verdicts`); every other rank polls for it while it waits and raises `CommError`
+with that verdict within `FAULT_POLL_S` (plus scheduling). A store that stops answering for `STORE_GRACE_S` names
+its host (the rank whose signed claim says it hosts the store). A whole-group collective that times out names the
+ranks that never reached it (`Group.roll_call`). After that the group is unusable: every later call raises the
+same verdict; close it and rendezvous anew under a fresh prefix. `close()` frees a hosted store's port at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
+import os
 import logging
 import threading
 import time
@@ -43,9 +46,17 @@ import torch
 import torch.distributed as dist
 
 from reshard.comm import _rendezvous as rv
-from reshard.comm._errors import ABORT_KEY, CommError, parse_verdict
+from reshard.comm._errors import JOIN_SESSION, CommError, Verdicts
 
 logger = logging.getLogger(__name__)
+
+STORE_GRACE_S = 1.0
+"""How long a waiting rank keeps waiting after the group's store stopped answering before it names the store's host
+as failed (a host that closed its group right after a call it completed is not a fault of the calls that end
+within this time)."""
+
+ROLL_CALL_S = 2.0
+"""How long a rank whose whole-group collective timed out waits for the other ranks' roll-call keys."""
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 """How long any one wait for a peer may last before it raises (a dead or stuck peer)."""
@@ -96,6 +107,10 @@ class Group:
         closer: Callable[[], None] | None = None,
         keepalive: tuple = (),
         store: Any = None,
+        token: bytes = b"",
+        session: str = JOIN_SESSION,
+        store_host: int | None = None,
+        store_address: str = "",
     ) -> None:
         self.rank = rank
         self.size = size
@@ -108,12 +123,18 @@ class Group:
         self.cache: dict[Any, Any] = {}
         """Per-group caches of the comm layer (exchanged layouts, staging); cleared by `close()`."""
         self._store = store  # where fault verdicts meet (None: faults are reported on the observing rank only)
+        self._verdicts = Verdicts(store, token, session) if store is not None else None
+        self._store_host = store_host  # the group rank whose process serves the store (None: outside the group)
+        self._store_address = store_address
+        self._store_lost: tuple[float, str] | None = None  # (when, the error) the store first failed to answer
+        self._collectives = 0  # whole-group collectives so far: every rank counts alike (the roll call's key)
         self._state = threading.Lock()
         self._owner: int | None = None  # the thread whose call runs now
         self._owner_what = ""
         self._depth = 0
         self._verdict: dict[str, Any] | None = None
         self._waiter: Any = None  # the job queue of the thread that runs blocking waits (see _transfer.wait_watched)
+        self._closed = False
         self.store_port: int | None = None
         """The store's port (a rendezvous group; useful when the store was started on port 0)."""
 
@@ -149,8 +170,9 @@ class Group:
             store: Any = dist.PrefixStore("reshard/world/", dist.distributed_c10d._get_default_store())
         except Exception:  # a world without a store of its own: faults are reported on the observing rank only
             store = None
+        token = (os.environ.get(rv.TOKEN_ENV) or "").encode()  # verdicts unauthenticated without one
         group = cls(rank=dist.get_rank(), size=dist.get_world_size(), control=control, data=data,
-                    name=f"world({backend})", timeout=DEFAULT_TIMEOUT, store=store)
+                    name=f"world({backend})", timeout=DEFAULT_TIMEOUT, store=store, token=token, session="world")
         cls._WORLD, cls._WORLD_PG = group, pg
         return group
 
@@ -232,16 +254,23 @@ class Group:
             raise CommError(f"rank {rank} of {label}: cannot reach the store at {host}:{port} within "
                             f"{td.total_seconds():.1f} s: {type(e).__name__}: {e}") from e
         base = dist.PrefixStore(f"{prefix}/", store)
+        store_host: int | None = None
         try:
-            session = rv.join(base, rank, world_size, key, deadline, label)
+            session, store_host = rv.join(base, rank, world_size, key, deadline, label, hosts_store=master)
             store.set_timeout(remaining())
+            verdicts = Verdicts(base, key, JOIN_SESSION)
             control = rv.connect(lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td),
-                                 base, rank, label)
-            rv.prove_membership(control, base, rank, world_size, key, session, remaining(), label)
+                                 verdicts, rank, label)
+            rv.prove_membership(control, verdicts, rank, world_size, key, session, remaining(), label)
         except CommError:
             raise
         except Exception as e:  # torch's store errors while the backend connects
-            raise CommError(f"rank {rank} of {label}: the rendezvous failed: {type(e).__name__}: {e}") from e
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if store_host is not None and store_host != rank and isinstance(e, dist.DistError):
+                raise CommError(f"rank {rank} of {label}: the rendezvous failed: the store at {host}:{port}, hosted "
+                                f"by rank {store_host}, stopped answering while the group connected: rank "
+                                f"{store_host} failed (it exited or died): {why}") from e
+            raise CommError(f"rank {rank} of {label}: the rendezvous failed: {why}") from e
         finally:
             store.set_timeout(td)
         data: dict[str, Any] = {"cpu": control}
@@ -267,7 +296,8 @@ class Group:
 
         logger.debug("rendezvous %s at %s:%d: rank %d of %d", prefix, host, port, rank, world_size)
         group = cls(rank=rank, size=world_size, control=control, data=data, name=label, timeout=td, closer=close,
-                    keepalive=(store, base), store=base)
+                    keepalive=(store, base), store=base, token=key, session=session, store_host=store_host,
+                    store_address=f"{host}:{port}")
         group.store_port = store.port
         return group
 
@@ -316,6 +346,8 @@ class Group:
             verdict = self.report_fault(None, clash)
             raise CommError(self.describe_fault(verdict, what))
         try:
+            if self._closed:
+                raise CommError(f"{what}: {self} was closed; rendezvous a new group")
             if outer or self._verdict is not None:  # one store round trip per outermost call
                 self.raise_if_aborted(what)
             yield
@@ -328,30 +360,66 @@ class Group:
     def report_fault(self, failed: int | None, message: str) -> dict[str, Any]:
         """Record that this rank saw rank `failed` (None: unknown) fail; returns the group's first verdict.
 
-        The first verdict written wins, so every rank reports the same culprit; later ones are logged only.
+        The verdict is signed with the job token; the first valid one written wins, so every rank reports the same
+        culprit (forged entries in the store are skipped); later ones are logged only.
         """
         mine = {"failed": failed, "observer": self.rank, "message": message[:4000]}
         verdict = mine
-        if self._store is not None:
-            raw = json.dumps(mine).encode()
+        if self._verdicts is not None:
             try:
-                verdict = parse_verdict(self._store.compare_set(ABORT_KEY, "", raw))
-            except Exception:  # the store host may be gone too: the local verdict stands
-                logger.debug("%s: cannot record the fault verdict", self, exc_info=True)
+                verdict = self._verdicts.record(failed, self.rank, message)
+            except Exception as e:  # the store host may be gone too: the local verdict stands
+                self._lost(e)
         if verdict != mine:
             logger.info("%s: fault seen here (%s) follows the group's verdict (%s)", self, message, verdict)
         self._verdict = self._verdict or verdict
         return self._verdict
 
-    def fault(self) -> dict[str, Any] | None:
-        """The group's fault verdict if some rank reported one (a store round trip until one is found), else None."""
-        if self._verdict is None and self._store is not None:
+    def fault(self, *, store_grace: float = STORE_GRACE_S) -> dict[str, Any] | None:
+        """The group's fault verdict if some rank reported one (a store round trip until one is found), else None.
+
+        A store that stopped answering for `store_grace` seconds is itself the verdict: its host (the group rank
+        that serves it) died or closed the group.
+        """
+        if self._verdict is None and self._verdicts is not None:
             try:
-                if self._store.check([ABORT_KEY]):
-                    self._verdict = parse_verdict(self._store.get(ABORT_KEY))
-            except Exception:  # a store that stopped answering is itself a fault, seen by the waits
-                logger.debug("%s: cannot read the fault verdict", self, exc_info=True)
+                self._verdict = self._verdicts.find()
+            except Exception as e:  # a store that stopped answering: see _lost
+                self._lost(e)
+        if self._verdict is None and self._store_lost is not None \
+                and time.monotonic() - self._store_lost[0] >= store_grace:
+            host = self._store_host
+            who = f"hosted by rank {host}" if host is not None else "hosted outside the group"
+            self._verdict = {"failed": host, "observer": self.rank, "message": (
+                f"the group's store at {self._store_address or '?'} ({who}) stopped answering "
+                f"({self._store_lost[1]}): " + (f"rank {host} died or closed its group" if host is not None else
+                                                "its host died or closed it"))}
         return self._verdict
+
+    def _lost(self, error: BaseException) -> None:
+        if self._store_lost is None:
+            logger.debug("%s: the store stopped answering", self, exc_info=True)
+            self._store_lost = (time.monotonic(), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+
+    def roll_call(self, wait_s: float = ROLL_CALL_S) -> list[int] | None:
+        """After this rank's whole-group collective failed: the ranks that never reached it (each rank that did
+        writes a key for the collective's number in the store and waits up to `wait_s` for the others'), or None
+        when the store cannot tell. The keys are not signed: a process that writes to the store can only make an
+        absent rank look present (the blame then falls on no rank)."""
+        if self._store is None:
+            return None
+        key = f"here/{self._collectives}"
+        try:
+            self._store.set(f"{key}/{self.rank}", b"1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                missing = [r for r in range(self.size) if not self._store.check([f"{key}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.05)
+        except Exception:  # the store is gone: it cannot tell
+            logger.debug("%s: roll call failed", self, exc_info=True)
+            return None
 
     def describe_fault(self, verdict: dict[str, Any], what: str) -> str:
         """The `CommError` message for `verdict` as seen by this rank during `what`."""
@@ -361,7 +429,7 @@ class Group:
 
     def raise_if_aborted(self, what: str) -> None:
         """Raise the group's fault verdict as a `CommError` if some rank reported one."""
-        verdict = self.fault()
+        verdict = self.fault(store_grace=0.0)
         if verdict is not None:
             raise CommError(self.describe_fault(verdict, what))
 
@@ -378,6 +446,12 @@ class Group:
         if self._closer is not None:
             closer, self._closer = self._closer, None
             closer()
+        if self._keepalive:
+            # drop every reference to the backends and the store now, so a store hosted here stops serving and
+            # its port is free at once (a `TCPStore` server lives as long as its Python object)
+            self._control, self._data, self._store, self._keepalive = None, {}, None, ()
+            self._verdicts = None
+            self._closed = True
 
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank} of {self.size})"

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import datetime
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from reshard.comm._group import CommError, Group
-from reshard.comm._transfer import TAG_CONTROL, fault, post, wait_watched
-from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode
+from reshard.comm._transfer import TAG_CONTROL, blame, fault, post, wait_watched
+from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode, over_allowance
 
 _FP_BYTES = 32
 _MAGIC = 0x52530000 | WIRE_VERSION  # "RS" + wire version: a peer of another version is named, not misread
@@ -33,6 +34,11 @@ EXACT_SUFFIX = " (exact)"
 """A described field `NAME (exact)` repeats field `NAME` exactly; it is reported only when `NAME` itself agrees."""
 _MAX_RANKS_SHOWN = 4
 _MAX_FIELDS_SHOWN = 4
+
+
+def member_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How long a non-root rank waits for the root's answer: `timeout` plus a grace of 10% (2 s to 30 s)."""
+    return timeout + datetime.timedelta(seconds=min(max(0.1 * timeout.total_seconds(), 2.0), 30.0))
 
 
 def _to_tensor(data: bytes) -> torch.Tensor:
@@ -84,6 +90,13 @@ def _payload(group: Group, data: bytes, sender: int, kind: str, label: str) -> A
         return decode(data, sender, kind, f"rank {group.rank} of {group}: {label}")
     except CommError as e:
         raise _refused(group, sender, e, label) from None
+
+
+def _allowance(group: Group, sizes: dict[int, int], kind: str, label: str, *, own: int = 0) -> None:
+    """Refuse (a fault naming the sender) a call whose announced sizes exceed what it needs (`over_allowance`)."""
+    over = over_allowance(sizes, kind, f"rank {group.rank} of {group}: {label}", own=own)
+    if over is not None:
+        raise _refused(group, over[0], CommError(over[1]), label)
 
 
 def _size(group: Group, size: int, sender: int, kind: str, label: str) -> int:
@@ -169,7 +182,10 @@ class PendingAgreement:
             if payload:
                 sends.append((self.root, _to_tensor(payload)))
             self._recvs = [(self.root, torch.empty(_REPLY.size, dtype=torch.uint8))]
-        self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL, timeout=timeout, what=self.label,
+        # a member waits a little longer than the root, so that when a rank never joins the round, the root's
+        # timeout (which names that rank) is the verdict, not a member's (which could only name the live root)
+        self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL,
+                            timeout=timeout if self.is_root else member_timeout(timeout), what=self.label,
                             control=True)
 
     def finish(self) -> None:
@@ -185,6 +201,8 @@ class PendingAgreement:
         for r in self.others:
             fps[r], size = _unpack(_HEADER, got[r], r, group, label)
             sizes[r] = _size(group, size, r, "errors", label)
+        own = len(encode("errors", self.errors)) if self.errors else 0
+        _allowance(group, {**sizes, self.me: own}, "errors", label)
         self._finish_root(fps, sizes)
 
     def _finish_member(self, reply: bytes) -> None:
@@ -220,9 +238,11 @@ class PendingAgreement:
             lens = _exchange(group, [], [(r, _LENGTH.size) for r in differ], timeout, label)
             want = {r: _size(group, _unpack(_LENGTH, lens[r], r, group, label)[0], r, "describe", label)
                     for r in differ}
+            mine = [(str(k), str(v)) for k, v in self.describe()]
+            _allowance(group, want, "describe", label, own=len(encode("describe", [list(p) for p in mine])))
             descs = _exchange(group, [], list(want.items()), timeout, label)
             theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in differ}
-            message = _describe_difference(me, [(str(k), str(v)) for k, v in self.describe()], theirs, fps, self.what)
+            message = _describe_difference(me, mine, theirs, fps, self.what)
             if all_errors:
                 message += "\n" + _describe_errors(all_errors, self.failure)
         elif all_errors:
@@ -293,12 +313,14 @@ def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, wh
     """
     data = encode(what, value)
     with group.exclusive(what):
+        group._collectives += 1
         pg = group.control
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size)]
         _wait(lambda: pg.allgather([sizes], [size]), group, timeout, what)
         for r, s in enumerate(sizes):
             _size(group, int(s.item()), r, what, what)
+        _allowance(group, {r: int(s.item()) for r, s in enumerate(sizes)}, what, what)
         width = max(int(s.item()) for s in sizes)
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[: len(data)] = _to_tensor(data)
@@ -325,6 +347,7 @@ def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta,
     if len(data) != _FP_BYTES or not digest.isascii():
         raise ValueError(f"{what}: the digest must be {_FP_BYTES} ASCII characters, got {digest!r}")
     with group.exclusive(what):
+        group._collectives += 1
         pg = group.control
         buf = _to_tensor(_DIGEST.pack(_MAGIC, data))
         bufs = [torch.empty(_DIGEST.size, dtype=torch.uint8) for _ in range(group.size)]
@@ -341,11 +364,20 @@ def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta,
 
 def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, what: str) -> None:
     """Start a collective and wait for it (watching for other ranks' fault reports); a failure to start (gloo
-    refuses a connection a dead peer closed) or to finish is a `CommError` that every rank learns."""
+    refuses a connection a dead peer closed) or to finish is a `CommError` that every rank learns. After a timeout
+    a roll call in the store names the ranks that never reached the collective (`Group.roll_call`)."""
+    began = time.monotonic()
     try:
         wait_watched(group, lambda: start().wait(timeout), what)
     except CommError:
         raise
     except Exception as e:
-        raise fault(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
-                    f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what) from e
+        timed_out = time.monotonic() - began >= 0.9 * timeout.total_seconds()
+        absent = group.roll_call() if timed_out else None
+        if absent:
+            raise fault(group, absent[0], f"rank {group.rank} of {group}: {what} timed out after "
+                        f"{timeout.total_seconds():.1f} s: ranks {absent} never reached it (every other rank did, by "
+                        "the roll call in the store); every rank of the group must call it", what) from e
+        raise blame(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
+                    f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what,
+                    timed_out=timed_out) from e

@@ -4,11 +4,12 @@ proven over the new connections.
 Protocol (every key under the group's prefix):
 
 1. each joiner claims its rank with `compare_set("join/<rank>", "", claim)`: a wire message with its rank, world
-   size, a fresh random nonce and `HMAC-SHA256(token, "claim|rank|world_size|nonce")`. A rank already claimed is a
-   duplicate and is refused. The token itself never enters the store.
+   size, a fresh random nonce, whether it hosts the store, and `HMAC-SHA256(token, "claim|rank|world_size|nonce|
+   store")`. A rank already claimed is a duplicate and is refused. The token itself never enters the store.
 2. each joiner waits (polling, within the deadline) until ranks `0 .. world_size-1` have claimed, then checks
    every claim: right rank, same world size, a MAC that verifies with its own token. Any failure is a `CommError`
-   naming the rank, and a fault verdict under `abort` tells the ranks still waiting.
+   naming the rank, and a fault verdict (signed with the token, see `reshard.comm._errors.Verdicts`) under
+   `abort` tells the ranks still waiting.
 3. after the gloo backend connected, the ranks all-gather `HMAC(token, "member|session|rank")`, where `session`
    hashes every claim's nonce: a process that took over a rank's connection without the token is refused.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import socket
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from reshard.comm._errors import ABORT_KEY, CommError, parse_verdict
+from reshard.comm._errors import JOIN_SESSION, CommError, Verdicts
 from reshard.comm._wire import decode, encode
 
 logger = logging.getLogger(__name__)
@@ -115,69 +115,75 @@ def _mac(token: bytes, *parts: object) -> str:
     return hmac.new(token, "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
 
 
-def _fail(store: Any, rank: int, failed: int | None, message: str) -> CommError:
-    """Record `message` as the group's fault verdict (first wins) and return the error to raise."""
+def _fail(verdicts: Verdicts, rank: int, failed: int | None, message: str) -> CommError:
+    """Record `message` as the group's fault verdict (signed; first valid one wins) and return the error to raise."""
     try:
-        store.compare_set(ABORT_KEY, "", json.dumps({"failed": failed, "observer": rank, "message": message}))
+        verdicts.record(failed, rank, message)
     except Exception:  # noqa: BLE001 - the store may be gone; the error is raised here anyway
         logger.debug("rendezvous: cannot record the verdict", exc_info=True)
     return CommError(message)
 
 
-def _check_abort(store: Any, rank: int, label: str) -> None:
-    if store.check([ABORT_KEY]):
-        v = parse_verdict(store.get(ABORT_KEY))
+def _check_abort(verdicts: Verdicts, rank: int, label: str) -> None:
+    v = verdicts.find()
+    if v is not None:
         who = "a rank" if v["failed"] is None else f"rank {v['failed']}"
         raise CommError(f"rank {rank}: {label} refused: {who} failed, seen by rank {v['observer']}: {v['message']}")
 
 
-def join(store: Any, rank: int, world_size: int, token: bytes, deadline: float, label: str) -> str:
-    """Steps 1-2 of the protocol; returns the session string every member computes alike.
+def join(store: Any, rank: int, world_size: int, token: bytes, deadline: float, label: str, *,
+         hosts_store: bool = False) -> tuple[str, int | None]:
+    """Steps 1-2 of the protocol; returns the session string every member computes alike, and the rank that hosts
+    the store (from the signed claims; None when the store is hosted outside the group).
 
     Raises:
         CommError: a duplicate rank, a rank with another world size or token, a malformed claim, a fault verdict
             of another rank, or ranks that did not join before `deadline` (`time.monotonic()`).
     """
     me = f"rank {rank} of {label}"
+    verdicts = Verdicts(store, token, JOIN_SESSION)
     nonce = os.urandom(16).hex()
-    claim = encode("claim", {"rank": rank, "world_size": world_size, "nonce": nonce,
-                             "mac": _mac(token, "claim", rank, world_size, nonce)})
+    claim = encode("claim", {"rank": rank, "world_size": world_size, "nonce": nonce, "store": bool(hosts_store),
+                             "mac": _mac(token, "claim", rank, world_size, nonce, bool(hosts_store))})
     current = store.compare_set(f"join/{rank}", "", claim)
     if current != claim:
-        raise _fail(store, rank, rank, f"{me}: rank {rank} was already claimed by another process (a duplicate rank, "
-                                       "or this prefix was used by an earlier group on this store); refused")
+        raise _fail(verdicts, rank, rank, f"{me}: rank {rank} was already claimed by another process (a duplicate "
+                                          "rank, or this prefix was used by an earlier group on this store); refused")
     keys = [f"join/{r}" for r in range(world_size)]
     while not store.check(keys):
-        _check_abort(store, rank, label)
+        _check_abort(verdicts, rank, label)
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not store.check([keys[r]])]
-            raise _fail(store, rank, missing[0] if missing else None,
+            raise _fail(verdicts, rank, missing[0] if missing else None,
                         f"{me}: ranks {missing} did not join within the timeout (world size {world_size})")
         time.sleep(_POLL_S)
     nonces = []
     bad_mac = []
+    hosts: list[int] = []
     for r, key in enumerate(keys):
         try:
             c = decode(store.get(key), r, "claim", me)
         except CommError as e:
-            raise _fail(store, rank, r, str(e)) from None
-        if not isinstance(c, dict) or set(c) != {"rank", "world_size", "nonce", "mac"} \
-                or not all(isinstance(c[k], str) for k in ("nonce", "mac")):
-            raise _fail(store, rank, r, f"{me}: rank {r} sent a malformed claim")
+            raise _fail(verdicts, rank, r, str(e)) from None
+        if not isinstance(c, dict) or set(c) != {"rank", "world_size", "nonce", "store", "mac"} \
+                or not all(isinstance(c[k], str) for k in ("nonce", "mac")) or not isinstance(c["store"], bool):
+            raise _fail(verdicts, rank, r, f"{me}: rank {r} sent a malformed claim")
         if c["world_size"] != world_size or c["rank"] != r:
-            raise _fail(store, rank, r, f"{me}: rank {r} joined with world size {c['world_size']!r} (as rank "
+            raise _fail(verdicts, rank, r, f"{me}: rank {r} joined with world size {c['world_size']!r} (as rank "
                                         f"{c['rank']!r}), this rank with world size {world_size}; refused")
-        if not hmac.compare_digest(c["mac"], _mac(token, "claim", r, world_size, c["nonce"])):
+        if not hmac.compare_digest(c["mac"], _mac(token, "claim", r, world_size, c["nonce"], c["store"])):
             bad_mac.append(r)
+        elif c["store"]:
+            hosts.append(r)
         nonces.append(c["nonce"])
     if bad_mac:
-        raise _fail(store, rank, bad_mac[0], f"{me}: the join claims of ranks {bad_mac} are not signed with this "
+        raise _fail(verdicts, rank, bad_mac[0], f"{me}: the join claims of ranks {bad_mac} are not signed with this "
                                              "rank's job token (a wrong token on one side, or not a member); refused")
-    _check_abort(store, rank, label)
-    return hashlib.sha256("|".join(nonces).encode()).hexdigest()
+    _check_abort(verdicts, rank, label)
+    return hashlib.sha256("|".join(nonces).encode()).hexdigest(), (hosts[0] if len(hosts) == 1 else None)
 
 
-def connect(build: Callable[[], Any], store: Any, rank: int, label: str) -> Any:
+def connect(build: Callable[[], Any], verdicts: Verdicts, rank: int, label: str) -> Any:
     """`build()` (a backend connecting through the store, bounded by the store's timeout) in a daemon thread,
     while watching for another rank's fault verdict, so a rendezvous refused elsewhere is refused here at once.
 
@@ -198,13 +204,13 @@ def connect(build: Callable[[], Any], store: Any, rank: int, label: str) -> Any:
 
     threading.Thread(target=run, name=f"reshard-connect-{rank}", daemon=True).start()
     while not done.wait(_POLL_S):
-        _check_abort(store, rank, label)
+        _check_abort(verdicts, rank, label)
     if error:
         raise error[0]
     return result[0]
 
 
-def prove_membership(control: Any, store: Any, rank: int, world_size: int, token: bytes, session: str,
+def prove_membership(control: Any, verdicts: Verdicts, rank: int, world_size: int, token: bytes, session: str,
                      timeout: Any, label: str) -> None:
     """Step 3: all-gather each rank's membership MAC over `control` (gloo) and check every one.
 
@@ -217,9 +223,9 @@ def prove_membership(control: Any, store: Any, rank: int, world_size: int, token
     try:
         control.allgather([outs], [mine]).wait(timeout)
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on timeouts and closed connections
-        raise _fail(store, rank, None, f"{me}: membership check over the new connections failed: {e}") from e
+        raise _fail(verdicts, rank, None, f"{me}: membership check over the new connections failed: {e}") from e
     bad = [r for r, t in enumerate(outs)
            if not hmac.compare_digest(t.numpy().tobytes().hex(), _mac(token, "member", session, r))]
     if bad:
-        raise _fail(store, rank, bad[0], f"{me}: the processes connected as ranks {bad} did not prove membership "
+        raise _fail(verdicts, rank, bad[0], f"{me}: the processes connected as ranks {bad} did not prove membership "
                                          "(not the processes that claimed those ranks); refused")

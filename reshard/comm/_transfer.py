@@ -27,6 +27,25 @@ their messages in the same (chunk, peer) order, so equal tags never mismatch."""
 TAG_CHECKSUM = 2
 TAG_CONTROL = 3
 
+CLOSED_GRACE_S = 0.5
+"""How long a rank that saw a peer's connection close waits for that peer's own verdict before it writes one naming
+the peer: gloo closes every connection of a rank whose wait timed out, so the peers of a rank that timed out waiting
+for an absent rank see closed connections first, and the verdict must name the absent rank, not the one that
+noticed."""
+
+def blame(group: Group, failed: int | None, message: str, what: str, *, timed_out: bool) -> CommError:
+    """`fault`, after waiting up to `CLOSED_GRACE_S` for another rank's verdict unless this rank's own wait timed
+    out (a timeout is this rank's evidence; a closed connection may be the consequence of the peer's timeout)."""
+    if not timed_out and getattr(group, "_verdicts", None) is not None:
+        deadline = time.monotonic() + CLOSED_GRACE_S
+        while time.monotonic() < deadline:
+            verdict = group.fault(store_grace=float("inf"))
+            if verdict is not None:
+                return CommError(f"{group.describe_fault(verdict, what)}\n  (here: {message})")
+            time.sleep(FAULT_POLL_S / 2)
+    return fault(group, failed, message, what)
+
+
 def fault(group: Group, failed: int | None, message: str, what: str) -> CommError:
     """The `CommError` to raise when this rank saw rank `failed` fail: records the verdict for every rank.
 
@@ -169,7 +188,8 @@ class TransferHandle:
             message = (f"rank {self._group.rank} of {self._group}: {self._what}: {kind} rank {peer} failed after "
                        f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
                        f"different plans: {e}")
-            raise fault(self._group, peer, message, self._what) from e
+            raise blame(self._group, peer, message, self._what,
+                        timed_out=waited >= 0.9 * limit.total_seconds()) from e
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (every operation finished or failed)."""
@@ -220,8 +240,9 @@ def post(
                 kind = "send to"
                 works.append((kind, peer, pg.send([t], peer, tag)))
         except RuntimeError as e:  # gloo refuses to post on a connection a dead peer closed
-            raise fault(group, peer, f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer "
-                        f"died or closed its connection: {e}", what) from e
+            raise blame(group, peer, f"rank {group.rank} of {group}: {what}: cannot post {kind} rank {peer}; the peer "
+                        f"died or closed its connection (rank {peer} failed after closing it): {e}", what,
+                        timed_out=False) from e
         finally:
             if coalesce:
                 work = pg._end_coalescing(dev)

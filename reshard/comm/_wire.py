@@ -13,16 +13,26 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from reshard.comm._errors import CommError
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Version of the control-message format; peers with another version are refused. 2: `reshard_dtensor`'s layout
-digests travel in one fixed-size all-gather (magic + digest) instead of a size and a JSON payload."""
+digests travel in one fixed-size all-gather (magic + digest) instead of a size and a JSON payload. 3: rendezvous
+claims say (signed) whether their rank hosts the store, fault verdicts carry the job token's MAC, refit metadata
+carries the refit's identity."""
 
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest control payload a rank accepts from a peer (64 MiB); larger announced sizes are refused unread."""
+
+MAX_CONTROL_TOTAL_BYTES = 64 << 20
+"""What one control call may make a rank hold of its peers' payloads in all (64 MiB), whatever the group's size, when
+no payload of the call's other ranks is larger (see `control_allowance`)."""
+
+CONTROL_SLACK = 4
+"""A payload may be this many times the next-largest one of its call (or the receiver's own) however large."""
 
 MAX_DEPTH = 32
 """The deepest nesting of lists and dicts accepted in a payload."""
@@ -79,6 +89,39 @@ def check_size(size: int, sender: int, kind: str, receiver: str) -> None:
     if not 0 <= size <= MAX_MESSAGE_BYTES:
         raise CommError(f"{receiver}: rank {sender} announced a {kind} message of {size} bytes; the limit is "
                         f"{MAX_MESSAGE_BYTES} (a malformed or hostile message was refused unread)")
+
+
+def control_allowance(sizes: Sequence[int], *, own: int = 0) -> int:
+    """The largest payload any one rank may announce in a control call whose ranks announced `sizes`.
+
+    One peer cannot make the others hold more than the call needs: a payload is accepted when it is at most
+    `CONTROL_SLACK` times the next-largest size announced in the call (or `own`, what the receiver itself sends or
+    holds of the same kind), or when the call's payloads fit `MAX_CONTROL_TOTAL_BYTES` in all; never above
+    `MAX_MESSAGE_BYTES`. So what the honest ranks need sets the bound, a single padded payload is refused, and the
+    memory a call takes grows with the group's size only as far as the honest payloads do.
+
+    Example: four ranks announce `[3_000, 2_500, 20 << 20, 2_800]` bytes: the allowance is
+    `max(64 MiB // 4, 4 * 3_000) = 16 MiB`, so the 20 MiB payload is refused.
+    """
+    ranked = sorted((int(s) for s in sizes), reverse=True)
+    second = ranked[1] if len(ranked) > 1 else 0
+    floor = MAX_CONTROL_TOTAL_BYTES // max(len(ranked), 1)
+    return min(MAX_MESSAGE_BYTES, max(floor, CONTROL_SLACK * max(second, own)))
+
+
+def over_allowance(sizes: dict[int, int], kind: str, receiver: str, *, own: int = 0) -> tuple[int, str] | None:
+    """`(sender, message)` when the announced `sizes` (rank -> bytes) of a control call exceed `control_allowance`,
+    naming the rank that announced the most; None when they fit."""
+    if not sizes:
+        return None
+    allowed = control_allowance(list(sizes.values()), own=own)
+    sender = max(sorted(sizes), key=lambda r: sizes[r])
+    if sizes[sender] <= allowed:
+        return None
+    return sender, (f"{receiver}: rank {sender} announced a {kind} message of {sizes[sender]} bytes; this call "
+                    f"allows at most {allowed} bytes per rank ({CONTROL_SLACK} x the next-largest payload, or "
+                    f"{MAX_CONTROL_TOTAL_BYTES} bytes over the call's {len(sizes)} ranks): control metadata is "
+                    "bounded per call, and the message was refused unread")
 
 
 def decode(data: bytes, sender: int, kind: str, receiver: str) -> Any:

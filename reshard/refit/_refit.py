@@ -17,7 +17,9 @@ Runtime contract:
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,7 +140,13 @@ class Refit:
             (quantized on the destination). Weights sent by gather-and-broadcast are sent whole. Not with
             `verify`.
         delta_snapshot: where the senders keep their snapshots: `"device"` or `"host"` (pinned CPU memory).
-        delta_check: how a destination finds its bytes changed since it applied them (`DeltaSession.check`).
+        delta_check: how a destination finds its bytes changed since it applied them (`DeltaSession.check`:
+            `"checksum"` by default, which catches any change of a box's bytes; `"sum"` is cheaper and misses
+            reorderings).
+        name: a label for this refit in errors (`"policy"`, `"reference"`); every rank must give the same one. A
+            refit's identity is agreed on at its first run (from every rank's random nonce, and the name), and every
+            later run checks it: two refits run in a different order on some ranks refuse on every rank, naming both,
+            before data moves. Refits with no name are told apart only after their first run.
 
     Example (the trainer and inference sides are different processes of one group):
         trainer rank:   refit.add_source("model.layers.0.mlp.up_proj.weight", dtensor)
@@ -166,7 +174,8 @@ class Refit:
         check_replicas: bool = False,
         delta: bool = False,
         delta_snapshot: str = "device",
-        delta_check: str = "sum",
+        delta_check: str = "checksum",
+        name: str | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")
@@ -180,8 +189,18 @@ class Refit:
                              "and versions; verify by checksums runs without delta)")
         if delta_snapshot not in SNAPSHOTS:
             raise ValueError(f"Refit: delta_snapshot must be one of {SNAPSHOTS}, got {delta_snapshot!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Refit: name must be a str or None, got {type(name).__name__}")
         self.delta = DeltaSession(snapshot=delta_snapshot, check=delta_check) if delta else None
         self.group = group if group is not None else Group.world()
+        self.name = name
+        ordinal = getattr(self.group, "_refits_made", 0) + 1
+        self.group._refits_made = ordinal
+        self.label = f"Refit {name!r}" if name is not None else f"the {_ordinal(ordinal)} Refit made on this group"
+        """How errors name this refit."""
+        self._nonce = secrets.token_hex(16)
+        self.identity: str | None = None
+        """Agreed at the first `run()` by every rank (a hash of every rank's nonce and the name); None before."""
         self.rank: int = self.group.rank
         self.name_map = name_map
         self.ignore_sources = frozenset(ignore_sources)
@@ -500,13 +519,20 @@ class Refit:
                     errors.append(e)
         if self.group.size > 1:
             td = as_timedelta(self.timeout, default=self.group.timeout)
-            fp = b.plan.fingerprint
-            agree(self.group, list(range(self.group.size)), fp, errors, lambda: [("refit plan", fp)], timeout=td,
+            fp = self._agreed_fingerprint(b)
+            described = [("refit", f"{self.label} (identity {str(self.identity)[:12]})"),
+                         ("refit plan", b.plan.fingerprint)]
+            agree(self.group, list(range(self.group.size)), fp, errors, lambda: described, timeout=td,
                   what="refit live check", failure="Refit: registered tensors changed since the plan was "
                   "built, nothing was moved")
         elif errors:
             raise ValueError(f"Refit on rank {self.rank}: registered tensors changed, nothing was moved:\n  "
                              + "\n  ".join(errors))
+
+    def _agreed_fingerprint(self, b: _Built) -> str:
+        """What every later run's agreement compares: the plan and this refit's identity, so that two refits of
+        the same plan run in a different order on some ranks do not agree."""
+        return hashlib.sha256(f"{b.plan.fingerprint}|{self.identity}".encode()).hexdigest()[:32]
 
     # ---- metadata --------------------------------------------------------------------------------------------
     def _exchange_metadata(self, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
@@ -541,6 +567,7 @@ class Refit:
             "aliases": {"sources": {n: list(a) for n, a in sorted(self._src_aliases.items())},
                         "dests": {n: list(a) for n, a in sorted(self._dst_aliases.items())}},
             "errors": errors,
+            "identity": [self.name, self._nonce],
         }
         td = as_timedelta(self.timeout, default=self.group.timeout)
         metas = all_gather_json(self.group, mine, timeout=td, what="refit metadata exchange")
@@ -548,6 +575,20 @@ class Refit:
             if not (isinstance(m, dict) and set(m) == set(mine) and m["rank"] == r and isinstance(m["sources"], dict)
                     and isinstance(m["dests"], dict) and isinstance(m["errors"], list) and _aliases_ok(m["aliases"])):
                 raise CommError(f"refit metadata exchange: rank {r} sent malformed metadata: {str(m)[:200]}")
+            ident = m["identity"]
+            if not (isinstance(ident, list) and len(ident) == 2 and isinstance(ident[1], str)
+                    and (ident[0] is None or isinstance(ident[0], str))):
+                raise CommError(f"refit metadata exchange: rank {r} sent a malformed identity: {str(ident)[:200]}")
+        names = {r: m["identity"][0] for r, m in enumerate(metas)}
+        if len(set(names.values())) > 1:
+            groups: dict[Any, list[int]] = {}
+            for r, n in names.items():
+                groups.setdefault(n, []).append(r)
+            raise ValueError(f"Refit on rank {self.rank}: ranks run different refits, nothing was moved: "
+                             + "; ".join(f"Refit {n!r} on ranks {rs}" for n, rs in groups.items())
+                             + " (call the refits of a group in the same order on every rank)")
+        self.identity = hashlib.sha256("|".join([str(self.name)] + [m["identity"][1] for m in metas])
+                                       .encode()).hexdigest()
         return metas
 
 
@@ -571,6 +612,10 @@ class _Built:
     fp8: list[Fp8Weight]
     num_src: int
     num_dst: int
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _precision(precision: Any, name: str) -> str:
