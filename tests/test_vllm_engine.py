@@ -115,7 +115,8 @@ def _update(llm, trainers: vc.Trainers, seed: int) -> list:
 
 
 def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int = 1000, tp: int,
-             negative: bool = False, moe: bool = False, family: str | None = None, torch_gemm: bool = False):
+             negative: bool = False, moe: bool = False, family: str | None = None, torch_gemm: bool = False,
+             faults: bool = False):
     """Refit a live engine V1 -> V2 -> V1 and compare it with vLLM's own loading of each version (module docstring).
 
     Args:
@@ -124,6 +125,8 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
             `reshard.integrations.hf` names for it.
         torch_gemm: (TP 1, in process) the engines load and re-process every Linear layer through the CPU backend's
             plain `F.linear` branch (`force_torch_gemm`), not the one this processor takes (oneDNN or AMX).
+        faults: after the refits, a bad update (a float32 norm) then a good one, and an engine whose init fails
+            (a parameter no rule covers) with the trainer hearing why (`_faults`).
     """
     if family is not None:
         cfg = vc.family_config(family)
@@ -191,10 +194,12 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
             errors = llm.collective_rpc(vc.unreachable_error)
             assert all("model.layers.0.mlp.router_bias" in e for e in errors), errors
             _update(llm, trainers, V1)
-
-        trainers.post("close")
-        trainers.wait()
-        llm.shutdown_weight_transfer_engine()
+        if faults:
+            _faults(llm, trainers, cfg, tp, got_v2, want_v1)
+        else:
+            trainers.post("close")
+            trainers.wait()
+            llm.shutdown_weight_transfer_engine()
         if want_v2 is None:
             # V2's oracle: vLLM's own in-place reload of the V2 checkpoint, into this engine after the refits; then
             # its reload of V1 must give back the fresh V1 state bit for bit, so the reload is as good as a fresh
@@ -214,7 +219,55 @@ def test_refit_tp1_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers) -> N
 
 
 def test_refit_tp2_1_kv_head_replicated(tmp_path, monkeypatch, trainers) -> None:
-    _session(tmp_path, monkeypatch, trainers, kv_heads=1, vocab=1000, tp=2)
+    _session(tmp_path, monkeypatch, trainers, kv_heads=1, vocab=1000, tp=2, faults=True)
+
+
+def _faults(llm, trainers: vc.Trainers, cfg: dict, tp: int, got_v2, want_v1) -> None:
+    """A failed update keeps vLLM's RPCs in step and the engine on its weights; a failed init reaches the trainer
+    with the engine's reason within seconds. Starts with the engine at V1; ends with the transfer engine shut down."""
+    import time
+
+    name = "model.norm.weight"
+    trainers.post("retype", name, "float32")  # the trainer's norm becomes float32: refused before data moves
+    trainers.wait()
+    trainers.post("send", V2)
+    llm.start_weight_update()
+    with pytest.raises(Exception, match=rf"update_weights failed on {tp} of {tp} worker(.|\n)*model\.norm\.weight"):
+        llm.update_weights({"update_info": {"version": "bad"}})
+    with pytest.raises(AssertionError, match=r"ValueError(.|\n)*model\.norm\.weight(.|\n)*float32"):
+        trainers.wait()
+    errors = llm.collective_rpc(vc.last_error)  # every worker's reply, in order: the RPCs are in step
+    assert len(errors) == tp and all("model.norm.weight" in e for e in errors), errors
+    _assert_same(_observe(llm), want_v1)  # nothing was moved
+    trainers.post("retype", name, "bfloat16")
+    trainers.wait()
+    _update(llm, trainers, V2)  # the next update is accepted by every worker and lands
+    assert llm.collective_rpc(vc.last_error) == [None] * tp
+    _assert_same(_observe(llm), got_v2)
+    _update(llm, trainers, V1)
+    trainers.post("close")
+    trainers.wait()
+    llm.shutdown_weight_transfer_engine()  # no stale reply or error from the failed update
+
+    # an init the engine refuses (a parameter no layout rule covers): the trainer hears the engine's reason
+    llm.collective_rpc(vc.add_unreachable, args=(True,))
+    try:
+        port = vc.free_port()
+        trainers.post("init", port, cfg, tp, False)
+        with pytest.raises(Exception, match=rf"init_weight_transfer_engine failed on {tp} of {tp}(.|\n)*router_bias"):
+            llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                           "trainer_world_size": 2, "timeout_s": 120.0}})
+        trainers.wait()
+        t0 = time.monotonic()
+        trainers.post("send", V2)
+        with pytest.raises(AssertionError, match=r"CommError(.|\n)*router_bias"):
+            trainers.wait()
+        assert time.monotonic() - t0 < 30, "the trainer must hear the engine's reason, not wait out the timeout"
+        trainers.post("close")
+        trainers.wait()
+    finally:
+        llm.collective_rpc(vc.add_unreachable, args=(False,))
+    assert len(llm.collective_rpc(vc.last_error)) == tp
 
 
 @pytest.mark.parametrize("family,tp", [("llama-tied", 2), ("qwen2-tied", 2), ("qwen3-tied", 1), ("mistral", 1),

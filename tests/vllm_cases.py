@@ -214,6 +214,10 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                     _fill(weights[n], full, layouts[n], rank)
                 report = trainer.send_weights()
                 results.put((rank, "ok", (report.first_run, report.network_bytes)))
+            elif cmd[0] == "retype":  # a bad update: the weight's local tensor becomes another dtype, or back
+                _, name, dtype = cmd
+                weights[name].data = weights[name].data.to(getattr(torch, dtype))
+                results.put((rank, "ok", None))
             elif cmd[0] == "close":
                 trainer.shutdown()
                 trainer = None
@@ -355,6 +359,21 @@ def skip_reprocessing(worker: Any, skip: bool) -> None:
         engine.reprocess = lambda: None
     elif "reprocess" in vars(engine):
         del engine.reprocess
+
+
+def add_unreachable(worker: Any, add: bool) -> None:
+    """Give (or take back from) layer 0's MLP a parameter with its own weight_loader that no layout rule covers."""
+    layer = worker.model_runner.get_model().model.layers[0].mlp
+    if add:
+        extra = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        extra.weight_loader = lambda param, w: param.data.copy_(w)
+        layer.register_parameter("router_bias", extra)
+    else:
+        del layer._parameters["router_bias"]
+
+
+def last_error(worker: Any) -> str | None:
+    return worker.weight_transfer_engine.last_error
 
 
 def unreachable_error(worker: Any) -> str:

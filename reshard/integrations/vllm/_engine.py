@@ -11,6 +11,12 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
   weights, each byte once, and re-runs post-processing where the layer needs it, copying the result into the
   storage the forward reads. `last_report` is that update's `RefitReport`, with `seconds["process"]` the time
   spent re-processing.
+- A failed `init_weight_transfer_engine` or `update_weights` raises on the engine's last worker only, with every
+  worker's reason, and every worker ends the call as vLLM expects, so vLLM's RPC replies stay in step
+  (`reshard.integrations.vllm._outcome`); `last_error` keeps the reason on every worker. A failed init also writes
+  its reason as the group's verdict, so the trainer ranks' next `send_weights()` raises it at once. A failed transfer
+  (any refit error, a dead trainer rank) leaves the forward on the previous weights: re-processing, the step that
+  changes what the forward reads, runs only after the whole transfer succeeded.
 - Pausing generation around an update is the caller's (vLLM's `pause_generation` / `/pause`).
 """
 
@@ -29,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.comm import Group
 from reshard.integrations.vllm._layouts import Target, engine_targets
+from reshard.integrations.vllm._outcome import agree, combined, end_update, is_last_worker
 from reshard.integrations.vllm._process import reprocess_layer
 from reshard.refit import Refit, RefitReport
 
@@ -95,10 +102,28 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.refit: Refit | None = None
         self.targets: list[Target] = []
         self.last_report: RefitReport | None = None
+        self.last_error: str | None = None  # the last failed call's reason, every worker's (the last one raises it)
         self._info: ReshardInitInfo | None = None
 
     # ---- vLLM's lifecycle --------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        error: BaseException | None = None
+        try:
+            self._init(init_info)
+        except BaseException as e:  # agreed with the other workers below, raised by the last one
+            error = e
+        outcomes = agree(error)
+        if any(o is not None for o in outcomes):
+            message = combined(outcomes, "init_weight_transfer_engine")
+            if self.group is not None:  # the trainer ranks wait in the group: they hear this reason, not a timeout
+                self.group.report_fault(self.group.rank, message)
+                self.shutdown()
+            self.last_error = message
+            if is_last_worker():
+                raise RuntimeError(message) from error
+            logger.error("%s", message)
+
+    def _init(self, init_info: ReshardInitInfo) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         pc = self.parallel_config
@@ -117,11 +142,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                                       backend="nccl" if self.device.type == "cuda" else "gloo",
                                       timeout=init_info.timeout_s)
         self._info = init_info
-        try:
-            self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
-        except BaseException:
-            self.shutdown()
-            raise
+        self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
 
     def start_weight_update(self) -> None:
         if self.group is None:
@@ -139,9 +160,21 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         logger.info("reshard: update %s on group rank %d: %s", update_info.version, self.group.rank, report)
 
     def update_weights(self, update_info: dict) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        error: BaseException | None = None
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except BaseException as e:  # agreed with the other workers below, raised by the last one
+            error = e
+        outcomes = agree(error)
+        self.last_error = None
+        if any(o is not None for o in outcomes):
+            self.last_error = message = combined(outcomes, "update_weights")
+            if is_last_worker():
+                raise RuntimeError(message) from error
+            logger.error("%s", message)
+            end_update(self)  # as vLLM does when a worker raises, so the next start_weight_update is accepted
 
     def finish_weight_update(self) -> None:
         pass
