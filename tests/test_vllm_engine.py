@@ -320,3 +320,114 @@ def test_init_info_ranks_and_bad_values() -> None:
         ReshardTrainerInitInfo(rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank_offset 3 disagrees"):
         ReshardInitInfo(master_address="h", master_port=1, trainer_world_size=2, rank_offset=3)
+
+
+def _stage(llm, version: str, **extra) -> None:
+    llm.update_weights({"update_info": {"version": version, "phase": "stage", **extra}})
+
+
+def _commit(llm, version: str) -> None:
+    llm.update_weights({"update_info": {"version": version, "phase": "commit"}})
+    llm.finish_weight_update(weight_version=version)
+
+
+def _served_by(llm) -> list:
+    """The weight versions vLLM reports for the tokens of one greedy request (one span per version)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], SamplingParams(max_tokens=4, temperature=0.0),
+                          use_tqdm=False)
+    return [span.version for span in out.outputs[0].weight_versions or []]
+
+
+def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> None:
+    """Two-phase updates on a live engine (TP 1, in process), with delta after the first: while a stage is in
+    flight, and after it landed but before its commit, the engine serves the old version bit for bit; after the
+    commit, the new one, and vLLM reports that version for the tokens; a delta update sends fewer bytes and lands
+    the same bytes as a fresh load; a bad update and a trainer rank that dies during a stage are refused before the
+    commit and leave the engine on its version; the update after them is full."""
+    cfg = vc.config(4, 1000)
+    v1, v2, v3 = V1, (V1, (1e-2, 5)), (V1, (1e-2, 5), (1e-5, 6))  # v3: one small step after v2
+    want = {}
+    for name, version in (("v1", v1), ("v2", v2), ("v3", v3)):
+        vc.write_checkpoint(str(tmp_path / name), cfg, version)
+        if name != "v1":  # fresh loads of v2 and v3: their oracles
+            ref = _engine(str(tmp_path / name), 1, monkeypatch, in_process=True)
+            want[name] = _observe(ref)
+            _close(ref)
+    llm = _engine(str(tmp_path / "v1"), 1, monkeypatch, in_process=True)
+    want["v1"] = _observe(llm)
+    assert _differences(want["v2"], want["v3"]) and _differences(want["v1"], want["v2"])
+    trainers = vc.Trainers(2)
+    try:
+        port = vc.free_port()
+        trainers.post("init", port, cfg, 1, False, True)  # delta on both sides
+        llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                       "trainer_world_size": 2, "timeout_s": 60.0, "delta": True}})
+        trainers.wait()
+
+        # stage v2 while serving v1: before the trainer sends, while it sends, after it landed: still v1
+        llm.start_weight_update()
+        _stage(llm, "2")
+        assert llm.collective_rpc(vc.versions) == [(None, "2")]
+        _assert_same(_observe(llm), want["v1"])
+        trainers.post("send", v2)
+        _assert_same(_observe(llm), want["v1"])
+        first = trainers.wait()
+        _assert_same(_observe(llm), want["v1"])  # landed in the loader buffers, not yet committed
+        assert _served_by(llm) == ["default"]  # vLLM's name for the version it loaded
+        _commit(llm, "2")
+        _assert_same(_observe(llm), want["v2"])
+        assert _served_by(llm) == ["2"]
+        assert llm.collective_rpc(vc.versions) == [("2", None)]
+
+        # a delta update: the small step v2 -> v3 sends a fraction of the bytes and lands exactly v3
+        llm.start_weight_update()
+        _stage(llm, "3")
+        trainers.post("send", v3)
+        delta = trainers.wait()
+        _commit(llm, "3")
+        _assert_same(_observe(llm), want["v3"])
+        full_bytes = first[0][1]  # the whole plan's network bytes
+        sent = sum(r[2] for r in delta)
+        assert not any(r[0] for r in delta) and 0 < sent < full_bytes / 4, (sent, full_bytes)
+
+        # a bad update (a float32 norm) is refused before the commit; v3 stays
+        trainers.post("retype", "model.norm.weight", "float32")
+        trainers.wait()
+        llm.start_weight_update()
+        _stage(llm, "bad")
+        trainers.post("send", v2)
+        with pytest.raises(AssertionError, match="model.norm.weight"):
+            trainers.wait()
+        with pytest.raises(Exception, match=r"update_weights failed(.|\n)*model\.norm\.weight"):
+            _commit(llm, "bad")
+        _assert_same(_observe(llm), want["v3"])
+        trainers.post("retype", "model.norm.weight", "bfloat16")
+        trainers.wait()
+        # the next update is full: the engine's buffers are of unknown version after a failed one
+        llm.start_weight_update()
+        _stage(llm, "1")
+        trainers.post("send", v1)
+        after = trainers.wait()
+        _commit(llm, "1")
+        _assert_same(_observe(llm), want["v1"])
+        assert sum(r[2] for r in after) >= sum(r[3] for r in after) > 0, after  # every box whole
+
+        # a trainer rank that dies during a stage: the engine keeps serving v1, the commit refuses
+        llm.start_weight_update()
+        _stage(llm, "2")
+        trainers.post("die", 1, v2)
+        survivor = trainers.results.get(timeout=120)
+        assert "Error" in str(survivor[2]), survivor
+        _assert_same(_observe(llm), want["v1"])
+        with pytest.raises(Exception, match=r"update_weights failed"):
+            _commit(llm, "2")
+        _assert_same(_observe(llm), want["v1"])
+        assert llm.collective_rpc(vc.versions) == [("1", None)]
+        llm.shutdown_weight_transfer_engine()
+    finally:
+        for p in trainers.procs:
+            p.kill()
+        _close(llm)

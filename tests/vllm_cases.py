@@ -58,17 +58,27 @@ def hf_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def hf_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Random bfloat16 weights of version `seed` (norms near 1, matrices ~ N(0, 0.05))."""
+Version = int | tuple  # a seed, or (seed, (lr, step seed), ...): the seed's weights after those training steps
+
+
+def hf_weights(cfg: dict[str, Any], version: Version) -> dict[str, torch.Tensor]:
+    """Random bfloat16 weights of `version`: a seed (norms near 1, matrices ~ N(0, 0.05)), or `(seed, (lr, s),
+    ...)`, that seed's float32 master weights after steps of `lr * N(0, 1)` (noise of seed `s`), cast to bfloat16 as
+    a trainer sends them (at a small `lr` most bfloat16 values do not change: what delta updates exploit)."""
+    seed, steps = (version, ()) if isinstance(version, int) else (version[0], version[1:])
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in hf_shapes(cfg).items():
         w = torch.randn(shape, generator=g) * 0.05
-        out[name] = (w + 1.0 if len(shape) == 1 else w).to(torch.bfloat16)
-    return out
+        out[name] = w + 1.0 if len(shape) == 1 else w
+    for lr, step_seed in steps:
+        gs = torch.Generator().manual_seed(step_seed)
+        for name in out:
+            out[name] = out[name] + lr * torch.randn(out[name].shape, generator=gs)
+    return {n: w.to(torch.bfloat16) for n, w in out.items()}
 
 
-def write_checkpoint(path: str, cfg: dict[str, Any], seed: int) -> None:
+def write_checkpoint(path: str, cfg: dict[str, Any], seed: Version) -> None:
     """`config.json` + `model.safetensors` of version `seed`: what a vLLM engine loads the normal way."""
     from safetensors.torch import save_file
 
@@ -195,12 +205,13 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
             if cmd[0] == "exit":
                 return
             if cmd[0] == "init":
-                _, port, cfg, engine_world, hf = cmd
+                _, port, cfg, engine_world, hf, *rest = cmd
                 full = _full_weights(cfg, 0, hf)
                 layouts = {n: trainer_layout(n, tuple(w.shape), list(range(world))) for n, w in full.items()}
                 weights = {n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16) for n, lay in layouts.items()}
                 info = ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port,
-                                              world_size=world, engine_world_size=engine_world, timeout_s=120.0)
+                                              world_size=world, engine_world_size=engine_world, timeout_s=120.0,
+                                              delta=bool(rest and rest[0]))
                 source = {n: (weights[n], layouts[n]) for n in weights}
                 if hf:  # a state_dict's view: a tied parameter under each of its names, the same local tensor
                     model = hf_model(cfg, 0)
@@ -212,8 +223,19 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
             elif cmd[0] == "send":
                 for n, full in _full_weights(cfg, cmd[1], hf).items():  # the optimizer step: in place
                     _fill(weights[n], full, layouts[n], rank)
-                report = trainer.send_weights()
-                results.put((rank, "ok", (report.first_run, report.network_bytes)))
+                report = trainer.send_weights(full=len(cmd) > 2 and cmd[2] == "full")
+                results.put((rank, "ok", (report.first_run, report.network_bytes, sum(report.encoded_bytes.values()),
+                                          sum(report.dense_bytes.values()))))
+            elif cmd[0] == "die":  # a trainer rank that dies during an update: this one exits, the others send
+                if rank == cmd[1]:
+                    os._exit(3)
+                for n, full in _full_weights(cfg, cmd[2], hf).items():
+                    _fill(weights[n], full, layouts[n], rank)
+                try:
+                    trainer.send_weights()
+                    results.put((rank, "ok", "sent"))
+                except BaseException as e:
+                    results.put((rank, "ok", f"{type(e).__name__}: {e}"))
             elif cmd[0] == "retype":  # a bad update: the weight's local tensor becomes another dtype, or back
                 _, name, dtype = cmd
                 weights[name].data = weights[name].data.to(getattr(torch, dtype))
@@ -290,7 +312,8 @@ def gemm_probes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, layer in model.named_modules(remove_duplicate=False):
             if isinstance(layer, LinearBase):
-                k, bias = layer.input_size_per_partition, None if layer.skip_bias_add else layer.bias
+                k = getattr(layer, "input_size_per_partition", None) or layer.input_size  # (a router: whole)
+                bias = None if layer.skip_bias_add else layer.bias
             elif isinstance(layer, VocabParallelEmbedding):
                 k, bias = layer.embedding_dim, None
             else:
@@ -370,6 +393,12 @@ def add_unreachable(worker: Any, add: bool) -> None:
         layer.register_parameter("router_bias", extra)
     else:
         del layer._parameters["router_bias"]
+
+
+def versions(worker: Any) -> tuple[str | None, str | None]:
+    """The backend's `(live_version, staged_version)`."""
+    e = worker.weight_transfer_engine
+    return e.live_version, e.staged_version
 
 
 def last_error(worker: Any) -> str | None:

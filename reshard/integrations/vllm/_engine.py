@@ -23,6 +23,7 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,9 @@ class ReshardInitInfo(WeightTransferInitInfo):
         timeout_s: seconds any wait for a peer may last.
         precision: `Refit`'s precision (`"same"` or `"cast"`), the same on both sides.
         verify: check every received box against its sender's checksum.
+        delta: after the first update, only the elements that changed since the last update cross the wire
+            (`Refit(delta=True)`), into loader-format buffers that still hold the last update; the same on both
+            sides. Not with `verify`.
     """
 
     master_address: str
@@ -66,6 +70,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
     precision: str = "same"
     verify: bool = False
+    delta: bool = False
 
     def __post_init__(self) -> None:
         if self.trainer_ranks not in TRAINER_RANKS:
@@ -82,11 +87,29 @@ class ReshardInitInfo(WeightTransferInitInfo):
         self.rank_offset = expected
 
 
+PHASES = ("full", "stage", "commit")
+
+
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per-update info: nothing is needed (the plan is built once); `version` is logged."""
+    """Per-update info (the plan is built once).
+
+    Attributes:
+        version: the update's weight version (logged, and kept as `staged_version` / `live_version`).
+        phase: `"full"` (transfer, then commit, in this call: the engine must not generate meanwhile),
+            `"stage"` (start the transfer into the loader-format buffers and return at once: the engine keeps
+            generating from its live weights) or `"commit"` (wait for the staged transfer, then re-process and copy
+            into the live weights: pause generation around this call).
+        full: with `delta`, send every box whole this time (as the trainer's `send_weights(full=True)`).
+    """
 
     version: str | None = None
+    phase: str = "full"
+    full: bool = False
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"reshard update_info: phase must be one of {PHASES}, got {self.phase!r}")
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
@@ -103,6 +126,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.targets: list[Target] = []
         self.last_report: RefitReport | None = None
         self.last_error: str | None = None  # the last failed call's reason, every worker's (the last one raises it)
+        self.live_version: str | None = None  # the version the forward reads (None: the checkpoint loaded)
+        self.staged_version: str | None = None  # the version a stage in flight is receiving
+        self._stage: _Stage | None = None
         self._info: ReshardInitInfo | None = None
 
     # ---- vLLM's lifecycle --------------------------------------------------------------------------------------
@@ -152,12 +178,31 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if self.group is None or self._info is None:
             raise RuntimeError("reshard vLLM backend: call init_weight_transfer_engine before update_weights")
         assert self.refit is not None
-        report = self.refit.run()
+        phase = update_info.phase
+        if phase in ("full", "stage"):
+            if self._stage is not None:
+                raise RuntimeError(f"reshard vLLM backend: a {phase!r} update while version "
+                                   f"{self._stage.version!r} is staged; commit it first")
+            if update_info.full and self.refit.delta is not None:
+                self.refit.delta.reset()
+            self._stage = _Stage(self.refit, update_info.version, background=phase == "stage")
+            self.staged_version = update_info.version
+            if phase == "stage":
+                return
+        if self._stage is None:
+            raise RuntimeError("reshard vLLM backend: commit without a staged update (send phase 'stage' first)")
+        stage, self._stage = self._stage, None
+        self.staged_version = None
+        report = stage.wait()  # a failed transfer raises here: nothing the forward reads was touched
+        if update_info.version is not None and update_info.version != stage.version:
+            raise RuntimeError(f"reshard vLLM backend: commit of version {update_info.version!r}, but version "
+                               f"{stage.version!r} is staged (it is dropped; the next update is full)")
         t0 = time.perf_counter()
         self.reprocess()
         report.seconds["process"] = time.perf_counter() - t0
         self.last_report = report
-        logger.info("reshard: update %s on group rank %d: %s", update_info.version, self.group.rank, report)
+        self.live_version = stage.version
+        logger.info("reshard: update %s on group rank %d: %s", stage.version, self.group.rank, report)
 
     def update_weights(self, update_info: dict) -> None:
         error: BaseException | None = None
@@ -167,6 +212,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 torch.cuda.synchronize(self.device)
         except BaseException as e:  # agreed with the other workers below, raised by the last one
             error = e
+            if self.refit is not None and self.refit.delta is not None:
+                self.refit.delta.reset()  # what the buffers hold is unknown now: the next update is full
         outcomes = agree(error)
         self.last_error = None
         if any(o is not None for o in outcomes):
@@ -182,14 +229,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()
-        self.group, self.refit = None, None
+        if self._stage is not None and self._stage.thread is not None:  # ends with the closed group's error
+            self._stage.thread.join(timeout=30)
+        self.group, self.refit, self._stage = None, None, None
 
     # ---- reshard ------------------------------------------------------------------------------------------------
     def _build_refit(self) -> Refit:
         assert self.group is not None and self._info is not None
         self.targets = engine_targets(self.model, self.replicas)
         refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
-                      timeout=self._info.timeout_s)
+                      timeout=self._info.timeout_s, delta=self._info.delta)
         aliases: dict[str, list[str]] = {}
         for t in self.targets:
             if t.alias_of is not None:
@@ -209,7 +258,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         return sorted({t.module_name for t in self.targets if t.processed})
 
     def reprocess(self) -> None:
-        """Re-run post-processing of every layer whose loader-format tensors were written."""
+        """Commit the written buffers: copy the staged tensors of layers without post-processing (norms) into the
+        live ones, and re-run post-processing of every layer whose loader-format tensors were written."""
+        for t in self.targets:
+            if t.live is not None and t.alias_of is None:
+                t.live.copy_(t.tensor)
         layers: dict[int, tuple[str, torch.nn.Module, dict]] = {}
         for t in self.targets:
             if t.processed:
@@ -217,3 +270,33 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 entry[2][t.param_name] = (t.tensor, t.loader_attrs)
         for name, module, loader in layers.values():
             reprocess_layer(module, loader, name)
+
+
+class _Stage:
+    """One update's transfer: run at once, or in a background thread (`background`) while the engine generates."""
+
+    def __init__(self, refit: Refit, version: str | None, *, background: bool) -> None:
+        self.version = version
+        self.report: RefitReport | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        if background:
+            self.thread = threading.Thread(target=self._run, args=(refit,), name=f"reshard-stage-{version}",
+                                           daemon=True)
+            self.thread.start()
+        else:
+            self._run(refit)
+
+    def _run(self, refit: Refit) -> None:
+        try:
+            self.report = refit.run()
+        except BaseException as e:  # re-raised by wait(), on the commit
+            self.error = e
+
+    def wait(self) -> RefitReport:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.report is not None
+        return self.report

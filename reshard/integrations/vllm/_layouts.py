@@ -48,13 +48,15 @@ class Target:
     Attributes:
         module_name, param_name: where it lives (`model.layers.0.self_attn.qkv_proj`, `weight`).
         module: the live module.
-        tensor: what reshard writes: the live parameter (`processed=False`) or a zero-filled loader-format buffer.
+        tensor: what reshard writes: a zero-filled loader-format buffer (`processed`), or a copy of the live
+            parameter (`live`), so an update can be staged while the forward reads the live tensors.
         components: `(global name, layout)` in concatenation order along `dim` (one entry when not fused).
         dim: the fused dim of the local tensor.
         processed: whether the layer's `quant_method.process_weights_after_loading` must run after the write.
         alias_of: for a parameter tied to an earlier target's (vLLM's tied `lm_head` shares the embedding's
             parameter), that target's name: this one is not written (it shares the earlier one's `tensor`) but is
             re-processed too, and its global names are the earlier one's aliases.
+        live: for a layer without post-processing (norms), the live parameter the commit copies `tensor` into.
     """
 
     module_name: str
@@ -66,6 +68,7 @@ class Target:
     processed: bool = False
     loader_attrs: dict[str, Any] = field(default_factory=dict)
     alias_of: str | None = None
+    live: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
@@ -281,7 +284,8 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
                                     f"its loader format ({tuple(m.shape)}, {m.dtype}) but its layer has no "
                                     "quant_method to re-run")
                     continue
-                targets.append(Target(module_name, pname, layer, param.data, components, dim, False))
+                targets.append(Target(module_name, pname, layer, param.data.clone(), components, dim, False,
+                                      live=param.data))
                 by_param[id(param)] = targets[-1]
     if problems:
         raise ValueError(f"reshard vLLM backend: {len(problems)} engine parameter(s) the refit cannot reach:\n  "

@@ -57,6 +57,8 @@ class ReshardTrainerInitInfo(_InitBase):
         timeout_s: seconds any wait for a peer may last.
         precision: `Refit`'s precision, `"same"` or `"cast"` (the engine gets the same).
         verify: check every received box against its sender's checksum.
+        delta: after the first update, send only the elements that changed since the last one (the engine gets
+            the same); `send_weights(full=True)` sends one update whole.
     """
 
     backend: ClassVar[str] = "reshard"
@@ -69,6 +71,7 @@ class ReshardTrainerInitInfo(_InitBase):
     timeout_s: float = 300.0
     precision: str = "same"
     verify: bool = False
+    delta: bool = False
 
     def __post_init__(self) -> None:
         if self.trainer_ranks not in TRAINER_RANKS:
@@ -91,7 +94,8 @@ class ReshardTrainerInitInfo(_InitBase):
         """The `init_info` dict for vLLM's `init_weight_transfer_engine` (every engine worker gets the same)."""
         return {"master_address": self.master_address, "master_port": self.master_port,
                 "trainer_world_size": self.world_size, "trainer_ranks": self.trainer_ranks,
-                "timeout_s": self.timeout_s, "precision": self.precision, "verify": self.verify}
+                "timeout_s": self.timeout_s, "precision": self.precision, "verify": self.verify,
+                "delta": self.delta}
 
 
 Weights = Mapping[str, Any] | torch.nn.Module
@@ -150,7 +154,7 @@ class ReshardTrainer(_EngineBase):
         if call is not None:
             call.join()
         refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s,
-                      name_map=name_map, ignore_sources=ignore_sources)
+                      name_map=name_map, ignore_sources=ignore_sources, delta=init_info.delta)
         for name, w in weights.items():
             aliases = found.get(name, ())
             if isinstance(w, tuple):
@@ -160,8 +164,14 @@ class ReshardTrainer(_EngineBase):
         return cls(client=client, source=source, is_sender=init_info.is_sender, group=group, refit=refit,
                    info=init_info)
 
-    def send_weights(self) -> RefitReport:
-        """Move the registered weights' current values into every engine worker (every trainer rank calls it)."""
+    def send_weights(self, *, full: bool = False) -> RefitReport:
+        """Move the registered weights' current values into every engine worker (every trainer rank calls it).
+
+        Args:
+            full: with `delta`, send every box whole this time (pass the engine `update_info` `"full": true` too).
+        """
+        if full and self.refit.delta is not None:
+            self.refit.delta.reset()
         drive = self.is_sender and self.client is not None
         if drive:
             self.client.start_weight_update()
