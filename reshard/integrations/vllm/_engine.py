@@ -202,7 +202,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         report.seconds["process"] = time.perf_counter() - t0
         self.last_report = report
         self.live_version = stage.version
-        logger.info("reshard: update %s on group rank %d: %s", stage.version, self.group.rank, report)
+        logger.info("reshard: update %s on group rank %d: transfer %.1f ms, re-processing %.1f ms, %d network bytes "
+                    "planned", stage.version, self.group.rank, 1e3 * report.seconds["transfer"],
+                    1e3 * report.seconds["process"], report.network_bytes)
+        logger.debug("reshard: update %s: %s", stage.version, report)
 
     def update_weights(self, update_info: dict) -> None:
         error: BaseException | None = None
