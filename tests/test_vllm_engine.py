@@ -177,15 +177,17 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
         _assert_same(got_v1, want_v1)
 
         if negative:
-            # an update whose loader-format writes are never re-processed reaches no tensor the forward reads
+            # an update whose commit (re-processing, the norms' copy) never runs reaches no tensor the forward reads
             llm.collective_rpc(vc.skip_reprocessing, args=(True,))
             _update(llm, trainers, V2)
             stale = _differences(_observe(llm), got_v2)
-            # exactly the layers the live engine says it re-processes are stale (by their GEMM probes at least, on
-            # any processor), and nothing written in place (norms) is
-            layers = {n for worker in llm.collective_rpc(vc.reprocessed_layers) for n in worker}
+            # exactly the layers the live engine says its commit writes are stale (the re-processed ones by their
+            # GEMM probes at least, on any processor), and no other
+            asked = llm.collective_rpc(vc.reprocessed_layers)
+            reprocessed = {n for worker in asked for n in worker[0]}
+            layers = {n for worker in asked for n in worker[1]}
             stale_layers = {vc.module_of(d.partition(": ")[2]) for d in stale if d.startswith("worker")}
-            assert layers and any("qkv_proj" in n for n in layers), layers
+            assert reprocessed <= layers and any("qkv_proj" in n for n in reprocessed), (reprocessed, layers)
             assert stale_layers == layers and any(d.startswith("tokens") for d in stale), (sorted(layers), stale)
             llm.collective_rpc(vc.skip_reprocessing, args=(False,))
             _update(llm, trainers, V2)

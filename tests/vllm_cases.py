@@ -329,9 +329,11 @@ def module_of(key: str) -> str:
     return key.partition("|")[0] if "|" in key else key.rpartition(".")[0]
 
 
-def reprocessed_layers(worker: Any) -> list[str]:
-    """The layers whose weights the backend re-processes after each update (asked of the live engine)."""
-    return worker.weight_transfer_engine.reprocessed_layers()
+def reprocessed_layers(worker: Any) -> tuple[list[str], list[str]]:
+    """Asked of the live engine: the layers whose weights the backend re-processes after each update, and every
+    layer whose forward tensors its commit writes (those and the staged norms)."""
+    engine = worker.weight_transfer_engine
+    return engine.reprocessed_layers(), engine.committed_layers()
 
 
 def gemm_branches(worker: Any) -> dict[str, str]:
@@ -376,7 +378,8 @@ def force_torch_gemm(monkeypatch: Any) -> None:
 
 
 def skip_reprocessing(worker: Any, skip: bool) -> None:
-    """Negative control: make the backend skip re-processing (its loader-format writes then reach no forward)."""
+    """Negative control: make the backend skip its commit (re-processing and the norms' copy: its writes then reach
+    no tensor the forward reads)."""
     engine = worker.weight_transfer_engine
     if skip:
         engine.reprocess = lambda: None

@@ -260,6 +260,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         forward shows depends on the processor: see `docs/vllm.md`)."""
         return sorted({t.module_name for t in self.targets if t.processed})
 
+    def committed_layers(self) -> list[str]:
+        """The names of the layers whose forward tensors a commit writes: the re-processed ones, and those whose
+        staged copy (norms) it copies into the live parameter."""
+        return sorted({t.module_name for t in self.targets if t.processed or t.live is not None})
+
     def reprocess(self) -> None:
         """Commit the written buffers: copy the staged tensors of layers without post-processing (norms) into the
         live ones, and re-run post-processing of every layer whose loader-format tensors were written."""
