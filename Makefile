@@ -108,6 +108,12 @@ $(RAY_VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -e ".[ray]" "torch==$(TORCH_VERSION)+cpu"
 	touch $(RAY_VLLM_STAMP)
 
-# One process (-n 0): the tests start one local Ray cluster per module, with logical CPUs on a 2-core machine.
+# One process (-n 0): the tests start one local Ray cluster per module, with logical CPUs on a 2-core machine. The
+# verl tests run in .venv-verl; the Ray example (a vLLM engine actor) in .venv-vllm with Ray added.
 test-frameworks: $(VERL_STAMP)
 	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/test_verl_backend.py
+	@if $(MAKE) ray-vllm-env && $(VLLM_PY) -c "import vllm, ray" >/dev/null 2>&1; then \
+		VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m frameworks tests/test_examples.py; \
+	else \
+		echo "SKIPPED the Ray example: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
+	fi

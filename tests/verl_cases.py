@@ -109,12 +109,21 @@ class TrainerWorker(Worker):
                 local.add_(torch.randn(local.shape, generator=g) * 0.01)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def colocated_weights(self) -> dict[str, torch.Tensor]:
+        """What the last `naive` (colocated) sync loaded in this process."""
+        return self.colocated
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter's full value (collective over the trainer workers)."""
         return {n: p.full_tensor().clone() for n, p in self.model.named_parameters()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict:
+        if mode == "naive":  # verl's colocated path: the rollout engine lives in this process and loads the stream
+            self.checkpoint_engine.send_weights(self._weights())
+            self.colocated = {name: t.clone() for name, t in self.checkpoint_engine.receive_weights()}
+            return {}
         metrics = await self.checkpoint_engine.send_weights(self._weights(), global_steps=global_steps)
         return metrics or {}
 
@@ -198,10 +207,11 @@ class Replica(RolloutReplica):
         raise NotImplementedError
 
 
-def ray_init(num_cpus: int = 64) -> None:
-    """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store."""
+def ray_init(num_cpus: int = 64, extra_path: tuple[str, ...] = ()) -> None:
+    """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store; the workers import this
+    module (and `extra_path`'s) by name."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([here, os.path.dirname(here), *extra_path, os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                                        "RAY_DEDUP_LOGS": "0"}})
