@@ -226,7 +226,7 @@ class ReshardCheckpointEngine:
             and m["session"]["world_size"] == world and m["session"]["num_trainers"] == T
             for i, m in enumerate(meta))
         prefix = live if reuse else f"reshard-verl/{gen + 1}"
-        domains = [_domain(i < T, m["node"], i) for i, m in enumerate(meta)]
+        domains = [_domain(i < T, m["node"]) for i, m in enumerate(meta)]
         address = {"host": master["host"], "port": master["port"], "token": master["token"], "prefix": prefix}
 
         def kwargs(ranks: range) -> dict[str, list[Any]]:
@@ -571,7 +571,9 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
-def _domain(trainer: bool, node: str, rank: int) -> tuple[str, str]:
+def _domain(trainer: bool, node: str) -> tuple[str, str]:
+    """A rank's domain under `domains="node"`: its side and its node (trainer and rollout GPUs of one node are
+    kept apart: the rollout side's forwarding is what the domain is for)."""
     return ("trainer" if trainer else "rollout", str(node))
 
 
