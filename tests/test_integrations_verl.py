@@ -91,6 +91,76 @@ def test_constructor_refuses_bad_kwargs(kwargs: dict, error: type, match: str) -
         ReshardCheckpointEngine(BUCKET, **kwargs)
 
 
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    """Full tensors of odd shapes: 7 rows over 2 trainer ranks (4 + 3), a 1-row tensor (rank 1 holds nothing), a
+    scalar (trainer rank 0 alone), an empty tensor, bf16 and int8, one larger than the 4 KiB bucket."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(7, 5, generator=g), "row": torch.randn(1, 3, generator=g),
+            "scalar": torch.randn((), generator=g), "empty": torch.empty(0, 4),
+            "half": torch.randn(33, 2, generator=g).to(torch.bfloat16),
+            "ids": torch.randint(-100, 100, (10,), generator=g, dtype=torch.int8),
+            "big": torch.randn(40, 40, generator=g)}  # 6400 B > 4096 B: a bucket of its own
+
+
+def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tuple[list, list[dict]]:
+    """One sync as verl's manager runs it, with every worker a thread of this process."""
+    import asyncio
+    import threading
+
+    meta = [e.prepare() for e in engines]
+    tkw, rkw = ReshardCheckpointEngine.build_topology(T, len(engines) - T, meta)
+    kw = [{k: v[i] for k, v in tkw.items()} for i in range(T)] + \
+         [{k: v[i] for k, v in rkw.items()} for i in range(len(engines) - T)]
+    out: list = [None] * len(engines)
+
+    def work(i: int) -> None:
+        try:
+            engines[i].init_process_group(**kw[i])
+            if i < T:
+                out[i] = asyncio.run(engines[i].send_weights(iter(_weights(step).items()), global_steps=step))
+            else:
+                async def take() -> dict:
+                    return {n: t.clone() async for n, t in engines[i].receive_weights(step)}
+                out[i] = asyncio.run(take())
+            engines[i].finalize()
+        except BaseException as e:  # noqa: BLE001  (a thread must hand every failure to the test, which raises it)
+            out[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    errors = [o for o in out if isinstance(o, BaseException)]
+    assert not errors, errors
+    return out[:T], out[T:]
+
+
+@pytest.mark.parametrize("domains,rebuild", [("node", False), ("rank", True)])
+def test_two_trainers_two_rollouts_in_threads(domains: str, rebuild: bool) -> None:
+    """The whole protocol without verl or Ray: 2 trainer + 2 rollout engines in threads, on loopback, three syncs.
+    Received tensors byte-equal the sources, in order; with `domains="node"` the trainers send the model once
+    (the rollout ranks forward), with `"rank"` once per rollout rank; `rebuild_group` builds plans every sync."""
+    kw = {"host": "127.0.0.1", "domains": domains, "rebuild_group": rebuild, "timeout_s": 60}
+    engines = [ReshardCheckpointEngine(4096, is_master=i == 0, **kw) for i in range(4)]
+    for step in range(3):
+        metrics, received = _run_sync(engines, 2, step)
+        want = _weights(step)
+        model = sum(t.nbytes for t in want.values())
+        for got in received:
+            assert list(got) == list(want)
+            for n, t in want.items():
+                assert got[n].shape == t.shape and got[n].dtype == t.dtype
+                assert torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+        sent = [m[f"reshard/rank{r}/bytes_sent"] for r, m in enumerate(metrics)]
+        assert sum(sent) == model * (1 if domains == "node" else 2), (sent, model)
+        stats = [e.last_sync for e in engines]
+        assert all(s.first_plans == (s.buckets if rebuild or step == 0 else 0) for s in stats), stats
+        assert all(s.largest_bucket <= 4096 for s in stats)
+    for e in engines:
+        e._close_group()
+
+
 def test_constructor_refuses_bad_bucket_and_keeps_the_token_secret() -> None:
     with pytest.raises(ValueError, match="bucket_size must be an integer number of bytes >= 64, got 0"):
         ReshardCheckpointEngine(0)
