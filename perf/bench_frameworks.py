@@ -17,7 +17,9 @@ engine does. Backends:
 After a warm-up sync (group rendezvous, plans), `--syncs` timed syncs, with the weights changed between them
 (untimed); the last sync's received tensors are checked against the trainer's, byte for byte. Rows give the driver's
 wall time of `update_weights` (median and spread), bytes sent per trainer rank (the busiest and the total; counted by
-reshard's executor and by the baseline's own message sizes) and bytes sent by rollout ranks (forwarding).
+reshard's executor and by the baseline's own message sizes) and bytes sent by rollout ranks (forwarding); for reshard
+also the slowest trainer rank's `send_weights` seconds and its seconds in all-rank rounds (`SyncStats.seconds_rounds`:
+the bucket manifests, each bucket's plan agreement and completion rounds, the commit).
 Writes `bench_frameworks.csv` under `--out` and prints a markdown table.
 """
 
@@ -48,7 +50,7 @@ def run_backend(backend: str, args: argparse.Namespace, config: dict) -> dict[st
                                             custom_module=MODULES[backend])
     try:
         vc.sync(manager, 0)  # warm-up
-        seconds, sent, forwarded = [], [], []
+        seconds, sent, forwarded, rounds, busy = [], [], [], [], []
         for step in range(1, args.syncs + 1):
             trainer.change_weights(step)
             t0 = time.perf_counter()
@@ -58,6 +60,9 @@ def run_backend(backend: str, args: argparse.Namespace, config: dict) -> dict[st
             sent.append(per_rank or [0.0] * args.trainers)
             if backend == "reshard":
                 forwarded.append(sum(s.bytes_sent for s in rollout.engine_attr("last_sync")))
+                mine = trainer.engine_attr("last_sync")
+                rounds.append(max(s.seconds_rounds for s in mine))
+                busy.append(max(s.seconds for s in mine))
             elif backend != "naive":
                 forwarded.append(sum(rollout.engine_attr("bytes_sent")))
             else:
@@ -74,7 +79,9 @@ def run_backend(backend: str, args: argparse.Namespace, config: dict) -> dict[st
                 "syncs": args.syncs, "seconds_median": round(med, 4), "seconds_min": round(lo, 4),
                 "seconds_max": round(hi, 4), "busiest_trainer_bytes": int(max(max(s) for s in sent)),
                 "trainer_bytes_total": int(statistics.median(sum(s) for s in sent)),
-                "rollout_forward_bytes": int(statistics.median(forwarded)), "byte_equal": True}
+                "rollout_forward_bytes": int(statistics.median(forwarded)), "byte_equal": True,
+                "trainer_send_s": round(statistics.median(busy), 4) if busy else "",
+                "trainer_rounds_s": round(statistics.median(rounds), 4) if rounds else ""}
     finally:
         for w in trainer.workers + rollout.workers:
             ray.kill(w)
@@ -117,6 +124,11 @@ def main() -> None:
         print(f"| {r['backend']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
               f"{r['busiest_trainer_bytes'] / 1e6:.2f} MB | {r['trainer_bytes_total'] / 1e6:.2f} MB | "
               f"{r['rollout_forward_bytes'] / 1e6:.2f} MB |")
+    for r in rows:
+        if r["trainer_rounds_s"] != "":
+            print(f"\n{r['backend']}: slowest trainer rank's send_weights {r['trainer_send_s']:.3f} s, of which "
+                  f"{r['trainer_rounds_s']:.3f} s in all-rank rounds (medians; the rounds include packing overlapped "
+                  "with them)")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class SyncStats:
     seconds_transfer: float = 0.0
     first_plans: int = 0
     largest_bucket: int = 0  # bytes of the largest bucket holding more than one tensor (at most bucket_size)
+    seconds_rounds: float = 0.0  # in all-rank rounds: manifests, each bucket's agreement and completion, the commit
 
 
 class ReshardCheckpointEngine:
@@ -402,8 +403,10 @@ class ReshardCheckpointEngine:
         group = self._group
         assert group is not None
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        t0 = time.perf_counter()
         got = all_gather_json(group, {"manifest": manifest, "last": last} if manifest is not None else None,
                               timeout=timeout, what="reshard verl bucket manifest")
+        self.last_sync.seconds_rounds += time.perf_counter() - t0
         mine = got[: self._num_trainers]
         if any(m is None for m in mine) or any(m != mine[0] for m in mine):
             first = next(i for i, m in enumerate(mine) if m != mine[0] or m is None)
@@ -525,12 +528,15 @@ class ReshardCheckpointEngine:
         if ex is not None:
             stats.bytes_sent += ex.bytes_sent
             stats.bytes_received += ex.bytes_received
+            stats.seconds_rounds += ex.seconds_handshake + ex.seconds_confirm
         stats.seconds_transfer += report.seconds.get("transfer", 0.0)
 
     def _commit(self) -> None:
         """The last round of a sync: every rank says it holds every bucket (a rank that failed never says so)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        t0 = time.perf_counter()
         all_gather_json(self._group, "done", timeout=timeout, what="reshard verl sync commit")
+        self.last_sync.seconds_rounds += time.perf_counter() - t0
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
