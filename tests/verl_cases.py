@@ -5,8 +5,8 @@
   among the trainer workers, with the checkpoint engine verl's FSDP `ActorRolloutRefWorker` builds
   (`CheckpointEngineRegistry.new(backend, is_master=rank == 0, bucket_size=..., **engine_kwargs)`). `update_weights`
   streams what verl's FSDP engine streams: `(name, p.full_tensor())` for every parameter on every rank
-  (`stream="full"`), or the DTensors themselves (`"dtensor"`), or `(name, local, ShardSpec)` as
-  `get_per_tensor_param_shard()` does (`"shard"`).
+  (`stream="full"`), or the DTensors themselves (`"dtensor"`), or `(name, local.reshape(-1),
+  ShardSpec.from_param(p))` as the FSDP engine's `get_per_tensor_param_shard()` does (`"shard"`).
 - `RolloutWorker`: verl's `CheckpointEngineWorker` with a server adapter that keeps a copy of every tensor it is
   given (what vLLM's `load_weights` would load), as verl's own checkpoint-engine tests do.
 - `Replica`: a `RolloutReplica` owning rollout workers, without servers (abort / resume are no-ops over no servers).
@@ -92,8 +92,8 @@ class TrainerWorker(Worker):
             elif self.stream == "dtensor":
                 yield name, p.data
             else:
-                yield name, p.to_local(), ShardSpec(full_shape=tuple(p.shape), mesh=p.device_mesh,
-                                                    placements=tuple(p.placements))
+                # as verl's FSDP engine exports it: the local shard flattened, its spec from the parameter
+                yield name, p.to_local().reshape(-1), ShardSpec.from_param(p)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_stream(self, stream: str) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import math
 import os
 import secrets
 import time
@@ -607,8 +608,8 @@ def _normalise(item: Any) -> tuple[str, Any, Any]:
         if getattr(spec, "place", None) is not None:
             raise NotImplementedError(f"reshard send_weights: {name!r}: ShardSpec with an explicit `place` (a "
                                       "virtual full tensor) is not supported; pass DTensor placements")
-        if spec.mesh is None:  # unsharded: the local tensor is the full tensor
-            spec = None
+        if spec.mesh is None:  # unsharded: the local tensor is the full tensor (flattened by verl's FSDP export)
+            return name, tensor.reshape(tuple(spec.full_shape)), None
     return name, tensor, spec
 
 
@@ -629,7 +630,18 @@ def _full_shape(t: Any, spec: Any) -> tuple[int, ...]:
 
 
 def _local_of(t: Any, spec: Any) -> torch.Tensor:
-    return t.to_local() if spec is None and _is_dtensor(t) else t
+    """This rank's local tensor of a DTensor, or of a `(local, ShardSpec)` pair in its DTensor local shape (verl's
+    FSDP engine flattens the local shard: `local.reshape(-1)`)."""
+    if spec is None:
+        return t.to_local() if _is_dtensor(t) else t
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, _ = compute_local_shape_and_global_offset(torch.Size(spec.full_shape), spec.mesh, list(spec.placements))
+    if t.numel() != math.prod(shape):
+        raise ValueError(f"reshard send_weights: a local shard of {t.numel()} elements does not match its ShardSpec "
+                         f"(full shape {tuple(spec.full_shape)}, placements {tuple(spec.placements)}: local shape "
+                         f"{tuple(shape)} on this rank)")
+    return t.reshape(shape)
 
 
 def _full_mesh(shape: tuple[int, ...], T: int) -> tuple[Mesh, list[Any]]:
