@@ -102,6 +102,20 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
             "big": torch.randn(40, 40, generator=g)}  # 6400 B > 4096 B: a bucket of its own
 
 
+class _ShardExport:
+    """A stand-in for a verl engine: `get_per_tensor_param_shard()` of unsharded parameters, flattened as verl's FSDP
+    engine exports them (`ShardSpec` without a mesh)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def get_per_tensor_param_shard(self) -> tuple:
+        from types import SimpleNamespace
+
+        spec = lambda t: SimpleNamespace(full_shape=tuple(t.shape), mesh=None, placements=None, place=None)
+        return ((n, t.reshape(-1), spec(t)) for n, t in _weights(self.step).items()), None
+
+
 def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tuple[list, list[dict]]:
     """One sync as verl's manager runs it, with every worker a thread of this process."""
     import asyncio
@@ -117,7 +131,8 @@ def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tupl
         try:
             engines[i].init_process_group(**kw[i])
             if i < T:
-                out[i] = asyncio.run(engines[i].send_weights(iter(_weights(step).items()), global_steps=step))
+                stream = _ShardExport(step) if step == 1 else iter(_weights(step).items())
+                out[i] = asyncio.run(engines[i].send_weights(stream, global_steps=step))
             else:
                 async def take() -> dict:
                     return {n: t.clone() async for n, t in engines[i].receive_weights(step)}
@@ -139,7 +154,8 @@ def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tupl
 @pytest.mark.parametrize("domains,rebuild", [("node", False), ("rank", True)])
 def test_two_trainers_two_rollouts_in_threads(domains: str, rebuild: bool) -> None:
     """The whole protocol without verl or Ray: 2 trainer + 2 rollout engines in threads, on loopback, three syncs.
-    Received tensors byte-equal the sources, in order; with `domains="node"` the trainers send the model once
+    Received tensors byte-equal the sources, in order (the second sync streams an engine's flattened
+    `get_per_tensor_param_shard()` export); with `domains="node"` the trainers send the model once
     (the rollout ranks forward), with `"rank"` once per rollout rank; `rebuild_group` builds plans every sync."""
     kw = {"host": "127.0.0.1", "domains": domains, "rebuild_group": rebuild, "timeout_s": 60}
     engines = [ReshardCheckpointEngine(4096, is_master=i == 0, **kw) for i in range(4)]
