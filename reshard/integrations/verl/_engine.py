@@ -1,0 +1,670 @@
+"""`ReshardCheckpointEngine`: reshard as a verl checkpoint-engine backend (`backend=reshard`).
+
+verl's `CheckpointEngineManager.update_weights` drives one sync on every trainer (actor) worker and every rollout
+worker: `prepare()` -> `build_topology(...)` (in the driver) -> `init_process_group(**kw)` -> `send_weights(...)`
+on the trainer workers concurrently with `receive_weights()` on the rollout workers -> `finalize()`.
+
+What moves where:
+- Trainer ranks `0 .. T-1`, rollout ranks `T .. T+R-1` meet in one `reshard.Group.rendezvous` whose TCP store
+  trainer rank 0 hosts (its address and the job token come from `prepare()`; the driver hands them over).
+- The trainer streams `(name, tensor)` pairs (verl's FSDP engine: `.full_tensor()` of every parameter, on every
+  rank). They are cut into buckets of at most `bucket_size` bytes (`_buckets`); all trainer ranks derive the same
+  buckets and rank 0's manifest of each bucket (names, shapes, dtypes) reaches the rollout ranks before its bytes.
+- A full tensor is registered on trainer rank t as its `t`-th row block (`Shard(0)` over the T trainer ranks), so
+  every trainer rank sends a distinct part of each tensor and none sends more than its share. A DTensor, or a local
+  shard with verl's `ShardSpec` (`get_per_tensor_param_shard()`), is registered with its own layout: nothing is
+  gathered on the trainer side.
+- Every rollout rank receives each bucket whole (vLLM's `load_weights` takes whole Hugging Face tensors) into a
+  bucket buffer, and `receive_weights` yields `(name, view)` pairs from it. With `domains="node"` the rollout
+  ranks of one node form one domain: each byte crosses from the trainers to that node once and is forwarded there
+  (NVLink on a GPU node), so the trainers together send the model once per rollout node, not once per rollout rank.
+- Plans are cached per bucket manifest and reused by later syncs while the group lives (`rebuild_group=False`).
+
+Errors: bad or missing `engine_kwargs` are a `ValueError` / `TypeError` in the constructor, on every worker;
+`build_topology` refuses metadata of the wrong length or without a master; a rank given another world size, or a
+peer that does not join or disappears, is a `CommError` on every rank within `timeout_s`. A rollout worker never
+yields the last bucket of a sync before every rank confirmed it received every bucket; if a sync fails after some
+buckets were yielded, `receive_weights` raises `SyncError` saying how many tensors the engine already took (its
+weights are then a mix of two versions until the next sync succeeds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from reshard.comm import CommError, Group
+from reshard.comm import _rendezvous as rv
+from reshard.comm._handshake import all_gather_json
+from reshard.integrations.verl import _buckets as bk
+from reshard.planner import Layout, Mesh, Topology
+from reshard.refit import Refit
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "reshard"
+"""The backend's name in verl's `CheckpointEngineRegistry` (`checkpoint_engine.backend=reshard`)."""
+
+FORMAT = 1
+"""Version of the metadata `prepare()` returns; `build_topology` refuses a mix."""
+
+DOMAINS = ("node", "rank")
+"""`domains=` options: `"node"` (ranks of one side on one node share a domain), `"rank"` (every rank its own)."""
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class SyncError(CommError):
+    """A weight sync failed; the message says what the rollout engine had already been given."""
+
+
+@dataclass
+class _Bucket:
+    """What a rank holds of one bucket: its manifest key, entries, and (cached across syncs) its Refit."""
+
+    entries: list[bk.Entry]
+    refit: Refit
+    buffer: torch.Tensor | None = None  # the bucket's own buffer (an oversized tensor), else None: a shared slot
+    sources: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # name -> (registered tensor, row)
+
+
+@dataclass
+class SyncStats:
+    """What the last sync did on this rank (also returned, summed up, by `send_weights` as verl metrics)."""
+
+    step: int | None = None
+    buckets: int = 0
+    tensors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    seconds_transfer: float = 0.0
+    first_plans: int = 0
+    largest_bucket: int = 0  # bytes of the largest bucket holding more than one tensor (at most bucket_size)
+    seconds_rounds: float = 0.0  # in all-rank rounds: manifests, each bucket's agreement and completion, the commit
+
+
+class ReshardCheckpointEngine:
+    """verl checkpoint engine moving weights with reshard (see the module docstring for the protocol).
+
+    Args:
+        bucket_size: bytes per bucket (verl's `update_weights_bucket_megabytes << 20`).
+        is_master: True on trainer rank 0 (verl passes it on the trainer side), which hosts the group's store.
+        host: address the master's store binds to and the others dial; default Ray's node IP address, else
+            `127.0.0.1`.
+        port: the store's port on the master; 0 (default) picks a free one.
+        token: the group's shared secret; default `RESHARD_TOKEN` from the environment, else a fresh random one
+            drawn by the master and handed to every worker by the driver (`build_topology`).
+        timeout_s: seconds any wait for a peer may last (rendezvous, each bucket).
+        domains: `"node"` (default) or `"rank"`: see the module docstring.
+        rebuild_group: build a new group (and new plans) in every sync instead of keeping them.
+        device: where buckets live: `"auto"` (CUDA when available), `"cpu"` or `"cuda"`.
+        staging_bytes: reshard's staging budget per rank (default: reshard's).
+        verify: check every received box against its sender's checksum.
+
+    Attributes:
+        wire_format: verl's `"named_tensors"`: `receive_weights` yields `(name, tensor)` pairs.
+        last_sync: this rank's `SyncStats` of the last sync.
+    """
+
+    wire_format = "named_tensors"
+
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+        allowed = ("host", "port", "token", "timeout_s", "domains", "rebuild_group", "device", "staging_bytes",
+                   "verify")
+        unknown = sorted(set(engine_kwargs) - set(allowed))
+        if unknown:
+            raise TypeError(f"reshard checkpoint engine: unknown engine_kwargs {unknown}; valid keys under "
+                            f"checkpoint_engine.engine_kwargs.reshard are {list(allowed)}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < bk.ALIGN:
+            raise ValueError(f"reshard checkpoint engine: bucket_size must be an integer number of bytes >= "
+                             f"{bk.ALIGN}, got {bucket_size!r} (checkpoint_engine.update_weights_bucket_megabytes)")
+        kw: dict[str, Any] = {"host": None, "port": 0, "token": None, "timeout_s": 300.0, "domains": "node",
+                              "rebuild_group": False, "device": "auto", "staging_bytes": None, "verify": False}
+        kw.update(engine_kwargs)
+        _check(kw["host"] is None or (isinstance(kw["host"], str) and kw["host"]), "host", kw["host"],
+               "a non-empty address string or null")
+        _check(_is_int(kw["port"]) and 0 <= kw["port"] < 65536, "port", kw["port"], "an integer in [0, 65536)")
+        _check(kw["token"] is None or isinstance(kw["token"], str), "token", "<hidden>", "a string or null")
+        _check(_is_num(kw["timeout_s"]) and kw["timeout_s"] > 0, "timeout_s", kw["timeout_s"], "seconds > 0")
+        _check(kw["domains"] in DOMAINS, "domains", kw["domains"], f"one of {DOMAINS}")
+        _check(isinstance(kw["rebuild_group"], bool), "rebuild_group", kw["rebuild_group"], "true or false")
+        _check(kw["device"] in DEVICES, "device", kw["device"], f"one of {DEVICES}")
+        _check(kw["staging_bytes"] is None or (_is_int(kw["staging_bytes"]) and kw["staging_bytes"] > 0),
+               "staging_bytes", kw["staging_bytes"], "a positive integer or null")
+        _check(isinstance(kw["verify"], bool), "verify", kw["verify"], "true or false")
+        if kw["device"] == "cuda" and not torch.cuda.is_available():
+            raise ValueError("reshard checkpoint engine: device='cuda' but CUDA is not available on this worker")
+        self.bucket_size = bucket_size
+        self.is_master = bool(is_master)
+        self.host: str | None = kw["host"]
+        self.port: int = kw["port"]
+        self.token: str | None = kw["token"] or os.environ.get(rv.TOKEN_ENV) or None
+        self.timeout_s = float(kw["timeout_s"])
+        self.domains: str = kw["domains"]
+        self.rebuild_group: bool = kw["rebuild_group"]
+        dev = kw["device"]
+        self.device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
+        self.staging_bytes: int | None = kw["staging_bytes"]
+        self.verify: bool = kw["verify"]
+        self.last_sync = SyncStats()
+        self._store: Any = None  # the master's TCP store, alive as long as this engine
+        self._generation = 0  # the master's count of groups it hosted
+        self._group: Group | None = None
+        self._session: dict[str, Any] | None = None  # the live group's prefix, rank and world size
+        self._num_trainers = 0
+        self._topology: Topology | None = None
+        self._buckets: dict[str, _Bucket] = {}
+        self._slots: list[torch.Tensor] = []  # the two shared bucket buffers (see `_shared`)
+        self._failed = False  # the last sync failed on this rank
+
+    # ---- verl's interface ---------------------------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """This worker's metadata for `build_topology` (picklable): its node, its live group, and on the master the
+        store's address and the token."""
+        if self._group is not None and (self._failed or self._group.fault() is not None):
+            self._close_group()  # a failed sync leaves the group aborted: the next one builds a new group
+        meta: dict[str, Any] = {"format": FORMAT, "backend": BACKEND, "node": _node_id(), "session": self._session,
+                                "master": None}
+        if self.is_master:
+            if self._store is None:
+                self._start_store()
+            meta["master"] = {"host": self.host, "port": self._store.port, "token": self.token,
+                              "generation": self._generation, "rebuild_group": self.rebuild_group}
+        return meta
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
+                       metadata: Sequence[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Group ranks, world size, the master's address and the NVLink domains, per worker (run in the driver).
+
+        Args:
+            actor_wg_world_size: T, the trainer workers.
+            rollout_world_size: R, the rollout workers.
+            metadata: `prepare()` of the T trainer workers, then of the R rollout workers.
+
+        Returns:
+            `(trainer kwargs, rollout kwargs)`: per `init_process_group` argument, one value per worker.
+
+        Raises:
+            ValueError: world sizes that are not positive integers, metadata of another length, from another
+                backend or version, or without the master as its first entry.
+        """
+        T, R = actor_wg_world_size, rollout_world_size
+        for what, v in (("actor_wg_world_size", T), ("rollout_world_size", R)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"reshard build_topology: {what} must be an integer >= 1, got {v!r}")
+        meta = list(metadata)
+        if len(meta) != T + R:
+            raise ValueError(f"reshard build_topology: got metadata from {len(meta)} workers, but "
+                             f"actor_wg_world_size {T} + rollout_world_size {R} = {T + R} workers must take part")
+        bad = [i for i, m in enumerate(meta) if not isinstance(m, dict) or m.get("backend") != BACKEND
+               or m.get("format") != FORMAT]
+        if bad:
+            raise ValueError(f"reshard build_topology: workers {bad} did not report reshard checkpoint-engine "
+                             f"metadata of format {FORMAT} (is every worker configured with backend=reshard and the "
+                             f"same reshard version?); got {[meta[i] for i in bad][:3]}")
+        masters = [i for i, m in enumerate(meta) if m.get("master") is not None]
+        if masters != [0]:
+            raise ValueError(f"reshard build_topology: exactly the first trainer worker must be the master "
+                             f"(is_master=True), found masters at positions {masters} of {T + R}")
+        master = meta[0]["master"]
+        world = T + R
+        gen = int(master["generation"])
+        live = f"reshard-verl/{gen}"
+        reuse = not master["rebuild_group"] and all(
+            m["session"] is not None and m["session"]["prefix"] == live and m["session"]["rank"] == i
+            and m["session"]["world_size"] == world and m["session"]["num_trainers"] == T
+            for i, m in enumerate(meta))
+        prefix = live if reuse else f"reshard-verl/{gen + 1}"
+        domains = [_domain(i < T, m["node"]) for i, m in enumerate(meta)]
+        address = {"host": master["host"], "port": master["port"], "token": master["token"], "prefix": prefix}
+
+        def kwargs(ranks: range) -> dict[str, list[Any]]:
+            return {"rank": list(ranks), "world_size": [world] * len(ranks), "num_trainers": [T] * len(ranks),
+                    "master": [address] * len(ranks), "domains": [domains] * len(ranks)}
+
+        logger.info("reshard build_topology: %d trainer + %d rollout workers, group %s (%s)", T, R, prefix,
+                    "kept" if reuse else "new")
+        return kwargs(range(T)), kwargs(range(T, world))
+
+    def init_process_group(self, rank: int, world_size: int, num_trainers: int, master: dict[str, Any],
+                           domains: Sequence[Any]) -> None:
+        """Join the group (or keep the live one, when `build_topology` said so)."""
+        if not (_is_int(world_size) and world_size >= 2 and _is_int(rank) and 0 <= rank < world_size
+                and _is_int(num_trainers) and 1 <= num_trainers < world_size and len(domains) == world_size):
+            raise ValueError(f"reshard init_process_group: inconsistent topology: rank={rank!r}, world_size="
+                             f"{world_size!r}, num_trainers={num_trainers!r}, {len(domains)} domains")
+        prefix = master["prefix"]
+        session = {"prefix": prefix, "rank": rank, "world_size": world_size, "num_trainers": num_trainers}
+        if self._group is not None and self._session == session:
+            return
+        self._close_group()
+        if self.is_master:
+            self._generation = int(prefix.rsplit("/", 1)[1])
+        token = master["token"] or None
+        group = Group.rendezvous(master["host"], int(master["port"]), rank, world_size, prefix=prefix,
+                                 is_master=False, token=token, timeout=self.timeout_s)
+        self._group, self._session, self._num_trainers = group, session, num_trainers
+        self._topology = (Topology(domain_of={r: repr(d) for r, d in enumerate(domains)})
+                          if self.domains == "node" else Topology())
+        logger.info("reshard init_process_group: rank %d of %d (%d trainer ranks), %s", rank, world_size,
+                    num_trainers, prefix)
+
+    def finalize(self) -> None:
+        """End a sync: with `rebuild_group`, close the group and drop the plans and buffers."""
+        if self.rebuild_group:
+            self._close_group()
+
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
+        """Send the weights (every trainer worker calls it with its own stream).
+
+        Args:
+            weights: an iterable or async iterable of `(name, tensor)` (full tensors or DTensors) or of
+                `(name, local shard, ShardSpec)`; or a verl engine with `get_per_tensor_param_shard()`.
+            global_steps: the trainer step (logged, returned in the metrics).
+
+        Returns:
+            verl metrics: this rank's bytes sent and seconds (`reshard/...`).
+        """
+        group = self._require("send_weights", trainer=True)
+        t0 = time.perf_counter()
+        stats = SyncStats(step=global_steps)
+        self.last_sync = stats
+        stream = weights
+        if hasattr(weights, "get_per_tensor_param_shard"):
+            stream, _ = weights.get_per_tensor_param_shard()
+        pending: list[tuple[str, Any, Any]] = []
+        used, index = 0, 0
+        task: asyncio.Future | None = None  # the previous bucket's transfer, overlapping the next bucket's stream
+        try:
+            async for item in _aiter(stream):
+                name, tensor, spec = _normalise(item)
+                size = bk.aligned(bk.nbytes_of(_full_shape(tensor, spec), tensor.dtype))
+                if pending and used + size > self.bucket_size:
+                    if task is not None:
+                        await task
+                    task = asyncio.ensure_future(asyncio.to_thread(self._send_bucket, index, pending, False, stats))
+                    pending, used, index = [], 0, index + 1
+                pending.append((name, tensor, spec))
+                used += size
+            if task is not None:
+                await task
+                task = None
+            await asyncio.to_thread(self._send_bucket, index, pending, True, stats)
+        except BaseException as e:
+            self._failed = True
+            if not isinstance(e, CommError):
+                group.report_fault(group.rank, f"trainer rank {group.rank}: send_weights failed: "
+                                               f"{type(e).__name__}: {e}")
+            if task is not None and not task.done():
+                await asyncio.wait([task])  # the group is not free until the running bucket ends (it fails too)
+            raise
+        stats.seconds = time.perf_counter() - t0
+        logger.info("reshard send_weights: rank %d, step %s: %d tensors in %d buckets, %d bytes sent, %.3f s",
+                    group.rank, global_steps, stats.tensors, stats.buckets, stats.bytes_sent, stats.seconds)
+        return {f"reshard/rank{group.rank}/bytes_sent": float(stats.bytes_sent),
+                f"reshard/rank{group.rank}/seconds": stats.seconds}
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` for every weight, bucket by bucket (every rollout worker calls it).
+
+        A yielded tensor is a view of a bucket buffer: valid until the consumer asks for the tensors of the bucket
+        after the next one (copy it to keep it), as with verl's `nccl` backend. The next bucket is received while
+        the consumer loads the current one.
+        """
+        group = self._require("receive_weights", trainer=False)
+        t0 = time.perf_counter()
+        stats = SyncStats(step=global_steps)
+        self.last_sync = stats
+        loop = asyncio.get_running_loop()
+        index = 0
+        yielded = 0
+        done = False
+        task = loop.run_in_executor(None, self._receive_bucket, 0, stats)
+        try:
+            while True:
+                entries, views, last = await task
+                if not last:
+                    index += 1
+                    task = loop.run_in_executor(None, self._receive_bucket, index, stats)
+                for e, v in zip(entries, views):
+                    yield e.name, v
+                    yielded += 1
+                if last:
+                    done = True
+                    break
+        except CommError as e:
+            raise SyncError(f"rollout rank {group.rank}: the weight sync of step {global_steps} failed after "
+                            f"{yielded} tensors were given to the engine"
+                            + (" (its weights are now a mix of two versions until a sync succeeds)" if yielded else
+                               " (none was given: the engine still holds its previous weights)")
+                            + f": {e}") from e
+        finally:
+            if not done:
+                self._failed = True
+                # the consumer stopped early (GeneratorExit or its own error) or the sync failed: tell the peers, so
+                # they raise now instead of waiting out the timeout
+                group.report_fault(group.rank, f"rollout rank {group.rank}: receive_weights stopped after {yielded} "
+                                               "tensors")
+            stats.tensors = yielded
+            stats.seconds = time.perf_counter() - t0
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _require(self, what: str, *, trainer: bool) -> Group:
+        if self._group is None or self._session is None:
+            raise ValueError(f"reshard checkpoint engine: {what} before init_process_group (verl calls prepare, "
+                             "build_topology and init_process_group first)")
+        is_trainer = self._session["rank"] < self._num_trainers
+        if is_trainer != trainer:
+            raise ValueError(f"reshard checkpoint engine: {what} called on group rank {self._session['rank']}, a "
+                             f"{'trainer' if is_trainer else 'rollout'} rank ({self._num_trainers} trainer ranks "
+                             "come first)")
+        return self._group
+
+    def _start_store(self) -> None:
+        import torch.distributed as dist
+
+        if self.host is None:
+            self.host = _node_ip()
+        if self.token is None and not rv.is_loopback(self.host):
+            self.token = secrets.token_hex(16)  # handed to the workers by the driver, never written to the store
+        sock = rv.listen(self.host, self.port)
+        self._store = dist.TCPStore(self.host, sock.getsockname()[1], None, True,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False,
+                                    master_listen_fd=sock.detach())
+        logger.info("reshard checkpoint engine: store at %s:%d", self.host, self._store.port)
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group, self._session, self._buckets, self._failed = None, None, {}, False
+        self._slots = []
+
+    def _refit(self) -> Refit:
+        kw: dict[str, Any] = {"topology": self._topology, "policy": "reshard", "verify": self.verify,
+                              "timeout": self.timeout_s}
+        if self.staging_bytes is not None:
+            kw["staging_bytes"] = self.staging_bytes
+        return Refit(self._group, **kw)
+
+    def _exchange(self, manifest: Any, last: bool) -> tuple[list[bk.Entry], str, bool]:
+        """One manifest round: every trainer rank's manifest of the next bucket reaches every rank; they must agree."""
+        group = self._group
+        assert group is not None
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        t0 = time.perf_counter()
+        got = all_gather_json(group, {"manifest": manifest, "last": last} if manifest is not None else None,
+                              timeout=timeout, what="reshard verl bucket manifest")
+        self.last_sync.seconds_rounds += time.perf_counter() - t0
+        mine = got[: self._num_trainers]
+        if any(m is None for m in mine) or any(m != mine[0] for m in mine):
+            first = next(i for i, m in enumerate(mine) if m != mine[0] or m is None)
+            raise ValueError(f"reshard verl backend: trainer ranks disagree on the next bucket (every trainer rank "
+                             f"must stream the same names, shapes and dtypes in the same order): rank 0 has "
+                             f"{_short(mine[0])}, rank {first} has {_short(mine[first])}")
+        rows, last = mine[0]["manifest"], bool(mine[0]["last"])
+        return bk.layout_entries(rows), repr(rows), last
+
+    def _send_bucket(self, index: int, items: list[tuple[str, Any, Any]], last: bool, stats: SyncStats) -> None:
+        rows = [bk.manifest_row(n, _full_shape(t, s), t.dtype, _kind(t, s)) for n, t, s in items]
+        entries, key, _ = self._exchange(rows, last)
+        slot = index % 2
+        b = self._buckets.get(f"{slot}:{key}")
+        if b is None:
+            b = self._build_source_bucket(slot, entries, items)
+            self._buckets[f"{slot}:{key}"] = b
+            stats.first_plans += 1
+        for (_, tensor, spec), e in zip(items, entries):
+            self._fill_source(b, e, tensor, spec)
+        self._run(b, stats)
+        if last:
+            self._commit()
+
+    def _shared(self, slot: int) -> torch.Tensor:
+        """Shared bucket buffer `slot` (0 or 1): bucket i of a sync uses slot i % 2, so bucket i+1 can be filled
+        or received while bucket i is still in use."""
+        while len(self._slots) <= slot:
+            self._slots.append(torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device))
+        return self._slots[slot]
+
+    def _build_source_bucket(self, slot: int, entries: list[bk.Entry], items: list[tuple[str, Any, Any]]) -> _Bucket:
+        from torch.distributed.tensor import DTensor
+
+        refit = self._refit()
+        T, rank = self._num_trainers, self._group.rank  # type: ignore[union-attr]
+        plan: list[tuple[bk.Entry, Any, tuple[int, ...], torch.dtype, int]] = []  # entry, layout, shape, dtype, row
+        for (_, tensor, spec), e in zip(items, entries):
+            if e.kind == "full":
+                mesh, placements = _full_mesh(e.shape, T)
+                layout = Layout(e.shape, mesh, placements, e.dtype, name=e.name)
+                if rank not in mesh.ranks:
+                    continue
+                pieces = layout.pieces(rank)
+                start = pieces[0].global_box.offsets[0] if pieces and len(e.shape) else 0
+                plan.append((e, layout, layout.local_shape(rank), e.dtype, start))
+            else:
+                src = _local_of(tensor, spec)
+                placement = (tensor.device_mesh, tuple(tensor.placements)) if spec is None else \
+                    (spec.mesh, tuple(spec.placements))
+                plan.append((e, placement, tuple(src.shape), src.dtype, 0))
+        need = sum(bk.aligned(bk.nbytes_of(shape, dtype)) for _, _, shape, dtype, _ in plan)
+        own = torch.empty(need, dtype=torch.uint8, device=self.device) if need > self.bucket_size else None
+        buf = own if own is not None else self._shared(slot)
+        b = _Bucket(entries, refit, buffer=own)
+        off = 0
+        for e, layout, shape, dtype, start in plan:
+            local = _carve(buf, off, shape, dtype)
+            off += bk.aligned(local.nbytes)
+            if e.kind == "full":
+                refit.add_source(e.name, local, layout)
+            else:
+                mesh, placements = layout
+                refit.add_source(e.name, DTensor.from_local(local, mesh, placements, run_check=False,
+                                                            shape=torch.Size(e.shape),
+                                                            stride=_contiguous_stride(e.shape)))
+            b.sources[e.name] = (local, start)
+        return b
+
+    def _fill_source(self, b: _Bucket, e: bk.Entry, tensor: Any, spec: Any) -> None:
+        held = b.sources.get(e.name)
+        if held is None:  # this trainer rank holds no part of it (a scalar is sent by trainer rank 0)
+            return
+        local, start = held
+        if e.kind == "full":
+            src = tensor.reshape(e.shape)[start: start + local.shape[0]] if len(e.shape) else tensor.reshape(())
+        else:
+            src = _local_of(tensor, spec)
+        if tuple(src.shape) != tuple(local.shape) or src.dtype != local.dtype:
+            raise ValueError(f"reshard verl backend: {e.name!r} on trainer rank {self._group.rank}: its local "  # type: ignore[union-attr]
+                             f"tensor {tuple(src.shape)} {src.dtype} differs from the planned "
+                             f"{tuple(local.shape)} {local.dtype} (a shard's layout changed between syncs?)")
+        local.copy_(src)
+
+    def _receive_bucket(self, index: int, stats: SyncStats) -> tuple[list[bk.Entry], list[torch.Tensor], bool]:
+        entries, key, last = self._exchange(None, False)
+        slot = index % 2
+        b = self._buckets.get(f"{slot}:{key}")
+        if b is None:
+            b = self._build_dest_bucket(slot, entries)
+            self._buckets[f"{slot}:{key}"] = b
+            stats.first_plans += 1
+        self._run(b, stats)
+        if last:
+            self._commit()
+        return entries, [b.sources[e.name][0] for e in entries], last
+
+    def _build_dest_bucket(self, slot: int, entries: list[bk.Entry]) -> _Bucket:
+        refit = self._refit()
+        size = bk.buffer_bytes(entries)
+        own = torch.empty(size, dtype=torch.uint8, device=self.device) if size > self.bucket_size else None
+        buf = own if own is not None else self._shared(slot)
+        b = _Bucket(entries, refit, buffer=own)
+        ranks = list(range(self._num_trainers, self._group.size))  # type: ignore[union-attr]
+        for e in entries:
+            dst = bk.view(buf, e)
+            refit.add_destination(e.name, dst, Layout(e.shape, Mesh(ranks), [Replicate()], e.dtype, name=e.name))
+            b.sources[e.name] = (dst, 0)
+        return b
+
+    def _run(self, b: _Bucket, stats: SyncStats) -> None:
+        report = b.refit.run()
+        stats.buckets += 1
+        if len(b.entries) > 1:
+            stats.largest_bucket = max(stats.largest_bucket, bk.buffer_bytes(b.entries))
+        if self._group.rank < self._num_trainers:  # type: ignore[union-attr]
+            stats.tensors += len(b.entries)
+        ex = report.execution
+        if ex is not None:
+            stats.bytes_sent += ex.bytes_sent
+            stats.bytes_received += ex.bytes_received
+            stats.seconds_rounds += ex.seconds_handshake + ex.seconds_confirm
+        stats.seconds_transfer += report.seconds.get("transfer", 0.0)
+
+    def _commit(self) -> None:
+        """The last round of a sync: every rank says it holds every bucket (a rank that failed never says so)."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        t0 = time.perf_counter()
+        all_gather_json(self._group, "done", timeout=timeout, what="reshard verl sync commit")
+        self.last_sync.seconds_rounds += time.perf_counter() - t0
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"reshard checkpoint engine: engine_kwargs.reshard.{name} must be {expected}, got {value!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except ImportError:
+        pass
+    import socket
+
+    return socket.gethostname()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def _domain(trainer: bool, node: str) -> tuple[str, str]:
+    """A rank's domain under `domains="node"`: its side and its node (trainer and rollout GPUs of one node are
+    kept apart: the rollout side's forwarding is what the domain is for)."""
+    return ("trainer" if trainer else "rollout", str(node))
+
+
+async def _aiter(stream: Any) -> AsyncIterator[Any]:
+    if hasattr(stream, "__aiter__"):
+        async for x in stream:
+            yield x
+    elif isinstance(stream, Iterable):
+        for x in stream:
+            yield x
+    else:
+        raise TypeError(f"reshard send_weights: weights must be an iterable of (name, tensor) or (name, shard, "
+                        f"ShardSpec), or an engine with get_per_tensor_param_shard(); got {type(stream).__name__}")
+
+
+def _normalise(item: Any) -> tuple[str, Any, Any]:
+    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3) or not isinstance(item[0], str):
+        raise TypeError(f"reshard send_weights: expected (name, tensor) or (name, shard, ShardSpec), got "
+                        f"{type(item).__name__} {_short(item)}")
+    name, tensor = item[0], item[1]
+    spec = item[2] if len(item) == 3 else None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"reshard send_weights: {name!r}: expected a tensor, got {type(tensor).__name__}")
+    if spec is not None:
+        if getattr(spec, "place", None) is not None:
+            raise NotImplementedError(f"reshard send_weights: {name!r}: ShardSpec with an explicit `place` (a "
+                                      "virtual full tensor) is not supported; pass DTensor placements")
+        if spec.mesh is None:  # unsharded: the local tensor is the full tensor (flattened by verl's FSDP export)
+            return name, tensor.reshape(tuple(spec.full_shape)), None
+    return name, tensor, spec
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _kind(t: Any, spec: Any) -> str:
+    if spec is not None:
+        return "shard"
+    return "dtensor" if _is_dtensor(t) else "full"
+
+
+def _full_shape(t: Any, spec: Any) -> tuple[int, ...]:
+    if spec is not None:
+        return tuple(int(s) for s in spec.full_shape)
+    return tuple(t.shape)
+
+
+def _local_of(t: Any, spec: Any) -> torch.Tensor:
+    """This rank's local tensor of a DTensor, or of a `(local, ShardSpec)` pair in its DTensor local shape (verl's
+    FSDP engine flattens the local shard: `local.reshape(-1)`)."""
+    if spec is None:
+        return t.to_local() if _is_dtensor(t) else t
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, _ = compute_local_shape_and_global_offset(torch.Size(spec.full_shape), spec.mesh, list(spec.placements))
+    if t.numel() != math.prod(shape):
+        raise ValueError(f"reshard send_weights: a local shard of {t.numel()} elements does not match its ShardSpec "
+                         f"(full shape {tuple(spec.full_shape)}, placements {tuple(spec.placements)}: local shape "
+                         f"{tuple(shape)} on this rank)")
+    return t.reshape(shape)
+
+
+def _full_mesh(shape: tuple[int, ...], T: int) -> tuple[Mesh, list[Any]]:
+    """The trainer layout of a full tensor: row blocks over the T trainer ranks (`Shard(0)`, torch.chunk's
+    split); a scalar or an empty first dim: held by trainer rank 0 alone."""
+    if len(shape) == 0 or shape[0] == 0:
+        return Mesh([0]), [Replicate()]
+    return Mesh(list(range(T))), [Shard(0)]
+
+
+def _carve(buf: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = bk.nbytes_of(shape, dtype)
+    return buf[off: off + n].view(dtype).view(shape)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _short(v: Any, n: int = 300) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[:n] + "..."

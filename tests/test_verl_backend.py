@@ -1,0 +1,178 @@
+"""reshard as verl's checkpoint-engine backend, driven by verl's real `CheckpointEngineManager` on a local Ray cluster.
+
+Two trainer workers (FSDP2 over gloo, a tiny Qwen3 with random weights) and two rollout workers (verl's own
+`CheckpointEngineWorker`, two TP1 replicas), selected by configuration alone (`backend="reshard"`,
+`custom_backend_module="reshard.integrations.verl"`). Runs in `.venv-verl` (`make test-frameworks`); one Ray
+cluster and one set of workers for the module (their start-up is most of the time), the fault test last (it ends
+a worker).
+
+Oracles: every received tensor against the trainer's own `full_tensor()`, byte for byte, after three syncs with
+weights changed between them; as a negative control, each sync's tensors differ from the previous sync's (a backend
+that delivered stale bytes would fail the byte check). Bytes: the trainer ranks together send the model exactly
+once (each a distinct part, none more than its share), and the rollout side's buckets hold at most `bucket_size`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is installed in .venv-verl (make test-frameworks)")
+
+import ray
+import torch
+import verl_cases as vc
+
+from reshard.comm import CommError
+from reshard.integrations.verl import ReshardCheckpointEngine, SyncError
+
+pytestmark = pytest.mark.frameworks
+
+BUCKET = 1 << 20
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    vc.ray_init()
+    trainer, rollout, _, manager = vc.setup(engine_kwargs={"timeout_s": TIMEOUT}, bucket_mb=1)
+    yield trainer, rollout, manager
+    ray.shutdown()
+
+
+def _check_received(trainer, rollout) -> dict[str, torch.Tensor]:
+    full = trainer.full_state()[0]
+    for worker, (order, got) in enumerate(rollout.received()):
+        assert order == list(full), f"rollout worker {worker}: names {order[:4]}... != {list(full)[:4]}..."
+        for name, want in full.items():
+            have = got[name]
+            assert have.shape == want.shape and have.dtype == want.dtype, name
+            assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), f"rollout {worker}: {name} differs"
+    return full
+
+
+def test_three_syncs_byte_equal(cluster) -> None:
+    trainer, rollout, manager = cluster
+    model_bytes = sum(t.nbytes for t in trainer.full_state()[0].values())
+    previous = None
+    for step in range(3):
+        metrics = vc.sync(manager, step)
+        full = _check_received(trainer, rollout)
+        if previous is not None:  # negative control: the weights did change, so stale bytes would have failed above
+            assert all(not torch.equal(full[n], previous[n]) for n in full)
+        previous = full
+        sent = [metrics[f"reshard/rank{r}/bytes_sent"] for r in range(2)]
+        # every trainer rank sends a distinct part of each tensor: together the model once, none more than its share
+        assert sum(sent) == model_bytes, (sent, model_bytes)
+        assert max(sent) <= model_bytes / 2 + 64 * 31, sent
+        stats = rollout.engine_attr("last_sync")
+        for s in stats:
+            assert 0 < s.largest_bucket <= BUCKET, s
+            assert s.tensors == len(full)
+            assert s.first_plans == (0 if step else s.buckets), s  # plans are built once, reused by later syncs
+        trainer.change_weights(step + 1)
+
+
+@pytest.mark.parametrize("stream", ["dtensor", "shard"])
+def test_sharded_streams(cluster, stream) -> None:
+    """DTensors and `(name, local, ShardSpec)` (verl's `get_per_tensor_param_shard()`): nothing gathered on the
+    trainer, each rank sends (part of) its own FSDP shard."""
+    trainer, rollout, manager = cluster
+    trainer.set_stream(stream)
+    try:
+        metrics = vc.sync(manager, 10)
+        _check_received(trainer, rollout)
+        full = trainer.full_state()[0]
+        sent = [metrics[f"reshard/rank{r}/bytes_sent"] for r in range(2)]
+        assert sum(sent) == sum(t.nbytes for t in full.values()), sent
+    finally:
+        trainer.set_stream("full")
+
+
+def test_bad_kwargs_on_every_worker(cluster) -> None:
+    """The real path: verl builds the engine on every worker from `engine_kwargs.reshard`; every one refuses (the
+constructor's other refusals: `tests/test_integrations_verl.py`)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import reshard.integrations.verl  # noqa: F401  (registers the backend, as custom_backend_module does)
+
+    with pytest.raises(TypeError, match="unknown engine_kwargs"):
+        CheckpointEngineRegistry.new("reshard", bucket_size=BUCKET, is_master=True, nonsense=True)
+    trainer, rollout, _ = cluster
+    assert trainer.new_engine("reshard", {"timeout_s": 5}) == ["ReshardCheckpointEngine"] * 2
+    refs = [w.new_engine.remote("reshard", {"timeout_s": "soon"}) for w in trainer.workers + rollout.workers]
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError, match="timeout_s must be seconds > 0"):
+            ray.get(ref)
+
+
+def test_build_topology_refuses_mismatch(cluster) -> None:
+    trainer, rollout, _ = cluster
+    meta = ray.get(trainer.execute_checkpoint_engine(["prepare"] * 2)
+                   + rollout.execute_checkpoint_engine(["prepare"] * 2))
+    with pytest.raises(ValueError, match=r"metadata from 4 workers, but actor_wg_world_size 2 \+ rollout_world_size "
+                                         r"3 = 5"):
+        ReshardCheckpointEngine.build_topology(2, 3, meta)
+    with pytest.raises(ValueError, match="exactly the first trainer worker must be the master"):
+        ReshardCheckpointEngine.build_topology(2, 2, meta[1:] + meta[:1])
+    with pytest.raises(ValueError, match="did not report reshard checkpoint-engine metadata"):
+        ReshardCheckpointEngine.build_topology(2, 2, meta[:3] + [{"backend": "nccl"}])
+
+
+def test_world_size_mismatch_fails_every_rank(cluster) -> None:
+    """A rollout worker told another world size: every rank's `init_process_group` raises, none hangs."""
+    trainer, rollout, manager = cluster
+    meta = ray.get(trainer.execute_checkpoint_engine(["prepare"] * 2)
+                   + rollout.execute_checkpoint_engine(["prepare"] * 2))
+    # a fresh group (the live one would be kept): bump the generation the master reported
+    meta[0]["master"]["generation"] += 100
+    tkw, rkw = ReshardCheckpointEngine.build_topology(2, 2, meta)
+    rkw["world_size"][1] = 5
+    rkw["domains"][1] = rkw["domains"][1] + [rkw["domains"][1][-1]]
+    refs = (trainer.execute_checkpoint_engine(method=["init_process_group"] * 2, **tkw)
+            + rollout.execute_checkpoint_engine(method=["init_process_group"] * 2, **rkw))
+    for ref in refs:
+        with pytest.raises(ray.exceptions.RayTaskError, match="CommError"):
+            ray.get(ref, timeout=TIMEOUT + 30)
+    # the next sync builds a new group and works
+    vc.sync(manager, 20)
+    _check_received(trainer, rollout)
+
+
+def test_engine_error_fails_every_rank(cluster) -> None:
+    """A rollout engine that refuses a tensor mid-sync: it raises, the other rollout worker and both trainers raise
+    too (none waits out the timeout), and the other worker's error says what its engine already took."""
+    trainer, rollout, manager = cluster
+    ray.get(rollout.workers[1].fail_after.remote(3))
+    try:
+        manager.build_process_group(rollout)  # verl's own steps 1-3 of a sync
+        refs = trainer.update_weights(global_steps=30) + rollout.update_weights(global_steps=30)
+        errors = []
+        for ref in refs:
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(ref, timeout=TIMEOUT + 30)
+            errors.append(str(info.value))
+        assert "the engine refused" in errors[3]
+        assert "CommError" in errors[0] and "CommError" in errors[1]
+        assert "SyncError" in errors[2] and "tensors were given to the engine" in errors[2]
+    finally:
+        ray.get(rollout.workers[1].fail_after.remote(None))
+    vc.sync(manager, 31)  # recovers: a new group
+    _check_received(trainer, rollout)
+
+
+def test_peer_disappears_fails_every_rank(cluster) -> None:
+    """A rollout worker whose process ends mid-sync: the trainers and the other rollout worker raise `CommError`
+    within the timeout. Last in the module: the worker is gone."""
+    trainer, rollout, manager = cluster
+    ray.get(rollout.workers[1].fail_after.remote(5, "exit"))
+    manager.build_process_group(rollout)
+    refs = trainer.update_weights(global_steps=40) + rollout.update_weights(global_steps=40)
+    for ref in refs[:3]:
+        with pytest.raises(ray.exceptions.RayTaskError, match="CommError|SyncError"):
+            ray.get(ref, timeout=TIMEOUT + 30)
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(refs[3], timeout=TIMEOUT)
+
+
+def test_errors_are_comm_errors() -> None:
+    assert issubclass(SyncError, CommError)  # callers that catch reshard's CommError catch a failed sync too

@@ -1,0 +1,249 @@
+"""Ray workers for the verl checkpoint-engine tests and benchmark: verl's own worker classes, driven by verl's real
+`CheckpointEngineManager`, on a local CPU Ray cluster.
+
+- `TrainerWorker` (a verl `Worker`): a tiny Qwen3 (`transformers`, random weights from a seed) under FSDP2 over gloo
+  among the trainer workers, with the checkpoint engine verl's FSDP `ActorRolloutRefWorker` builds
+  (`CheckpointEngineRegistry.new(backend, is_master=rank == 0, bucket_size=..., **engine_kwargs)`). `update_weights`
+  streams what verl's FSDP engine streams: `(name, p.full_tensor())` for every parameter on every rank
+  (`stream="full"`), or the DTensors themselves (`"dtensor"`), or `(name, local.reshape(-1),
+  ShardSpec.from_param(p))` as the FSDP engine's `get_per_tensor_param_shard()` does (`"shard"`).
+- `RolloutWorker`: verl's `CheckpointEngineWorker` with a server adapter that keeps a copy of every tensor it is
+  given (what vLLM's `load_weights` would load), as verl's own checkpoint-engine tests do.
+- `Replica`: a `RolloutReplica` owning rollout workers, without servers (abort / resume are no-ops over no servers).
+
+verl's own test workers (`tests/checkpoint_engine/test_utils.py`) build verl's FSDP `TrainingWorker`, which needs a
+GPU device; these keep their structure (a `Worker` with `update_weights` and `execute_checkpoint_engine`, a mock
+server adapter, a mock replica) on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import ray
+import torch
+from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry, CheckpointEngineWorker
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray.base import split_resource_pool
+from verl.utils.distributed import initialize_global_process_group_ray
+from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+from verl.workers.rollout import BaseRollout, RolloutReplica
+
+CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 5000, "hidden_size": 64,
+    "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 128, "tie_word_embeddings": False, "torch_dtype": "float32"}
+"""A 2-layer Qwen3 in float32, 2.9 MB: embedding and lm_head (5000 x 64, 1.28 MB each: larger than a 1 MB bucket,
+so each travels alone) and 2 x 11 layer tensors (1-D norms of 16 and 64 elements among them)."""
+
+
+def model_dir(config: dict[str, Any] | None = None) -> str:
+    """A directory holding a `config.json` (no weights, no tokenizer) for verl's `HFModelConfig`."""
+    d = tempfile.mkdtemp(prefix="reshard-verl-model-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config or CONFIG, f)
+    return d
+
+
+def build_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The tiny Qwen3 with random weights drawn from `seed` (every trainer worker draws the same)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    return Qwen3ForCausalLM(cfg).float()
+
+
+class TrainerWorker(Worker):
+    """A verl trainer worker: FSDP2 over gloo among the trainer workers, and a checkpoint engine."""
+
+    def __init__(self, config: dict[str, Any], checkpoint_engine_config: CheckpointEngineConfig, seed: int = 0,
+                 stream: str = "full") -> None:
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        initialize_global_process_group_ray(backend="cpu:gloo")
+        torch.set_num_threads(1)
+        self.model = build_model(config, seed)
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.stream = stream
+        cfg = checkpoint_engine_config
+        if cfg.custom_backend_module:
+            __import__(cfg.custom_backend_module)
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            cfg.backend, is_master=torch.distributed.get_rank() == 0,
+            bucket_size=cfg.update_weights_bucket_megabytes << 20, **cfg.engine_kwargs.get(cfg.backend, {}))
+
+    def _weights(self) -> Any:
+        from verl.workers.engine.spec import ShardSpec
+
+        for name, p in self.model.named_parameters():
+            if self.stream == "full":
+                yield name, p.full_tensor()
+            elif self.stream == "dtensor":
+                yield name, p.data
+            else:
+                # as verl's FSDP engine exports it: the local shard flattened, its spec from the parameter
+                yield name, p.to_local().reshape(-1), ShardSpec.from_param(p)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_stream(self, stream: str) -> None:
+        self.stream = stream
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def change_weights(self, step: int) -> None:
+        """An optimizer-like update: every parameter moves by a step-dependent amount (the same on every rank)."""
+        with torch.no_grad():
+            for i, (_, p) in enumerate(self.model.named_parameters()):
+                local = p.to_local()
+                g = torch.Generator().manual_seed(1000 * step + i)
+                local.add_(torch.randn(local.shape, generator=g) * 0.01)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def colocated_weights(self) -> dict[str, torch.Tensor]:
+        """What the last `naive` (colocated) sync loaded in this process."""
+        return self.colocated
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (collective over the trainer workers)."""
+        return {n: p.full_tensor().clone() for n, p in self.model.named_parameters()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict:
+        if mode == "naive":  # verl's colocated path: the rollout engine lives in this process and loads the stream
+            self.checkpoint_engine.send_weights(self._weights())
+            self.colocated = {name: t.clone() for name, t in self.checkpoint_engine.receive_weights()}
+            return {}
+        metrics = await self.checkpoint_engine.send_weights(self._weights(), global_steps=global_steps)
+        return metrics or {}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def engine_attr(self, name: str) -> Any:
+        return getattr(self.checkpoint_engine, name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def new_engine(self, backend: str, engine_kwargs: dict[str, Any]) -> str:
+        """Build another engine the way verl builds this worker's (to test the constructor's errors here)."""
+        engine = CheckpointEngineRegistry.new(backend, is_master=torch.distributed.get_rank() == 0,
+                                              bucket_size=1 << 20, **engine_kwargs)
+        return type(engine).__name__
+
+
+class RecordingAdapter(BaseRollout):
+    """A server adapter that copies every `(name, tensor)` it is given, as vLLM's `load_weights` would load it."""
+
+    def __init__(self, config: RolloutConfig, model_config: HFModelConfig) -> None:
+        super().__init__(config, model_config, device_mesh=None)
+        self.received: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []
+        self.fail_after: int | None = None
+        self.fail_how = "raise"
+
+    async def resume(self, tags: list[str]) -> None:
+        raise NotImplementedError
+
+    async def release(self) -> None:
+        raise NotImplementedError
+
+    async def update_weights(self, weights: Any, **kwargs: Any) -> None:
+        self.received, self.order = {}, []
+        async for name, weight in weights:
+            if self.fail_after is not None and len(self.order) >= self.fail_after:
+                if self.fail_how == "exit":  # the process disappears mid-sync, as a crashed engine would
+                    os._exit(1)
+                raise RuntimeError(f"the engine refused {name!r} (a test fault after {self.fail_after} tensors)")
+            self.received[name] = weight.clone()
+            self.order.append(name)
+
+
+class RolloutWorker(CheckpointEngineWorker):
+    """verl's `CheckpointEngineWorker` with the recording adapter."""
+
+    def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig) -> None:
+        torch.set_num_threads(1)
+        super().__init__(rollout_config, model_config, RecordingAdapter(rollout_config, model_config))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def received(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        return self.server_adapter.order, self.server_adapter.received
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_after(self, n: int | None, how: str = "raise") -> None:
+        """From the next sync on, fail after taking `n` tensors: raise (`"raise"`) or end the process (`"exit"`)."""
+        self.server_adapter.fail_after, self.server_adapter.fail_how = n, how
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def engine_attr(self, name: str) -> Any:
+        return getattr(self.checkpoint_engine, name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def new_engine(self, backend: str, engine_kwargs: dict[str, Any]) -> str:
+        """Build another engine the way `CheckpointEngineWorker.__init__` builds this worker's."""
+        engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 20, **engine_kwargs)
+        return type(engine).__name__
+
+
+class Replica(RolloutReplica):
+    """A rollout replica owning a slice of the rollout workers, with no servers."""
+
+    def get_ray_class_with_init_args(self) -> RayClassWithInitArgs:
+        raise NotImplementedError
+
+    async def launch_servers(self) -> None:
+        raise NotImplementedError
+
+
+def ray_init(num_cpus: int = 64, extra_path: tuple[str, ...] = ()) -> None:
+    """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store; the workers import this
+    module (and `extra_path`'s) by name."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), *extra_path, os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                       "RAY_DEDUP_LOGS": "0"}})
+
+
+def setup(backend: str = "reshard", *, num_trainers: int = 2, num_rollout: int = 2, rollout_tp: int = 1,
+          bucket_mb: int = 1, engine_kwargs: dict[str, Any] | None = None, stream: str = "full",
+          config: dict[str, Any] | None = None, seed: int = 0, custom_module: str | None = "reshard.integrations.verl"
+          ) -> tuple[RayWorkerGroup, RayWorkerGroup, list[Replica], CheckpointEngineManager]:
+    """Trainer and rollout worker groups on one resource pool, and verl's `CheckpointEngineManager` over them."""
+    config = config or CONFIG
+    ce = CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=bucket_mb,
+                                engine_kwargs={backend: dict(engine_kwargs or {})},
+                                custom_backend_module=custom_module)
+    model_config = HFModelConfig(path=model_dir(config), load_tokenizer=False)
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=ce, tensor_model_parallel_size=rollout_tp)
+    pool = RayResourcePool(process_on_nodes=[num_trainers + num_rollout], use_gpu=False, max_colocate_count=1)
+    trainer_pool, rollout_pool = split_resource_pool(pool, [num_trainers, num_rollout])
+    trainer = RayWorkerGroup(resource_pool=trainer_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+        cls=ray.remote(TrainerWorker), config=config, checkpoint_engine_config=ce, seed=seed, stream=stream))
+    rollout = RayWorkerGroup(resource_pool=rollout_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+        cls=ray.remote(RolloutWorker), rollout_config=rollout_config, model_config=model_config))
+    replicas = []
+    for r in range(num_rollout // rollout_tp):
+        rep = Replica(replica_rank=r, config=rollout_config, model_config=model_config)
+        rep.workers = rollout.workers[r * rollout_tp: (r + 1) * rollout_tp]
+        replicas.append(rep)
+    manager = CheckpointEngineManager(config=ce, actor_wg=trainer, replicas=replicas)
+    return trainer, rollout, replicas, manager
+
+
+def sync(manager: CheckpointEngineManager, step: int) -> dict:
+    """One `CheckpointEngineManager.update_weights` (verl's own sync: abort, prepare, build_topology, init, send and
+    receive, finalize, resume)."""
+    return manager.update_weights(global_steps=step)
