@@ -17,7 +17,12 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
   its reason as the group's verdict, so the trainer ranks' next `send_weights()` raises it at once. A failed transfer
   (any refit error, a dead trainer rank) leaves the forward on the previous weights: re-processing, the step that
   changes what the forward reads, runs only after the whole transfer succeeded.
-- Pausing generation around an update is the caller's (vLLM's `pause_generation` / `/pause`).
+- Updates come in phases (`ReshardUpdateInfo.phase`): `"stage"` starts the transfer in a background thread into
+  buffers the forward does not read (loader-format buffers, copies of the norms) and returns, so the engine keeps
+  serving; `"commit"` waits for it, then re-processes and copies into the live tensors; `"full"` (the default) is
+  both in one call. Pausing generation around a commit or a full update is the caller's (vLLM's
+  `pause_generation` / `/pause`). With `delta`, updates after the first send only changed elements into the
+  buffers, which still hold the last update; a failed update resets that state, so the next one is full.
 """
 
 from __future__ import annotations
