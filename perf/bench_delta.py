@@ -60,8 +60,8 @@ from _common import machine_info, write_csv
 
 from reshard.kernels import (
     DeltaFormat,
-    count_changed,
     checksum,
+    count_changed,
     delta_decode,
     delta_encode,
     delta_nbytes,

@@ -35,10 +35,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
-import ray
-import torch
-import verl_cases as vc
-from _common import machine_info, spread, write_csv
+import ray  # noqa: E402  (after the path set-up)
+import torch  # noqa: E402  (after the path set-up)
+import verl_cases as vc  # noqa: E402  (after the path set-up)
+from _common import machine_info, spread, write_csv  # noqa: E402  (after the path set-up)
 
 MODULES = {"reshard": "reshard.integrations.verl", "gloo-single-sender": "verl_gloo_baseline", "naive": None}
 

@@ -239,9 +239,9 @@ def summary(rows: list[dict]) -> list[str]:
 
         paused, commit = med("paused_update_full"), med("commit_pause")
         lines.append(f"{size} ({rs[0]['bf16_mib']} MiB bf16): paused update {paused * 1e3:.1f} ms, two-phase pause "
-                     f"(commit) {commit * 1e3:.1f} ms ({commit / paused:.2f} of it); stage {med('stage_full') * 1e3:.1f}"
-                     f" ms; tokens/s idle {med('tokens_per_s_idle', 'value'):.1f}, during a stage "
-                     f"{med('tokens_per_s_during_stage', 'value'):.1f}")
+                     f"(commit) {commit * 1e3:.1f} ms ({commit / paused:.2f} of it); stage "
+                     f"{med('stage_full') * 1e3:.1f} ms; tokens/s idle {med('tokens_per_s_idle', 'value'):.1f}, "
+                     f"during a stage {med('tokens_per_s_during_stage', 'value'):.1f}")
         for lr in dict.fromkeys(r["lr"] for r in rs if "lr" in r):
             fb, db = med("full", "wire_bytes", lr=lr), med("delta", "wire_bytes", lr=lr)
             lines.append(f"  lr {lr:g}: full {fb / 2**20:.2f} MiB in {med('full', lr=lr) * 1e3:.1f} ms, delta "

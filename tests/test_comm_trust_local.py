@@ -26,8 +26,13 @@ def test_close_releases_the_store_port_at_once(monkeypatch) -> None:
 
 
 def test_the_control_allowance_follows_the_call() -> None:
-    from reshard.comm._wire import CONTROL_SLACK, MAX_CONTROL_TOTAL_BYTES, MAX_MESSAGE_BYTES, control_allowance, \
-        over_allowance
+    from reshard.comm._wire import (
+        CONTROL_SLACK,
+        MAX_CONTROL_TOTAL_BYTES,
+        MAX_MESSAGE_BYTES,
+        control_allowance,
+        over_allowance,
+    )
 
     assert control_allowance([3_000, 2_500, 20 << 20, 2_800]) == MAX_CONTROL_TOTAL_BYTES // 4  # the worked example
     big = 40 << 20  # honest ranks that all need a lot: the bound grows with them (to the message limit)

@@ -23,7 +23,8 @@ def test_buckets_split_in_order_and_oversized_alone() -> None:
 
 def test_entries_offsets_aligned_and_views_exact() -> None:
     rows = [bk.manifest_row("w", (3, 5), torch.bfloat16, "full"), bk.manifest_row("s", (), torch.float32, "full"),
-            bk.manifest_row("e", (0, 7), torch.float8_e4m3fn, "shard"), bk.manifest_row("b", (9,), torch.int8, "dtensor")]
+            bk.manifest_row("e", (0, 7), torch.float8_e4m3fn, "shard"),
+            bk.manifest_row("b", (9,), torch.int8, "dtensor")]
     entries = bk.layout_entries(rows)
     assert [e.offset for e in entries] == [0, 64, 128, 128]  # 30 B -> 64; 4 B -> 64; 0 B -> 0; 9 B
     assert bk.buffer_bytes(entries) == 192
@@ -112,7 +113,9 @@ class _ShardExport:
     def get_per_tensor_param_shard(self) -> tuple:
         from types import SimpleNamespace
 
-        spec = lambda t: SimpleNamespace(full_shape=tuple(t.shape), mesh=None, placements=None, place=None)
+        def spec(t: torch.Tensor) -> SimpleNamespace:
+            return SimpleNamespace(full_shape=tuple(t.shape), mesh=None, placements=None, place=None)
+
         return ((n, t.reshape(-1), spec(t)) for n, t in _weights(self.step).items()), None
 
 

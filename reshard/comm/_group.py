@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator

@@ -1,9 +1,10 @@
 """Model refit: whole-model weight sync from a trainer to an inference engine.
 
 Exports `Refit`, `RefitReport` and `Choice` (a weight's method in `RefitReport.choices`, with the modelled times),
-`POLICIES` and `NameMap` (the type of `Refit(name_map=...)`). Each side registers only its own tensors and layouts; `Refit.run()` exchanges the metadata once,
-plans the whole model once, and moves every weight on each call. Engine-side layouts of real engines (fused
-`qkv_proj`, `gate_up_proj`, experts, padded vocabularies) are in `reshard.integrations`.
+`POLICIES` and `NameMap` (the type of `Refit(name_map=...)`). Each side registers only its own tensors and
+layouts; `Refit.run()` exchanges the metadata once, plans the whole model once, and moves every weight on each
+call. Engine-side layouts of real engines (fused `qkv_proj`, `gate_up_proj`, experts, padded vocabularies) are in
+`reshard.integrations`.
 """
 
 from reshard.refit._names import NameMap

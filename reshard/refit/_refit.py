@@ -31,34 +31,29 @@ from reshard.comm import CommError, DeltaSession, Group, execute
 from reshard.comm._delta import SNAPSHOTS
 from reshard.comm._group import as_timedelta
 from reshard.comm._handshake import agree, all_gather_json
-from reshard.cost import get_hardware
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     ExplicitLayout,
     Layout,
     Plan,
-    PlanItem,
     Topology,
     fuse,
-    plan_many,
     relabel,
 )
 from reshard.planner._blocks import scale_layout
 from reshard.planner._mesh import flat_index
-from reshard.planner._wire import decode_layout, encode_layout
-from reshard.refit._fp8 import BLOCK, FP8, Fp8Weight
-from reshard.refit._gather import GatherBroadcastWeight
+from reshard.planner._wire import encode_layout
+from reshard.refit._build import Built, build
+from reshard.refit._fp8 import BLOCK, FP8
 from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
 from reshard.refit._meta import LayoutLike, check_local
-from reshard.refit._names import NameMap, match_names, merge_aliases
-from reshard.refit._policy import Choice, choose
+from reshard.refit._names import NameMap
+from reshard.refit._policy import Choice
 from reshard.refit._replicas import replica_digests, replica_errors
-from reshard.refit._sources import source_layouts
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "reshard", "gather_broadcast")
-PRECISIONS = ("same", "cast", "fp8_block")
 
 
 @dataclass
@@ -225,7 +220,7 @@ class Refit:
         self._src_aliases: dict[str, tuple[str, ...]] = {}  # trainer name -> its other names (a tie)
         self._dst_aliases: dict[str, tuple[str, ...]] = {}  # inference global name -> its other names
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
-        self._built: _Built | None = None
+        self._built: Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
     def add_source(self, name: str, tensor: Any, layout: LayoutLike | None = None, *,
@@ -368,7 +363,7 @@ class Refit:
         if first:
             meta = self._exchange_metadata(srcs, dsts, scales, errors)
             t1 = time.perf_counter()
-            self._built = _build(self, meta)
+            self._built = build(self, meta)
             self._planned = {(kind, n): geometry(t) for kind, ts in (("source", srcs), ("destination", dsts),
                                                                       ("scale of destination", scales))
                              for n, t in ts.items()}
@@ -428,7 +423,7 @@ class Refit:
         lines.append(b.plan.describe(max_transfers=0))
         return "\n".join(lines)
 
-    def _check_replicas(self, b: _Built, srcs: dict[str, torch.Tensor]) -> None:
+    def _check_replicas(self, b: Built, srcs: dict[str, torch.Tensor]) -> None:
         mine = [self.rank, replica_digests(self.rank, b.source_layouts, srcs)]
         td = as_timedelta(self.timeout, default=self.group.timeout)
         gathered = all_gather_json(self.group, mine, timeout=td, what="refit replica check")
@@ -504,7 +499,7 @@ class Refit:
         self._sources[name] = (now, layout)
         return None
 
-    def _check_live(self, b: _Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
+    def _check_live(self, b: Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
                     errors: list[str]) -> None:
         """Raise on every rank, before data moves, if any rank's tensors no longer fit the plan."""
         errors = list(errors)
@@ -529,7 +524,7 @@ class Refit:
             raise ValueError(f"Refit on rank {self.rank}: registered tensors changed, nothing was moved:\n  "
                              + "\n  ".join(errors))
 
-    def _agreed_fingerprint(self, b: _Built) -> str:
+    def _agreed_fingerprint(self, b: Built) -> str:
         """What every later run's agreement compares: the plan and this refit's identity, so that two refits of
         the same plan run in a different order on some ranks do not agree."""
         return hashlib.sha256(f"{b.plan.fingerprint}|{self.identity}".encode()).hexdigest()[:32]
@@ -600,30 +595,8 @@ def _aliases_ok(aliases: Any) -> bool:
                     for side in aliases.values()))
 
 
-@dataclass
-class _Built:
-    source_layouts: dict[str, LayoutLike]
-    source_names: list[str]
-    dest_names: list[str]
-    plan: Plan
-    choices: dict[str, str]
-    gather_broadcast: list[Any]
-    scale_names: list[str]
-    fp8: list[Fp8Weight]
-    num_src: int
-    num_dst: int
-
-
 def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
-
-
-def _precision(precision: Any, name: str) -> str:
-    if isinstance(precision, str):
-        return precision
-    if callable(precision):
-        return precision(name)
-    return precision.get(name, "same")
 
 
 def _check_scale(name: str, d: _Dest, scale: torch.Tensor | None, rank: int) -> list[str]:
@@ -648,141 +621,7 @@ def _check_scale(name: str, d: _Dest, scale: torch.Tensor | None, rank: int) -> 
     return []
 
 
-def _build(refit: Refit, meta: list[dict]) -> _Built:
-    """Check the gathered metadata (the same on every rank, so every rank raises the same error) and plan."""
-    errors = [e for m in sorted(meta, key=lambda m: m["rank"]) for e in m["errors"]]
-    src_layouts, _, src_errors = source_layouts(meta)
-    errors.extend(src_errors)
-    dests: dict[str, list] = {}
-    dest_holders: dict[str, set[int]] = {}
-    for m in sorted(meta, key=lambda m: m["rank"]):
-        for n, comps in m["dests"].items():
-            if n in dests and dests[n] != comps:
-                errors.append(f"destination {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
-                              f"{min(dest_holders[n])})")
-            dests.setdefault(n, comps)
-            dest_holders.setdefault(n, set()).add(m["rank"])
-    dst_components: dict[str, tuple[str, str, LayoutLike]] = {}  # global name -> (dest tensor, global, layout)
-    for dn, comps in sorted(dests.items()):
-        for gname, spec in comps:
-            lay = decode_layout(spec)
-            missing = sorted(set(lay.ranks) - dest_holders[dn])
-            if missing:
-                errors.append(f"destination {dn!r}: ranks {missing} hold part of it by its layout but did not "
-                              "register it")
-            if gname in dst_components:
-                errors.append(f"destination global tensor {gname!r} is declared by both {dst_components[gname][0]!r}"
-                              f" and {dn!r}")
-            dst_components[gname] = (dn, gname, lay)
-
-    # names: unmapped, extra (mapped to nothing declared), duplicate, missing, one-sided ties (see _names)
-    by_rank = sorted(meta, key=lambda m: m["rank"])
-    src_aliases = merge_aliases([(m["rank"], m["aliases"]["sources"]) for m in by_rank], "trainer", errors)
-    dst_aliases = merge_aliases([(m["rank"], m["aliases"]["dests"]) for m in by_rank], "inference", errors)
-    pairs, name_errors = match_names(src_layouts, dst_components, name_map=refit.name_map,
-                                     ignore=refit.ignore_sources,
-                                     src_aliases=_by_name(src_aliases), dst_aliases=_by_name(dst_aliases))
-    errors.extend(name_errors)
-    scaled: dict[str, set[int]] = {}
-    for m in meta:
-        for n in m["scaled"]:
-            scaled.setdefault(n, set()).add(m["rank"])
-    modes: dict[str, str] = {}
-    for sname, gname in pairs:
-        s, (dn, _, d) = src_layouts[sname], dst_components[gname]
-        mode = modes[sname] = _precision(refit.precision, sname)
-        if tuple(s.shape) != tuple(d.shape):
-            errors.append(f"weight {sname!r} -> {gname!r}: global shape {tuple(s.shape)} on the trainer, "
-                          f"{tuple(d.shape)} on the inference side")
-        elif mode not in PRECISIONS:
-            errors.append(f"weight {sname!r}: precision must be one of {PRECISIONS}, got {mode!r}")
-        elif d.dtype == FP8 or mode == "fp8_block":
-            if mode != "fp8_block" or d.dtype != FP8 or not s.dtype.is_floating_point:
-                errors.append(f"weight {sname!r} -> {gname!r}: dtype {s.dtype} on the trainer, {d.dtype} on the "
-                              f"inference side with precision {mode!r}; FP8 block weights need "
-                              "precision='fp8_block' and a float8_e4m3fn destination")
-            else:
-                missing_scale = sorted(dest_holders[dn] - scaled.get(dn, set()))
-                if missing_scale:
-                    errors.append(f"destination {dn!r}: ranks {missing_scale} registered no scale tensor "
-                                  "(weight_scale_inv) for this FP8 block weight; pass scale=...")
-        elif s.dtype != d.dtype and mode != "cast":
-            errors.append(f"weight {sname!r} -> {gname!r}: dtype {s.dtype} on the trainer, {d.dtype} on the "
-                          "inference side (use precision='cast' to cast while packing)")
-    if errors:
-        raise ValueError(f"Refit on rank {refit.rank}: {len(errors)} problem(s), nothing was moved:\n  "
-                         + "\n  ".join(errors))
-
-    source_names = sorted(src_layouts)
-    dest_names = sorted(dests)
-    scale_names = sorted(n for n in scaled if n in dests)
-    s_index = {n: i for i, n in enumerate(source_names)}
-    d_index = {n: i for i, n in enumerate(dest_names)}
-    scale_index = {n: len(dest_names) + k for k, n in enumerate(scale_names)}
-    extra_src, extra_dst = len(source_names), len(dest_names) + len(scale_names)
-    items: list[PlanItem] = []
-    choices: dict[str, str] = {}
-    gather_broadcast: list[Any] = []
-    fp8: list[Fp8Weight] = []
-    pending: list[tuple[str, PlanItem]] = []  # policy "auto": decided with the whole-model plan below
-    for sname, gname in sorted(pairs, key=lambda kv: (dst_components[kv[1]][0], kv[1])):
-        dn, _, dlay = dst_components[gname]
-        if modes[sname] == "fp8_block":
-            w = Fp8Weight(gname, src_layouts[sname], dlay, s_index[sname], d_index[dn], scale_index[dn],
-                          extra_src, extra_dst)
-            extra_src += w.num_extra_src
-            extra_dst += w.num_extra_dst
-            fp8.append(w)
-            items.extend(w.items)
-            choices[sname] = "reshard, fp8_block quantized on the " + ("source" if w.on_source else "destination")
-            continue
-        item = PlanItem(src_layouts[sname], dlay, s_index[sname], d_index[dn], name=gname,
-                        precision="cast" if modes[sname] == "cast" else "same")
-        method = _fixed_method(refit, sname, item)
-        choices[sname] = method or "auto"  # keeps the order; replaced below
-        if method is None:
-            pending.append((sname, item))
-        elif method == "reshard":
-            items.append(item)
-        else:
-            gather_broadcast.append(GatherBroadcastWeight(item))
-    p = plan_many(items + [it for _, it in pending], refit.topology, relay=refit.relay,
-                  staging_bytes=refit.staging_bytes)
-    if pending:
-        hw = refit.hardware if refit.hardware is not None else get_hardware("h100")
-        decided = choose([it for _, it in pending], p, hw, refit.topology.domain, first=len(items))
-        for (sname, item), c in zip(pending, decided):
-            choices[sname] = c
-            if c == "gather_broadcast":
-                gather_broadcast.append(GatherBroadcastWeight(item))
-            else:
-                items.append(item)
-        if len(items) < len(p.items):  # some went by gather-and-broadcast: plan the rest without them
-            p = plan_many(items, refit.topology, relay=refit.relay, staging_bytes=refit.staging_bytes)
-    return _Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src,
-                  extra_dst)
-
-
 def _alias_names(what: str, name: str, aliases: Any) -> tuple[str, ...]:
     if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
         raise ValueError(f"Refit.{what}: {name!r}: aliases must be a list of names, got {aliases!r}")
     return tuple(a for a in aliases if a != name)
-
-
-def _by_name(aliases: dict[str, str]) -> dict[str, list[str]]:
-    """alias -> name, as name -> [aliases]."""
-    out: dict[str, list[str]] = {}
-    for a, n in sorted(aliases.items()):
-        out.setdefault(n, []).append(a)
-    return out
-
-
-def _fixed_method(refit: Refit, sname: str, item: PlanItem) -> Choice | None:
-    """The method `policies` / `policy` fix for this weight, or None for `auto` (see `reshard.refit._policy`)."""
-    policy = refit.policies.get(sname, refit.policy)
-    if item.precision != "same":
-        if policy == "gather_broadcast":
-            raise ValueError(f"weight {sname!r}: gather_broadcast moves values as they are; use policy 'reshard' "
-                             f"or 'auto' with precision {item.precision!r}")
-        return Choice("reshard")
-    return None if policy == "auto" else Choice(policy)
