@@ -324,8 +324,19 @@ def test_init_info_ranks_and_bad_values() -> None:
         ReshardInitInfo(master_address="h", master_port=1, trainer_world_size=2, rank_offset=3)
 
 
-def _stage(llm, version: str, **extra) -> None:
-    llm.update_weights({"update_info": {"version": version, "phase": "stage", **extra}})
+def _stage(llm, version: str) -> None:
+    """Start an update and stage `version` (the call returns while the transfer runs)."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": version, "phase": "stage"}})
+
+
+def _staged_update(llm, trainers: vc.Trainers, version: str, weights: vc.Version) -> list:
+    """Stage `version`, let the trainer send `weights`, commit; the trainer ranks' results."""
+    _stage(llm, version)
+    trainers.post("send", weights)
+    sent = trainers.wait()
+    _commit(llm, version)
+    return sent
 
 
 def _commit(llm, version: str) -> None:
@@ -370,7 +381,6 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         trainers.wait()
 
         # stage v2 while serving v1: before the trainer sends, while it sends, after it landed: still v1
-        llm.start_weight_update()
         _stage(llm, "2")
         assert llm.collective_rpc(vc.versions) == [(None, "2")]
         _assert_same(_observe(llm), want["v1"])
@@ -385,11 +395,7 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         assert llm.collective_rpc(vc.versions) == [("2", None)]
 
         # a delta update: the small step v2 -> v3 sends a fraction of the bytes and lands exactly v3
-        llm.start_weight_update()
-        _stage(llm, "3")
-        trainers.post("send", v3)
-        delta = trainers.wait()
-        _commit(llm, "3")
+        delta = _staged_update(llm, trainers, "3", v3)
         _assert_same(_observe(llm), want["v3"])
         full_bytes = first[0][1]  # the whole plan's network bytes
         sent = sum(r[2] for r in delta)
@@ -398,7 +404,6 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         # a bad update (a float32 norm) is refused before the commit; v3 stays
         trainers.post("retype", "model.norm.weight", "float32")
         trainers.wait()
-        llm.start_weight_update()
         _stage(llm, "bad")
         trainers.post("send", v2)
         with pytest.raises(AssertionError, match="model.norm.weight"):
@@ -409,16 +414,11 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         trainers.post("retype", "model.norm.weight", "bfloat16")
         trainers.wait()
         # the next update is full: the engine's buffers are of unknown version after a failed one
-        llm.start_weight_update()
-        _stage(llm, "1")
-        trainers.post("send", v1)
-        after = trainers.wait()
-        _commit(llm, "1")
+        after = _staged_update(llm, trainers, "1", v1)
         _assert_same(_observe(llm), want["v1"])
         assert sum(r[2] for r in after) >= sum(r[3] for r in after) > 0, after  # every box whole
 
         # a trainer rank that dies during a stage: the engine keeps serving v1, the commit refuses
-        llm.start_weight_update()
         _stage(llm, "2")
         trainers.post("die", 1, v2)
         survivor = trainers.results.get(timeout=120)
