@@ -259,8 +259,13 @@ class Group:
             session, store_host = rv.join(base, rank, world_size, key, deadline, label, hosts_store=master)
             store.set_timeout(remaining())
             verdicts = Verdicts(base, key, JOIN_SESSION)
+            # gloo's connect blocks in a wait on its store client until every peer's address is there; the
+            # watcher polls the verdicts through a client of its own, or it would queue behind that wait (up to
+            # the whole timeout) and miss a rank that refused the rendezvous meanwhile
+            watch = dist.TCPStore(host, store.port, None, False, timeout=remaining())
             control = rv.connect(lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td),
-                                 verdicts, rank, label)
+                                 Verdicts(dist.PrefixStore(f"{prefix}/", watch), key, JOIN_SESSION), rank, label)
+            del watch
             rv.prove_membership(control, verdicts, rank, world_size, key, session, remaining(), label)
         except CommError:
             raise
