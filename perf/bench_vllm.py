@@ -34,6 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_csv  # noqa: E402
 
+from reshard.models import ModelConfig, param_specs  # noqa: E402
+
 logger = logging.getLogger("bench_vllm")
 HEAD_DIM, HEADS, KV_HEADS, VOCAB = 64, 8, 4, 4096
 
@@ -48,19 +50,11 @@ def config(hidden: int, layers: int, inter: int) -> dict:
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                       "lm_head.weight": (v, h)}
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,)})
-    return out
+    """HuggingFace name -> shape of every weight of `cfg`'s Qwen3 (`reshard.models.param_specs`)."""
+    mc = ModelConfig(name="bench", family="llama", qk_norm=True, tie_word_embeddings=cfg["tie_word_embeddings"],
+                     **{k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim")})
+    return {p.name: tuple(p.shape) for p in param_specs(mc)}
 
 
 def master(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -37,8 +37,7 @@ header checks of `delta_decode` read the headers on the host on both backends.
 Where each part lives: the wire format (the encoded box's bytes, `DeltaHeader`, sizes, offsets, the headers'
 reading and writing) and the argument checks in `_delta_format.py`; the torch references in `_delta_reference.py`;
 the Triton launcher in `_delta_launch.py`, beside the Triton kernels in `_delta_triton.py`. This file holds the
-public ops, which pick a backend; it also re-exports the format's public names and the references, so imports
-from `reshard.kernels._delta` made before the split keep working.
+public ops, which pick a backend (`reshard.kernels` exports them with the format's and the references' names).
 """
 
 from __future__ import annotations
@@ -53,11 +52,9 @@ from reshard.kernels._delta_format import (
     DELTA_ALIGN,
     DELTA_DENSE_FRACTION,
     DELTA_HEADER_BYTES,
-    DELTA_MAGIC,
     ChangeScan,
     DeltaFormat,
     DeltaHeader,
-    DeltaVersionError,
     FormatArg,
     _check_aligned,
     _check_buffer,
@@ -68,14 +65,6 @@ from reshard.kernels._delta_format import (
     _snapshot_args,
     _versions,
     _write_headers,
-    choose_delta_format,
-    delta_max_nbytes,
-    delta_nbytes,
-    delta_offsets,
-    encoded_values_offset,
-    read_delta_headers,
-    resolve_delta_formats,
-    walk_delta_offsets,
 )
 from reshard.kernels._delta_launch import _count_triton, _decode_triton, _encode_triton
 from reshard.kernels._delta_reference import (
@@ -87,35 +76,6 @@ from reshard.kernels._delta_reference import (
 from reshard.kernels._pack import pack
 from reshard.kernels._spec import OffsetArg, TensorArg
 from reshard.planner._box import Box
-
-__all__ = [
-    "DELTA_ALIGN",
-    "DELTA_DENSE_FRACTION",
-    "DELTA_HEADER_BYTES",
-    "DELTA_MAGIC",
-    "ChangeScan",
-    "DeltaFormat",
-    "DeltaHeader",
-    "DeltaVersionError",
-    "FormatArg",
-    "choose_delta_format",
-    "count_changed",
-    "count_changed_reference",
-    "delta_decode",
-    "delta_decode_reference",
-    "delta_encode",
-    "delta_encode_dense",
-    "delta_encode_reference",
-    "delta_max_nbytes",
-    "delta_nbytes",
-    "delta_offsets",
-    "encoded_values_offset",
-    "read_delta_headers",
-    "resolve_delta_formats",
-    "scan_changes",
-    "scan_changes_reference",
-    "walk_delta_offsets",
-]
 
 
 def _resolve(op: str, backend: str | None, device: torch.device) -> str:
