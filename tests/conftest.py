@@ -92,3 +92,48 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
+
+
+# The processor's features that change which kernels torch and vLLM's CPU backend run (the tests assert behaviour,
+# never these; they are printed so a failure log says what machine it came from).
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def processor_summary(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """One line: the processor's model name, which of `_CPU_FLAGS` it has, and the CPUs this process may use."""
+    model, flags = "unknown", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    has = [f for f in _CPU_FLAGS if f in flags]
+    missing = [f for f in _CPU_FLAGS if f not in flags]
+    return f"processor: {model}; {cpus} usable CPUs; has {', '.join(has) or 'none'} of {', '.join(_CPU_FLAGS)}" + (
+        f" (not {', '.join(missing)})" if missing else "")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return processor_summary()  # shown without -q; the summary below repeats it for -q runs
+
+
+_NOTES: list[str] = []
+NOTE = "reshard-note"  # a `record_property` key (tests/vllm_cases.py uses the same) printed in the run's summary
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the `NOTE` properties tests record (in this process or, under xdist, sent from a worker)."""
+    if report.when == "call":
+        _NOTES.extend(f"{report.nodeid}: {value}" for key, value in report.user_properties if key == NOTE)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    terminalreporter.section("reshard notes")
+    for line in [processor_summary(), *_NOTES]:
+        terminalreporter.write_line(line)

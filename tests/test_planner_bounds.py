@@ -27,7 +27,8 @@ def _refused_fast(match: str, call) -> None:
     with pytest.raises(ValueError, match=match):
         call()
     elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+    # a refusal takes milliseconds, building what it refuses minutes; 5 s leaves room for a loaded 2-core machine
+    assert elapsed < 5.0, f"refused after {elapsed:.2f} s"
 
 
 def _copy(shape: tuple[int, ...], src_ranks: list[int], dst_ranks: list[int], dtype=torch.float32, name=None):

@@ -46,7 +46,7 @@ def _engine(path: str, tp: int, monkeypatch: pytest.MonkeyPatch, *, in_process: 
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the test's own functions
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if tp == 2 else "nobind")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", vc.omp_threads_bind(tp))
     extra = {}
     if in_process:
         assert tp == 1
@@ -115,16 +115,18 @@ def _update(llm, trainers: vc.Trainers, seed: int) -> list:
 
 
 def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int = 1000, tp: int,
-             negative: bool = False, moe: bool = False, family: str | None = None, torch_gemm: bool = False,
-             faults: bool = False):
+             negative: bool = False, moe: bool = False, family: str | None = None, gemm: str | None = None,
+             faults: bool = False, record_property=None):
     """Refit a live engine V1 -> V2 -> V1 and compare it with vLLM's own loading of each version (module docstring).
 
     Args:
         family: a `vllm_cases.FAMILIES` model, built by `transformers` and saved by its `save_pretrained` (else the
             hand-written Qwen3 of `kv_heads`, `vocab`, `moe`); the backend's engine tensors must also be the ones
             `reshard.integrations.hf` names for it.
-        torch_gemm: (TP 1, in process) the engines load and re-process every Linear layer through the CPU backend's
-            plain `F.linear` branch (`force_torch_gemm`), not the one this processor takes (oneDNN or AMX).
+        gemm: (TP 1, in process) one of `vllm_cases.GEMM_FORCINGS`: the engines load and re-process every Linear
+            layer on the CPU GEMM branch this forcing leaves the dispatch on this processor (`vc.forced_branch`),
+            checked on the live engine; else on the branches the processor takes by default, whichever they are.
+        record_property: pytest's fixture, to report the GEMM branches the engine took in the run's summary.
         faults: after the refits, a bad update (a float32 norm) then a good one, and an engine whose init fails
             (a parameter no rule covers) with the trainer hearing why (`_faults`).
     """
@@ -137,9 +139,10 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
     ck1, ck2 = str(tmp_path / "v1"), str(tmp_path / "v2")
     write(ck1, cfg, V1)
     write(ck2, cfg, V2)
-    if torch_gemm:
-        assert tp == 1 and vc.default_gemm_branch() != "torch", "no other GEMM branch to force on this processor"
-        vc.force_torch_gemm(monkeypatch)
+    if gemm is not None:
+        assert tp == 1, "a forced GEMM branch needs the engine in this process"
+        forced = vc.forced_branch(gemm)
+        vc.force_gemm(monkeypatch, gemm)
     want_v2 = None
     # vLLM's reload is no oracle for MoE (it leaves the experts' prepacked kernels on the old weights) nor for a tied
     # embedding (a second reload left the tied lm_head's GEMM unlike a fresh load's): V2 gets an engine of its own
@@ -150,7 +153,10 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
     llm = _engine(ck1, tp, monkeypatch, in_process=tp == 1)
     want_v1 = _observe(llm)  # a fresh load of V1: the oracle for V1, and the state the refit starts from
     branches = {b for worker in llm.collective_rpc(vc.gemm_branches) for b in worker.values()}
-    assert branches == {"torch"} if torch_gemm else "torch" not in branches, branches
+    if record_property is not None:
+        record_property(vc.NOTE, f"GEMM branches taken: {sorted(branches)}")
+    if gemm is not None:  # the forcing reached every Linear layer of the live engine
+        assert branches == {forced}, (gemm, forced, branches)
 
     try:
         port = vc.free_port()
@@ -216,12 +222,14 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
         _close(llm)
 
 
-def test_refit_tp1_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers) -> None:
-    _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=1, negative=True)
+def test_refit_tp1_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers, record_property) -> None:
+    _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=1, negative=True,
+             record_property=record_property)
 
 
-def test_refit_tp2_1_kv_head_replicated(tmp_path, monkeypatch, trainers) -> None:
-    _session(tmp_path, monkeypatch, trainers, kv_heads=1, vocab=1000, tp=2, faults=True)
+def test_refit_tp2_1_kv_head_replicated(tmp_path, monkeypatch, trainers, record_property) -> None:
+    _session(tmp_path, monkeypatch, trainers, kv_heads=1, vocab=1000, tp=2, faults=True,
+             record_property=record_property)
 
 
 def _faults(llm, trainers: vc.Trainers, cfg: dict, tp: int, got_v2, want_v1) -> None:
@@ -274,24 +282,33 @@ def _faults(llm, trainers: vc.Trainers, cfg: dict, tp: int, got_v2, want_v1) -> 
 
 @pytest.mark.parametrize("family,tp", [("llama-tied", 2), ("qwen2-tied", 2), ("qwen3-tied", 1), ("mistral", 1),
                                        ("gemma", 1)])
-def test_family_refit(tmp_path, monkeypatch, trainers, family: str, tp: int) -> None:
+def test_family_refit(tmp_path, monkeypatch, trainers, record_property, family: str, tp: int) -> None:
     """The sweep: each family from a tiny random `transformers` config, saved by `save_pretrained` (a tied model
     stores its embedding once), refit from a trainer holding the model's own parameters (a tied one under both
     names, as a `state_dict` has them)."""
-    _session(tmp_path, monkeypatch, trainers, family=family, tp=tp)
+    _session(tmp_path, monkeypatch, trainers, family=family, tp=tp, record_property=record_property)
 
 
-def test_refit_tp1_other_gemm_branch(tmp_path, monkeypatch, trainers) -> None:
-    """The CPU backend's other GEMM branch: engines whose every Linear layer runs `F.linear` (the branch of a
-    processor with neither AMX nor oneDNN; the parameter keeps its weight) refit bit-exactly too."""
-    _session(tmp_path, monkeypatch, trainers, kv_heads=2, vocab=1000, tp=1, torch_gemm=True)
+def test_refit_tp1_other_gemm_branches(tmp_path, monkeypatch, trainers, record_property) -> None:
+    """Every CPU GEMM branch this processor can run besides its default one (vLLM's dispatch forced onto it through
+    its own switches; `vc.other_gemm_branches`) refits bit-exactly too, negative control included: each engine's
+    every Linear layer runs that branch. Where the processor runs no other branch (e.g. `F.linear` only), the summary
+    says so and the case runs on the default branch, so it never goes unrun."""
+    others = vc.other_gemm_branches()
+    if not others:
+        record_property(vc.NOTE, f"no other CPU GEMM branch can run on this processor (default: "
+                                 f"{vc.dispatched_branch()}): this case ran on the default branch")
+    for gemm in others or [None]:
+        with monkeypatch.context() as mp:
+            _session(tmp_path / str(gemm), mp, trainers, kv_heads=2, vocab=1000, tp=1, gemm=gemm, negative=True,
+                     record_property=record_property)
 
 
-def test_refit_tp2_moe(tmp_path, monkeypatch, trainers) -> None:
+def test_refit_tp2_moe(tmp_path, monkeypatch, trainers, record_property) -> None:
     """Also the TP2 case of 4 KV heads (2 per rank) and the uneven vocabulary. Experts split over the trainer's
     ranks (`S(0)` of stacked `[E, I, H]`), TP over the intermediate dim in the engine (`w13_weight`
     `[E, 2 I / 2, H]`, `w2_weight` `[E, H, I / 2]`), router `ReplicatedLinear`."""
-    _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=2, moe=True)
+    _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=2, moe=True, record_property=record_property)
 
 
 def test_plugin_entry_point_registers_the_backend() -> None:

@@ -336,9 +336,19 @@ def reprocessed_layers(worker: Any) -> tuple[list[str], list[str]]:
     return engine.reprocessed_layers(), engine.committed_layers()
 
 
+NOTE = "reshard-note"  # a `record_property` key whose value the run's summary prints (tests/conftest.py)
+
+
+def omp_threads_bind(tp: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a CPU engine of `tp` workers: one CPU this process may use per worker (the
+    first `tp` of its affinity set, whatever their numbers), or `nobind` for TP 1 or with fewer CPUs than workers."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return "|".join(str(c) for c in cpus[:tp]) if 1 < tp <= len(cpus) else "nobind"
+
+
 def gemm_branches(worker: Any) -> dict[str, str]:
-    """Which CPU GEMM each Linear layer's `cpu_linear` is (vLLM chooses by processor and shape): `"sgl"` (AMX
-    packed weight), `"onednn"` (an opaque handle), `"torch"` (`F.linear`) or `"zentorch"`."""
+    """Which CPU GEMM each Linear layer's `cpu_linear` is (vLLM chooses by processor and shape; `_branch` names
+    them). Used to check that a forced branch was taken, and to report the branches a run took."""
     from vllm.model_executor.layers.linear import LinearBase
 
     out = {}
@@ -349,32 +359,75 @@ def gemm_branches(worker: Any) -> dict[str, str]:
     return out
 
 
-def default_gemm_branch(shape: tuple[int, int] = (512, 256)) -> str:
-    """The branch the CPU backend's GEMM dispatch takes on this processor for a bfloat16 weight of `shape`, asked
-    of vLLM's own dispatch on a bare layer."""
+def dispatched_branch(shape: tuple[int, int] = (512, 256)) -> str:
+    """The branch vLLM's own CPU GEMM dispatch takes in this process (with whatever `force_gemm` set) for a bfloat16
+    weight of `shape` on a bare layer, after running it once: the branch can execute here, and its output is
+    `F.linear`'s to bfloat16 accuracy."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen).to(torch.bfloat16)
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
     dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    x = torch.randn(3, shape[1], generator=gen).to(torch.bfloat16)
+    got = layer.cpu_linear(x, layer.weight, None).float()
+    want = torch.nn.functional.linear(x.float(), weight.float())
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max())), "the branch computes wrongly"
     return _branch(layer.cpu_linear)
 
 
 def _branch(fn: Any) -> str:
+    """A dispatched `cpu_linear` by what its closure holds: `"sgl"` (a packed weight for the AMX kernel),
+    `"onednn"` (a oneDNN handle), `"zentorch"` (a zentorch weight) or `"torch"` (`F.linear`)."""
     free = set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))
     return ("sgl" if "packed_weight" in free else "onednn" if "handler" in free
             else "zentorch" if "zen_weight" in free else "torch")
 
 
-def force_torch_gemm(monkeypatch: Any) -> None:
-    """Make the CPU backend's GEMM dispatch in this process take its plain `F.linear` branch until `monkeypatch`
-    undoes it, as it does on a processor with neither AMX nor oneDNN: an in-process engine's worker then loads, and
-    re-processes, every Linear layer that way."""
+# The switches of vLLM's CPU GEMM dispatch (`dispatch_cpu_unquantized_gemm`, read in vLLM 0.32): it takes zentorch
+# on a Zen platform with zentorch installed, else the AMX kernel where `check_cpu_sgl_kernel` allows it (AMX tiles,
+# shape limits), else oneDNN where vLLM was built with it (`_supports_onednn`) and the handle can be made, else
+# `F.linear`. Forcing a branch turns off the ones before it; what the dispatch then takes is asked of it
+# (`forced_branch`), since a processor may lack the branch asked for too.
+GEMM_FORCINGS = ("onednn", "torch")
+
+
+def force_gemm(monkeypatch: Any, branch: str) -> None:
+    """Make the CPU GEMM dispatch in this process skip every branch it prefers to `branch` (one of
+    `GEMM_FORCINGS`) until `monkeypatch` undoes it: an in-process engine's worker then loads, and re-processes,
+    every Linear layer that way where the processor can, else on the next branch it can run."""
     import vllm._custom_ops as ops
     from vllm.model_executor.layers import utils
+    from vllm.platforms import current_platform
 
+    assert branch in GEMM_FORCINGS, branch
+    monkeypatch.setattr(current_platform, "is_zen_cpu", lambda: False)
     monkeypatch.setattr(utils, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
-    monkeypatch.setattr(ops, "_supports_onednn", False)
+    if branch == "torch":
+        monkeypatch.setattr(ops, "_supports_onednn", False)
+
+
+def forced_branch(branch: str) -> str:
+    """The branch the dispatch takes on this processor when `branch` is forced (`force_gemm`)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        force_gemm(mp, branch)
+        return dispatched_branch()
+
+
+def other_gemm_branches() -> list[str]:
+    """The forcings that make the dispatch take a branch other than its default on this processor, one per
+    distinct branch (empty where `F.linear` is all this processor runs)."""
+    seen = {dispatched_branch()}
+    out = []
+    for forcing in GEMM_FORCINGS:
+        got = forced_branch(forcing)
+        if got not in seen:
+            seen.add(got)
+            out.append(forcing)
+    return out
 
 
 def skip_reprocessing(worker: Any, skip: bool) -> None:
