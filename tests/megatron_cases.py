@@ -25,7 +25,8 @@ CASES: dict[str, dict[str, Any]] = {
     # TP2 x DP2, untied, a single stage
     "tpdp": dict(tp=2, pp=1, ep=1, moe=False, tied=False),
 }
-HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, MOE_FFN, EXPERTS, TOPK = 64, 4, 8, 2, 16, 96, 32, 4, 2
+# head dim 32: vLLM's CPU attention refuses 16
+HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, MOE_FFN, EXPERTS, TOPK = 64, 4, 8, 2, 32, 96, 32, 4, 2
 
 
 def cpu_patches() -> None:
@@ -411,3 +412,53 @@ def job_unsupported(worker: Any) -> dict:
     except Exception as e:  # noqa: BLE001
         out["groups"] = f"{type(e).__name__}: {e}"
     return out
+
+
+# ---- a real vLLM engine as the destination (tests/test_megatron_vllm.py) -----------------------------------------
+
+def vllm_config(case: str) -> dict:
+    """The `config.json` a vLLM engine loads for `case` (Qwen3, bfloat16)."""
+    cfg = hf_config(case)
+    cfg.update(architectures=["Qwen3MoeForCausalLM" if CASES[case]["moe"] else "Qwen3ForCausalLM"],
+               max_position_embeddings=256, torch_dtype="bfloat16", hidden_act="silu", attention_bias=False,
+               bos_token_id=0, eos_token_id=1)
+    return cfg
+
+
+def write_checkpoint(path: str, case: str, hf: dict[str, torch.Tensor]) -> None:
+    """`config.json` + `model.safetensors` (bfloat16) of the Hugging Face tensors `hf`."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(vllm_config(case), f)
+    save_file({n: t.to(torch.bfloat16).contiguous() for n, t in hf.items()}, os.path.join(path, "model.safetensors"))
+
+
+def job_shards(worker: Any, case: str) -> list:
+    """Build this rank's model (kept for the trainer jobs) and return its stated shards (the oracle's input)."""
+    model = build(case)
+    worker.scratch["megatron/model"] = model
+    return local_shards(model)
+
+
+def job_trainer_init(worker: Any, case: str, port: int, engine_world: int) -> None:
+    """`ReshardTrainer.trainer_init` with the Megatron model as its source (the engine joins concurrently)."""
+    from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+
+    info = ReshardTrainerInitInfo(rank=worker.rank, master_address="127.0.0.1", master_port=port, world_size=4,
+                                  engine_world_size=engine_world, timeout_s=120.0, precision="cast")
+    worker.scratch["megatron/trainer"] = ReshardTrainer.trainer_init(
+        info, source=worker.scratch["megatron/model"], config=vllm_config(case))
+
+
+def job_send(worker: Any) -> int:
+    """`send_weights()` (the engine updates concurrently); the plan's network bytes."""
+    return worker.scratch["megatron/trainer"].send_weights().network_bytes
+
+
+def job_trainer_close(worker: Any) -> None:
+    worker.scratch.pop("megatron/trainer").shutdown()
