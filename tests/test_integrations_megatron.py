@@ -138,5 +138,7 @@ def test_unsupported_features_raise_at_registration_on_every_rank(pool) -> None:
         assert o["no_vocab"].startswith("ValueError") and "vocab_size" in o["no_vocab"], o
         assert o["vpp"].startswith("NotImplementedError") and "virtual pipeline" in o["vpp"], o
         assert o["not_megatron"].startswith("TypeError"), o
-        assert o["groups"].startswith("NotImplementedError") and "linear_qkv.weight" in o["groups"]
-        assert "fewer query groups (2) than tensor-parallel ranks (4)" in o["groups"], o
+        assert o["tp4"].startswith("NotImplementedError") and "linear_qkv.weight" in o["tp4"]
+        assert "fewer query groups (2) than tensor-parallel ranks (4)" in o["tp4"], o
+        assert o["grouped"].startswith("NotImplementedError") and "mlp.experts.weight1" in o["grouped"], o
+        assert "GroupedMLP" in o["grouped"], o

@@ -44,8 +44,8 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
 
     Raises:
         NotImplementedError: a feature this cannot express yet (virtual pipeline stages, expert tensor parallelism,
-            fewer query groups than TP ranks, a non-gated MLP, multi-token prediction), naming the parameter and
-            the feature: raised on every rank, as every rank has the same config.
+            fewer query groups than TP ranks, a non-gated MLP, multi-token prediction, `GroupedMLP` experts), naming
+            the parameter and the feature: raised on every rank, as every rank has the same config.
         ValueError: no or an impossible `vocab_size`.
 
     A problem only this rank can see (a chunk built for another pipeline stage, a parameter whose shape disagrees
@@ -71,13 +71,12 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
     params = dict(chunk.named_parameters())
     seen: set[str] = set()
     entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Piece]]] = {}
-    views: dict[tuple[int, bool], torch.Tensor] = {}
     for pname, st in _stated(chunk.sharded_state_dict()):
         param = params.get(pname)
         if param is None:  # a buffer or extra state: not a weight the engine loads
             continue
         seen.add(pname)
-        e = _add_pieces(entries, views, pname, param, st, dims)
+        e = _add_pieces(entries, pname, param, st, dims)
         if e:
             problems.append(e)
     for pname in sorted(set(params) - seen):
@@ -142,6 +141,11 @@ def _check_features(chunk: Any, cfg: Any, ps: Any) -> None:
                     "Hugging Face names differ per model family"))
     if getattr(cfg, "mtp_num_layers", None):
         why.append((_param_like(chunk, "mtp"), "multi-token prediction layers"))
+    grouped = _param_like(chunk, "mlp.experts.weight1")
+    if grouped != "<none>":
+        why.append((grouped, "GroupedMLP experts (moe_grouped_gemm with the local spec): sharded_state_dict() states "
+                    "weight1 [H, E_local * 2F] as transposed copies, not views of the parameter, so they cannot be "
+                    "registered live (SequentialMLP experts can)"))
     if why:
         raise NotImplementedError("megatron.add_sources: not supported yet: " + "; ".join(
             f"parameter {p!r}: {w}" for p, w in why))
@@ -189,31 +193,24 @@ def _stated(sd: Any, outer: str | None = None) -> list[tuple[str, Any]]:
     return out
 
 
-def _locate(param: torch.Tensor, data: torch.Tensor, views: dict[tuple[int, bool], torch.Tensor]
-            ) -> tuple[torch.Tensor, Box] | None:
-    """The tensor to register (`param`, or `param.t()` for a weight Megatron stores transposed) and the box of it
-    that `data` (a view of `param`'s memory) is; None when `data` is not such a box."""
+def _locate(param: torch.Tensor, data: torch.Tensor) -> Box | None:
+    """The box of `param` that `data` (a view of `param`'s memory, as `sharded_state_dict()` states it) is; None
+    when `data` is not such a box (a copy, or a view of other strides)."""
     if data.numel() and data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
         return None
-    for transposed in (False, True):
-        if transposed and param.dim() != 2:
-            break
-        key = (id(param), transposed)
-        view = views.setdefault(key, param.t() if transposed else param)
-        if data.dim() != view.dim() or (data.numel() > 1 and data.stride() != view.stride()):
-            continue
-        rest = data.storage_offset() - view.storage_offset()
-        offsets = [0] * view.dim()
-        for d in sorted(range(view.dim()), key=lambda d: -view.stride(d)):
-            offsets[d], rest = divmod(rest, view.stride(d)) if view.shape[d] > 1 else (0, rest)
-        if rest == 0 and all(0 <= o and o + n <= s for o, n, s in zip(offsets, data.shape, view.shape)):
-            return view, Box(tuple(offsets), tuple(data.shape))
-    return None
+    if data.dim() != param.dim() or (data.numel() > 1 and data.stride() != param.stride()):
+        return None
+    rest = data.storage_offset() - param.storage_offset()
+    offsets = [0] * param.dim()
+    for d in sorted(range(param.dim()), key=lambda d: -param.stride(d)):
+        offsets[d], rest = divmod(rest, param.stride(d)) if param.shape[d] > 1 else (0, rest)
+    if rest or not all(0 <= o and o + n <= s for o, n, s in zip(offsets, data.shape, param.shape)):
+        return None
+    return Box(tuple(offsets), tuple(data.shape))
 
 
-def _add_pieces(entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Piece]]],
-                views: dict[tuple[int, bool], torch.Tensor], pname: str, param: torch.Tensor, st: Any,
-                dims: Dims) -> str | None:
+def _add_pieces(entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Piece]]], pname: str,
+                param: torch.Tensor, st: Any, dims: Dims) -> str | None:
     """Add the Hugging Face pieces of one stated tensor to `entries`; a problem's description, or None."""
     key, pre = st.key, int(st.prepend_axis_num)
     if st.flattened_range is not None:
@@ -224,11 +221,10 @@ def _add_pieces(entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Pie
     if shape != expected:
         return (f"parameter {pname!r} (Megatron key {key!r}): global shape {shape} (local {tuple(param.shape)}) "
                 f"disagrees with the model's config, which gives {expected}")
-    found = _locate(param, st.data, views)
-    if found is None:
+    local = _locate(param, st.data)
+    if local is None:
         return (f"parameter {pname!r} (Megatron key {key!r}): its stated tensor is not a box of the parameter's "
                 "memory (a layout this integration cannot read)")
-    view, local = found
     offsets = tuple(int(o) for o in st.global_offset[pre:])
     layer = int(st.global_offset[0]) if key.startswith(LAYERS) else None
     expert = int(st.global_offset[1]) if key.startswith(LAYERS + EXPERTS) else None
@@ -243,8 +239,8 @@ def _add_pieces(entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Pie
         name = (f"model.layers.{layer}." if layer is not None else "") + s.name.format(e=expert)
         g = Box((s.hf_start + a - s.start, *offsets[1:]), (b - a, *local.shape[1:]))
         loc = Box((local.offsets[0] + a - lo, *local.offsets[1:]), (b - a, *local.shape[1:]))
-        tensor, _, pieces = entries.setdefault(name, (view, shapes[s.name], []))
-        if tensor is not view:
+        tensor, _, pieces = entries.setdefault(name, (param, shapes[s.name], []))
+        if tensor is not param:
             return (f"parameter {pname!r}: Hugging Face weight {name!r} is also held by another parameter of this "
                     "rank; each weight must come from one parameter per rank")
         pieces.append(Piece(g, loc, tensor=name))
