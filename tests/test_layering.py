@@ -286,3 +286,29 @@ def test_checker_passes_allowed_imports() -> None:
     # the top level may import any unit, a function-level reshard import is still flagged
     assert violations("from reshard.sim import main\nfrom reshard.refit import Refit\n", "reshard.__main__") == []
     assert violations("def f():\n    from reshard.sim import main\n", "reshard.__main__")
+
+
+# ---- integrations: third-party packages imported lazily, reshard's lower units through their public names -----------
+
+LAZY_INTEGRATIONS: dict[str, str] = {
+    "reshard/integrations/megatron": "megatron",  # megatron-core lives in the trainer's environment only
+}
+"""Integration package -> the third-party package it may import only inside functions (the integration then
+imports everywhere; the package is needed only when it is used)."""
+
+
+@pytest.mark.parametrize("package", sorted(LAZY_INTEGRATIONS))
+def test_integration_imports_lazily_and_only_public_names(package: str) -> None:
+    third = LAZY_INTEGRATIONS[package]
+    own = module_name(ROOT / package / "__init__.py")
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = module_name(path)
+        for node, target, _, in_function in _imports(ast.parse(path.read_text()), module, path.name == "__init__.py"):
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if target.split(".")[0] == third and not in_function:
+                found.append(f"{where}: imports {target} at module level (import it where it is used)")
+            parts = target.split(".")
+            if parts[0] == "reshard" and not target.startswith(own) and any(p.startswith("_") for p in parts):
+                found.append(f"{where}: imports {target}, a private module of another unit (use its public names)")
+    assert not found, "\n".join(found)

@@ -53,6 +53,7 @@ def test_gather_broadcast_policy_is_also_exact(pool) -> None:
     ("unmapped", r"have no inference name \(unmapped\).*input_layernorm"),
     ("extra", r"map to names no inference tensor declares \(extra\).*post_attn_norm"),
     ("shape", r"o_proj.weight.*global shape \(64, 64\) on the trainer, \(64, 66\) on the inference side"),
+    ("refused", r"rank 1: the model chunk is another stage's"),  # Refit.refuse on one rank stops every rank
 ])
 def test_refit_errors_raise_on_every_rank(pool, case: str, pattern: str) -> None:
     import re

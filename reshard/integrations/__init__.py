@@ -6,6 +6,8 @@
   `transformers` model (transformers 5 fused experts and older per-expert names), `name_map`, `trainer_name`.
 - `reshard.integrations.vllm`: the `reshard` backend of vLLM's weight transfer (engine side, layouts read from the
   live model) and its trainer side; imported on its own (`import reshard.integrations.vllm`), vLLM only when used.
+- `reshard.integrations.megatron`: `add_sources(refit, model, vocab_size=...)`, a live Megatron-core `GPTModel`
+  chunk as sources under Hugging Face names; imported on its own, megatron-core only when called.
 """
 
 from reshard.integrations import engine, hf

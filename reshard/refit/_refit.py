@@ -220,6 +220,7 @@ class Refit:
         self._src_aliases: dict[str, tuple[str, ...]] = {}  # trainer name -> its other names (a tie)
         self._dst_aliases: dict[str, tuple[str, ...]] = {}  # inference global name -> its other names
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
+        self._refusals: list[str] = []  # `refuse`: raised on every rank by the first run
         self._built: Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -342,6 +343,17 @@ class Refit:
             self._scales[name] = scale
             self._follow[("scale of destination", name)] = Bound(scale)
 
+    def refuse(self, reason: str) -> None:
+        """Record a problem this rank found in what it was asked to register (an integration's check of its own
+        model): the first `run()` raises a `ValueError` with it on every rank of the group, before data moves.
+
+        A problem only one rank can see (a rank given another pipeline stage's model chunk) then stops every rank,
+        where raising on that rank alone would leave the others waiting for it at their first run.
+        """
+        if self._built is not None:
+            raise ValueError(f"Refit.refuse: after the first run(); build a new Refit ({reason})")
+        self._refusals.append(f"rank {self.rank}: {reason}")
+
     def _check_open(self, name: str) -> None:
         if self._built is not None:
             raise ValueError(f"Refit: cannot register {name!r} after the first run(); build a new Refit")
@@ -361,6 +373,7 @@ class Refit:
         t0 = time.perf_counter()
         srcs, dsts, scales, errors = self._resolve()
         if first:
+            errors = self._refusals + errors
             meta = self._exchange_metadata(srcs, dsts, scales, errors)
             t1 = time.perf_counter()
             self._built = build(self, meta)

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from reshard.comm import Group
+from reshard.integrations.megatron import add_sources as add_megatron_sources
 from reshard.refit import NameMap, Refit, RefitReport
 
 try:  # vLLM's base classes, where vLLM is installed (the trainer may live in an environment without it)
@@ -126,8 +127,10 @@ class ReshardTrainer(_EngineBase):
             init_info: this rank's init info.
             client: optional; on rank 0 it is told to initialize the engines' side, concurrently.
             source: HuggingFace name -> DTensor, or -> `(local tensor, reshard.Layout)`; or a module whose
-                parameters are DTensors. One tensor under several names (a module's tied parameters, a
-                `state_dict()`'s tied entries) is sent once, the other names being its aliases (`find_ties`).
+                parameters are DTensors; or a Megatron-core `GPTModel` chunk (registered by
+                `reshard.integrations.megatron.add_sources`, the real vocabulary from `config`'s `vocab_size`).
+                One tensor under several names (a module's tied parameters, a `state_dict()`'s tied entries) is
+                sent once, the other names being its aliases (`find_ties`).
             name_map: trainer name -> the engine's (HuggingFace) name, a dict or a callable returning None for a
                 name to leave out of the map (which is then an error unless ignored); default identity.
             ignore_sources: trainer names the engine does not serve, left out on purpose (an MTP head, a value
@@ -140,7 +143,8 @@ class ReshardTrainer(_EngineBase):
         if not isinstance(init_info, ReshardTrainerInitInfo):
             raise TypeError(f"ReshardTrainer.trainer_init: init_info must be a ReshardTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
-        weights, found = _weights(source)
+        megatron = _is_megatron(source)
+        weights, found = ({}, {}) if megatron else _weights(source)
         found = _config_ties(weights, found, config if config is not None else getattr(source, "config", None))
         for name, names in (ties or {}).items():
             if name not in weights:
@@ -155,6 +159,9 @@ class ReshardTrainer(_EngineBase):
             call.join()
         refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s,
                       name_map=name_map, ignore_sources=ignore_sources, delta=init_info.delta)
+        if megatron:
+            vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(config, "vocab_size", None)
+            add_megatron_sources(refit, source, vocab_size=vocab)
         for name, w in weights.items():
             aliases = found.get(name, ())
             if isinstance(w, tuple):
@@ -187,6 +194,14 @@ class ReshardTrainer(_EngineBase):
 
     def shutdown(self) -> None:
         self.group.close()
+
+
+def _is_megatron(source: Any) -> bool:
+    """A Megatron-core `GPTModel` (maybe in Megatron's wrappers, or a list of chunks), not a name -> weight source."""
+    chunk = source[0] if isinstance(source, (list, tuple)) and source else source
+    while isinstance(chunk, torch.nn.Module) and not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return hasattr(chunk, "decoder") and hasattr(chunk, "sharded_state_dict")
 
 
 def _weights(source: Weights | None) -> tuple[dict[str, Any], dict[str, list[str]]]:

@@ -1,0 +1,144 @@
+"""Real Megatron-core `GPTModel`s (megatron-core 0.16.1, 4 gloo ranks) refit into vLLM-style engines.
+
+The oracle knows nothing of the library's mapping: every rank's `sharded_state_dict()` tensors are placed at their
+stated offsets into Megatron's global tensors, cut into Hugging Face tensors by `megatron_cases.hf_from_megatron`,
+and a plain-torch forward of those must match Megatron's own forward logits. Every engine tensor must then equal
+that oracle cut by this file's own vLLM slicing rules, bit for bit (padded vocabulary rows untouched), after the
+first run and after a real optimizer step and a second run; and the plan must move each destination byte once (the
+replicas, the tied output layer on the last stage included, add holders, not traffic).
+
+Cases: TP2 x PP2 dense with tied embeddings -> engine TP4; PP2 x EP2 MoE (SequentialMLP, allgather dispatcher) ->
+engine TP2 x 2 replicas; TP2 x DP2 -> engine TP1 x 4 replicas. Bad input: a rank registering another stage's chunk,
+a parameter whose shape disagrees with the config, unsupported features.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("needs megatron-core (make megatron-env; `make test` runs this file there)", allow_module_level=True)
+
+import megatron_cases as mc  # noqa: E402
+
+from reshard.testing import RankPool  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
+
+ENGINE_TP = {"dense": 4, "moe": 2, "tpdp": 1}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(4)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+# ---- the test's own slicing rules (vLLM's engine layouts, written out) --------------------------------------------
+
+def expected(name: str, hf: dict[str, torch.Tensor], tp: int, t: int, like: torch.Tensor) -> torch.Tensor:
+    """Engine tensor `name` on engine TP rank `t` of `tp`, cut from the Hugging Face oracle tensors."""
+    def part(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        n = x.shape[dim] // tp
+        return x.narrow(dim, t * n, n)
+
+    m = re.match(r"^(.*)\.qkv_proj\.weight$", name)
+    if m:
+        q, k, v = (hf[f"{m.group(1)}.{x}_proj.weight"] for x in "qkv")
+        if mc.GROUPS < tp:  # KV head t // (tp / groups), whole
+            h = t // (tp // mc.GROUPS)
+            k, v = k[h * mc.HEAD_DIM:(h + 1) * mc.HEAD_DIM], v[h * mc.HEAD_DIM:(h + 1) * mc.HEAD_DIM]
+        else:
+            k, v = part(k), part(v)
+        return torch.cat([part(q), k, v])
+    m = re.match(r"^(.*)\.gate_up_proj\.weight$", name)
+    if m:
+        return torch.cat([part(hf[f"{m.group(1)}.gate_proj.weight"]), part(hf[f"{m.group(1)}.up_proj.weight"])])
+    m = re.match(r"^(.*)\.experts\.(w13|w2)_weight$", name)
+    if m:
+        pre = f"{m.group(1)}.experts."
+        if m.group(2) == "w13":
+            return torch.stack([torch.cat([part(hf[f"{pre}{e}.gate_proj.weight"]),
+                                           part(hf[f"{pre}{e}.up_proj.weight"])]) for e in range(mc.EXPERTS)])
+        return torch.stack([part(hf[f"{pre}{e}.down_proj.weight"], 1) for e in range(mc.EXPERTS)])
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        per = -(-mc.VOCAB // 64) * 64 // tp  # the engine pads the vocabulary to 64 and splits it evenly
+        out = like.clone().fill_(mc.SENTINEL)
+        rows = hf[name][t * per:(t + 1) * per]
+        out[:rows.shape[0]] = rows
+        return out
+    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
+        return part(hf[name], 1)
+    return hf[name]
+
+
+def oracle(out: list[dict], case: str, run: int) -> dict[str, torch.Tensor]:
+    return mc.hf_from_megatron(mc.megatron_full([o["runs"][run]["shards"] for o in out]), case)
+
+
+def check_case(out: list[dict], case: str) -> None:
+    tp = ENGINE_TP[case]
+    ids = torch.arange(14).reshape(2, 7) * 13 % mc.VOCAB
+    first = oracle(out, case, 0)
+    ref = [o["logits"] for o in out if o["logits"] is not None]
+    assert len(ref) == 1
+    # the oracle is Megatron's model: a plain forward of its tensors gives Megatron's own logits
+    torch.testing.assert_close(mc.hf_logits(first, case, ids), ref[0], rtol=1e-4, atol=1e-4)
+    for run in (0, 1):
+        hf = first if run == 0 else oracle(out, case, 1)
+        bad = []
+        for rank, o in enumerate(out):
+            for name, local in o["runs"][run]["engine"].items():
+                want = expected(name, hf, tp, rank % tp, local)
+                if want.shape != local.shape or not torch.equal(want, local):
+                    bad.append(f"engine rank {rank}: {name}")
+        assert bad == [], f"run {run}: {bad[:10]}"
+    second = oracle(out, case, 1)
+    assert all(not torch.equal(first[n], second[n]) for n in first), "the optimizer step changed every weight"
+    # each destination byte once: the plan moves exactly the engine's real (non-padding) elements
+    real = sum(int((t != mc.SENTINEL).sum()) for o in out for t in o["runs"][1]["engine"].values())
+    assert {o["moved_bytes"] for o in out} == {real * 4}
+
+
+@pytest.mark.parametrize("case", ["dense", "moe", "tpdp"])
+def test_megatron_refit_is_exact(pool, case: str) -> None:
+    out = pool.run_ok(mc.job_refit, case, ENGINE_TP[case])
+    check_case(out, case)
+    names = set().union(*(o["names"] for o in out))
+    assert "lm_head.weight" in names or mc.CASES[case]["tied"]
+    assert not any("experts" in n for n in names) or case == "moe"
+
+
+def test_a_chunk_of_another_stage_is_refused_on_every_rank(pool) -> None:
+    out = pool.run_ok(mc.job_refused, "wrong_stage")
+    for o in out:
+        assert o["error"] is not None and "rank 2" in o["error"] and "built for another stage" in o["error"], o
+        assert o["untouched"]
+
+
+def test_a_shape_that_disagrees_with_the_config_is_refused_on_every_rank(pool) -> None:
+    out = pool.run_ok(mc.job_refused, "bad_shape")
+    for o in out:
+        assert o["error"] is not None and "rank 1" in o["error"], o
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in o["error"]
+        qkv_rows = mc.GROUPS * (mc.HEADS // mc.GROUPS + 2) * mc.HEAD_DIM
+        assert "disagrees with the model's config" in o["error"] and f"({qkv_rows}, {mc.HIDDEN})" in o["error"]
+        assert o["untouched"]
+
+
+def test_unsupported_features_raise_at_registration_on_every_rank(pool) -> None:
+    for o in pool.run_ok(mc.job_unsupported):
+        assert o["no_vocab"].startswith("ValueError") and "vocab_size" in o["no_vocab"], o
+        assert o["vpp"].startswith("NotImplementedError") and "virtual pipeline" in o["vpp"], o
+        assert o["not_megatron"].startswith("TypeError"), o
+        assert o["tp4"].startswith("NotImplementedError") and "linear_qkv.weight" in o["tp4"]
+        assert "fewer query groups (2) than tensor-parallel ranks (4)" in o["tp4"], o
+        assert o["grouped"].startswith("NotImplementedError") and "mlp.experts.weight1" in o["grouped"], o
+        assert "GroupedMLP" in o["grouped"], o
