@@ -42,7 +42,7 @@ import torch
 
 from reshard.comm import TOKEN_ENV, CommError, Group, is_loopback, serve_store
 from reshard.integrations.verl import _buckets as bk
-from reshard.integrations.verl._stream import Stream, SyncStats, local_of, short, topology_of
+from reshard.integrations.verl._stream import Stream, SyncStats, short, topology_of
 
 logger = logging.getLogger(__name__)
 
