@@ -293,9 +293,7 @@ class Replica(RolloutReplica):
 def ray_init(num_cpus: int = 64, extra_path: tuple[str, ...] = ()) -> None:
     """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store; the workers import
     `reshard` from where this process does (and the modules of `extra_path`)."""
-    import reshard
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(reshard.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds reshard/
     path = os.pathsep.join([root, *extra_path, os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
