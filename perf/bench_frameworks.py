@@ -17,6 +17,9 @@ with that backend's engines. Backends:
     reshard-shard       the same backend with `checkpoint_manager_class=reshard.integrations.verl.ShardStreamManager`:
                         verl hands the training engine to `send_weights`, which streams `get_per_tensor_param_shard()`
                         (each rank's local FSDP shards in bf16; nothing gathered). Half the bytes of fp32.
+    reshard-dtensor     the same backend, the trainer's `get_per_tensor_param()` streaming the fp32 DTensors instead of
+                        their full tensors (not what verl 0.9.1's FSDP engine streams: a control with the fp32 bytes
+                        of the other backends and no gather). Not in the default `--backends`.
     gloo-single-sender  verl's `nccl` backend's algorithm over gloo (`perf/verl_gloo_baseline.py`): every trainer rank
                         gathers the full tensors, trainer rank 0 sends every bucket, the rollout ranks pass it along
                         (NCCL's ring broadcast).
@@ -53,12 +56,13 @@ from verl.workers.config import CheckpointEngineConfig  # noqa: E402  (after the
 
 import reshard.testing.verl as vc  # noqa: E402  (after the path set-up)
 
-# label -> (verl backend name, custom_backend_module, checkpoint_manager_class)
+# label -> (verl backend name, custom_backend_module, checkpoint_manager_class, what get_per_tensor_param() streams)
 BACKENDS = {
-    "reshard": ("reshard", "reshard.integrations.verl", None),
-    "reshard-shard": ("reshard", "reshard.integrations.verl", "reshard.integrations.verl.ShardStreamManager"),
-    "gloo-single-sender": ("gloo-single-sender", "verl_gloo_baseline", None),
-    "naive": ("naive", None, None),
+    "reshard": ("reshard", "reshard.integrations.verl", None, "full"),
+    "reshard-shard": ("reshard", "reshard.integrations.verl", "reshard.integrations.verl.ShardStreamManager", "full"),
+    "reshard-dtensor": ("reshard", "reshard.integrations.verl", None, "dtensor"),
+    "gloo-single-sender": ("gloo-single-sender", "verl_gloo_baseline", None, "full"),
+    "naive": ("naive", None, None, "full"),
 }
 
 
@@ -115,7 +119,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--bucket-mb", type=int, default=4)
     ap.add_argument("--syncs", type=int, default=5)
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "reshard-dtensor"))
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args()
     labels = args.backends.split(",")
@@ -135,7 +139,7 @@ def main() -> None:
                                                  config=config, custom_module=first[1])
         managers = {}
         for label in labels:
-            backend, module, manager_class = BACKENDS[label]
+            backend, module, manager_class, _ = BACKENDS[label]
             kwargs = {"timeout_s": 120} if backend != "naive" else {}
             ce = CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=args.bucket_mb,
                                         engine_kwargs={backend: kwargs}, custom_backend_module=module)
@@ -146,6 +150,7 @@ def main() -> None:
         def run(label: str, step: int) -> tuple[float, dict]:
             trainer.use_engine(label)
             rollout.use_engine(label)
+            trainer.set_stream(BACKENDS[label][3])
             t0 = time.perf_counter()
             metrics = vc.sync(managers[label], step)
             return time.perf_counter() - t0, metrics

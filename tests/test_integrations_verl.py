@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from reshard.comm import CommError
 from reshard.integrations.verl import DOMAINS, ReshardCheckpointEngine
 from reshard.integrations.verl import _buckets as bk
 
@@ -241,6 +242,37 @@ def test_a_changed_stream_is_replanned_on_every_rank() -> None:
         assert [s.replanned for s in stats] == [replanned] * 4, (step, [s.replanned for s in stats])
         if rounds is not None:
             assert [s.rounds for s in stats] == [rounds] * 4, (step, [s.rounds for s in stats])
+    for e in engines:
+        e._close_group()
+
+
+def test_trainer_ranks_that_disagree_in_a_steady_sync_fail_every_rank() -> None:
+    """A steady group where trainer rank 1 streams a renamed tensor in the second bucket and rank 0 does not: no
+    per-bucket round would catch it, but the bucket's header does: every rank raises (the rollout ranks before
+    the engine gets that bucket), none hangs, and the next sync builds a new group and delivers exactly."""
+    engines = _engines(timeout_s=30)
+    for step in range(2):
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()))
+        _assert_received(received, _twelve(step))
+
+    def stream(rank: int) -> object:
+        w = _twelve(2)
+        return iter(w.items() if rank == 0 else {("t5.other" if n == "t5" else n): t for n, t in w.items()}.items())
+
+    seen: list[int] = []
+
+    async def count(engine: ReshardCheckpointEngine, step: int) -> int:
+        async for _ in engine.receive_weights(step):
+            seen.append(1)
+        return len(seen)
+
+    metrics, received = _run_sync(engines, 2, 2, streams=stream, consume=count)
+    errors = metrics + received
+    assert all(isinstance(e, CommError) for e in errors), errors
+    assert any("headers" in str(e) for e in errors), errors
+    assert len(seen) <= 2 * 4  # at most the first bucket (4 tensors) reached each engine
+    _, received = _run_sync(engines, 2, 3, streams=lambda rank: iter(_twelve(3).items()))
+    _assert_received(received, _twelve(3))
     for e in engines:
         e._close_group()
 
