@@ -130,6 +130,16 @@ async def _take(engine: ReshardCheckpointEngine, step: int) -> dict[str, torch.T
     return {n: t.clone() async for n, t in engine.receive_weights(step)}
 
 
+class _FullExport:
+    """A stand-in for a verl engine without a shard export: `get_per_tensor_param()` only."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def get_per_tensor_param(self) -> tuple:
+        return iter(_weights(self.step).items()), None
+
+
 def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int, streams: Any = None,
               consume: Any = _take) -> tuple[list, list]:
     """One sync as verl's manager runs it, with every worker a thread of this process. `streams(rank)`: trainer
@@ -148,8 +158,8 @@ def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int, streams
         try:
             engines[i].init_process_group(**kw[i])
             if i < T:
-                stream = streams(i) if streams is not None else \
-                    _ShardExport(step) if step == 1 else iter(_weights(step).items())
+                stream = streams(i) if streams is not None else _ShardExport(step) if step == 1 else \
+                    _FullExport(step) if step == 2 else iter(_weights(step).items())
                 out[i] = asyncio.run(engines[i].send_weights(stream, global_steps=step))
             else:
                 out[i] = asyncio.run(consume(engines[i], step))
@@ -185,7 +195,7 @@ def _assert_received(received: list, want: dict[str, torch.Tensor]) -> None:
 def test_two_trainers_two_rollouts_in_threads(domains: str, rebuild: bool) -> None:
     """The whole protocol without verl or Ray: 2 trainer + 2 rollout engines in threads, on loopback, three syncs.
     Received tensors byte-equal the sources, in order (the second sync streams an engine's flattened
-    `get_per_tensor_param_shard()` export); with `domains="node"` the trainers send the model once
+    `get_per_tensor_param_shard()` export, the third an engine's `get_per_tensor_param()`); with `domains="node"` the trainers send the model once
     (the rollout ranks forward), with `"rank"` once per rollout rank; `rebuild_group` builds plans every sync.
     A steady sync (the same stream on the same group) takes exactly one all-rank round on every rank."""
     engines = _engines(domains=domains, rebuild_group=rebuild)

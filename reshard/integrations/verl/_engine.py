@@ -8,8 +8,9 @@ What moves where:
 - Trainer ranks `0 .. T-1`, rollout ranks `T .. T+R-1` meet in one `reshard.Group.rendezvous` whose TCP store
   trainer rank 0 hosts (its address and the job token come from `prepare()`; the driver hands them over).
 - The trainer streams `(name, tensor)` pairs (verl's FSDP engine: `.full_tensor()` of every parameter, on every
-  rank). They are cut into buckets of at most `bucket_size` bytes (`_buckets`); all trainer ranks derive the same
-  buckets and rank 0's manifest of each bucket (names, shapes, dtypes) reaches the rollout ranks before its bytes.
+  rank), or hands over its training engine (`ShardStreamManager`: verl's `mode="delta_sharded"`), whose
+  `get_per_tensor_param_shard()` is streamed. The stream is cut into buckets of at most `bucket_size` bytes
+  (`_buckets`); all trainer ranks derive the same buckets.
 - A full tensor is registered on trainer rank t as its `t`-th row block (`Shard(0)` over the T trainer ranks), so
   every trainer rank sends a distinct part of each tensor and none sends more than its share. A DTensor, or a local
   shard with verl's `ShardSpec` (`get_per_tensor_param_shard()`), is registered with its own layout: nothing is
@@ -18,7 +19,9 @@ What moves where:
   bucket buffer, and `receive_weights` yields `(name, view)` pairs from it. With `domains="node"` the rollout
   ranks of one node form one domain: each byte crosses from the trainers to that node once and is forwarded there
   (NVLink on a GPU node), so the trainers together send the model once per rollout node, not once per rollout rank.
-- Plans are cached per bucket manifest and reused by later syncs while the group lives (`rebuild_group=False`).
+- Each bucket index keeps its plan while the group lives (`rebuild_group=False`); a sync whose stream equals the
+  last one's runs them with one all-rank round in all, a changed stream is found at its first changed bucket on
+  every rank and replanned from there (`_stream`).
 
 Errors: bad or missing `engine_kwargs` are a `ValueError` / `TypeError` in the constructor, on every worker;
 `build_topology` refuses metadata of the wrong length or without a master; a rank given another world size, or a
@@ -240,7 +243,9 @@ class ReshardCheckpointEngine:
 
         Args:
             weights: an iterable or async iterable of `(name, tensor)` (full tensors or DTensors) or of
-                `(name, local shard, ShardSpec)`; or a verl engine with `get_per_tensor_param_shard()`.
+                `(name, local shard, ShardSpec)`; or a verl training engine (verl passes it for
+                `mode="delta_sharded"`, which `ShardStreamManager` sets): its `get_per_tensor_param_shard()`, or
+                its `get_per_tensor_param()` if it has no shard export.
             global_steps: the trainer step (logged, returned in the metrics).
 
         Returns:
@@ -255,6 +260,8 @@ class ReshardCheckpointEngine:
         stream = weights
         if hasattr(weights, "get_per_tensor_param_shard"):
             stream, _ = weights.get_per_tensor_param_shard()
+        elif hasattr(weights, "get_per_tensor_param"):  # an engine without a shard export: its full tensors
+            stream, _ = weights.get_per_tensor_param()
         stream_of.begin()
         pending: list[tuple[str, Any, Any]] = []
         used, index = 0, 0
