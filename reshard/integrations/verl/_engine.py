@@ -402,7 +402,7 @@ def _node_id() -> str:
     try:
         import ray
 
-        if ray.is_initialized():
+        if getattr(ray, "is_initialized", lambda: False)():  # (a directory named `ray` on the path is no Ray)
             return str(ray.get_runtime_context().get_node_id())
     except ImportError:
         pass
@@ -415,7 +415,7 @@ def _node_ip() -> str:
     try:
         import ray
 
-        if ray.is_initialized():
+        if getattr(ray, "is_initialized", lambda: False)():
             return ray.util.get_node_ip_address().strip("[]")
     except ImportError:
         pass
