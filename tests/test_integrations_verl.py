@@ -195,8 +195,9 @@ def _assert_received(received: list, want: dict[str, torch.Tensor]) -> None:
 def test_two_trainers_two_rollouts_in_threads(domains: str, rebuild: bool) -> None:
     """The whole protocol without verl or Ray: 2 trainer + 2 rollout engines in threads, on loopback, three syncs.
     Received tensors byte-equal the sources, in order (the second sync streams an engine's flattened
-    `get_per_tensor_param_shard()` export, the third an engine's `get_per_tensor_param()`); with `domains="node"` the trainers send the model once
-    (the rollout ranks forward), with `"rank"` once per rollout rank; `rebuild_group` builds plans every sync.
+    `get_per_tensor_param_shard()` export, the third an engine's `get_per_tensor_param()`); with `domains="node"`
+    the trainers send the model once (the rollout ranks forward), with `"rank"` once per rollout rank;
+    `rebuild_group` builds plans every sync.
     A steady sync (the same stream on the same group) takes exactly one all-rank round on every rank."""
     engines = _engines(domains=domains, rebuild_group=rebuild)
     for step in range(3):
