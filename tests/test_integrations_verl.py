@@ -288,6 +288,35 @@ def test_trainer_ranks_that_disagree_in_a_steady_sync_fail_every_rank() -> None:
         e._close_group()
 
 
+def test_a_stream_that_fails_in_a_steady_sync_fails_every_rank() -> None:
+    """In a steady sync (no per-bucket round to fail in), trainer rank 1's stream raises after 6 tensors: that rank
+    raises its own error, every other rank a `CommError` naming the failure, none waits out its timeout; the next
+    sync builds a new group and delivers exactly."""
+    import time
+
+    engines = _engines(timeout_s=60)
+    for step in range(2):
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()))
+        _assert_received(received, _twelve(step))
+
+    def stream(rank: int) -> object:
+        for i, item in enumerate(_twelve(2).items()):
+            if rank == 1 and i == 6:
+                raise RuntimeError("the framework's stream failed (a test fault)")
+            yield item
+
+    t0 = time.perf_counter()
+    metrics, received = _run_sync(engines, 2, 2, streams=stream)
+    assert time.perf_counter() - t0 < 30  # far below the 60 s timeout: the fault was seen, not waited out
+    assert isinstance(metrics[1], RuntimeError), metrics
+    others = [metrics[0], *received]
+    assert all(isinstance(e, CommError) and "stream failed" in str(e) for e in others), others
+    _, received = _run_sync(engines, 2, 3, streams=lambda rank: iter(_twelve(3).items()))
+    _assert_received(received, _twelve(3))
+    for e in engines:
+        e._close_group()
+
+
 def test_views_live_until_the_bucket_after_the_next_is_asked_for() -> None:
     """The documented lifetime of a yielded view: a consumer that holds every view (as one that buffers a layer
     across buckets does) finds each still equal to the source while it takes the tensors of the next bucket,
