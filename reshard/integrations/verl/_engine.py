@@ -296,6 +296,8 @@ class ReshardCheckpointEngine:
                                                f"{type(e).__name__}: {e}")
             if task is not None and not task.done():
                 await asyncio.wait([task])  # the group is not free until the running bucket ends (it fails too)
+            if task is not None:
+                _retrieve(task)
             raise
         stats.seconds = time.perf_counter() - t0
         stats.seconds_first_send = max(0.0, stats.seconds_first_send - t0)
@@ -345,6 +347,7 @@ class ReshardCheckpointEngine:
                             + f": {e}") from e
         finally:
             if not done:
+                task.add_done_callback(_retrieve)  # the bucket in flight fails too: its error is this one's echo
                 self._failed = True
                 # the consumer stopped early (GeneratorExit or its own error) or the sync failed: tell the peers, so
                 # they raise now instead of waiting out the timeout
@@ -385,6 +388,12 @@ class ReshardCheckpointEngine:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
+def _retrieve(future: Any) -> None:
+    """Mark a finished future's error as seen (asyncio would log it, with a traceback, when the future is collected)."""
+    if future.done() and not future.cancelled():
+        future.exception()
+
+
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"reshard checkpoint engine: engine_kwargs.reshard.{name} must be {expected}, got {value!r}")
