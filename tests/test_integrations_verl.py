@@ -317,6 +317,35 @@ def test_a_stream_that_fails_in_a_steady_sync_fails_every_rank() -> None:
         e._close_group()
 
 
+def test_an_engine_that_fails_before_the_last_bucket_fails_every_rank() -> None:
+    """Rollout rank 1's engine refuses a tensor of the second of three buckets after the last bucket has arrived
+    in the background: the commit round waits for every engine to have taken every bucket but the last, so every
+    rank raises (no trainer reports a sync one engine did not load), and the next sync is exact."""
+    import asyncio
+
+    engines = _engines(timeout_s=30)
+    for step in range(2):
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()))
+        _assert_received(received, _twelve(step))
+
+    async def refuse(engine: ReshardCheckpointEngine, step: int) -> int:
+        n = 0
+        async for name, _ in engine.receive_weights(step):
+            if engine is engines[3] and name == "t6":
+                await asyncio.sleep(0.5)  # the third bucket is received meanwhile
+                raise RuntimeError("the engine refused t6 (a test fault)")
+            n += 1
+        return n
+
+    metrics, received = _run_sync(engines, 2, 2, streams=lambda rank: iter(_twelve(2).items()), consume=refuse)
+    assert isinstance(received[1], RuntimeError), received
+    assert all(isinstance(e, CommError) for e in [*metrics, received[0]]), [*metrics, received[0]]
+    _, received = _run_sync(engines, 2, 3, streams=lambda rank: iter(_twelve(3).items()))
+    _assert_received(received, _twelve(3))
+    for e in engines:
+        e._close_group()
+
+
 def test_views_live_until_the_bucket_after_the_next_is_asked_for() -> None:
     """The documented lifetime of a yielded view: a consumer that holds every view (as one that buffers a layer
     across buckets does) finds each still equal to the source while it takes the tensors of the next bucket,

@@ -98,6 +98,27 @@ def test_sharded_streams(cluster, stream) -> None:
         trainer.set_stream("full")
 
 
+def test_a_changed_layout_is_replanned(cluster) -> None:
+    """The same names, shapes and dtypes but another layout (the DTensors resharded by columns): the manifest is
+    equal, so only the trainer ranks see the change; the steady sync replans at the first bucket on every rank,
+    delivers exactly, and the next sync is steady again."""
+    trainer, rollout, manager, _ = cluster
+    trainer.set_stream("dtensor")
+    try:
+        vc.sync(manager, 60)
+        vc.sync(manager, 61)
+        assert [s.rounds for s in trainer.engine_attr("last_sync")] == [1, 1]  # steady on the row layout
+        trainer.set_stream("dtensor-cols")
+        vc.sync(manager, 62)
+        _check_received(trainer, rollout)
+        assert [s.replanned for s in trainer.engine_attr("last_sync") + rollout.engine_attr("last_sync")] == [0] * 4
+        vc.sync(manager, 63)
+        _check_received(trainer, rollout)
+        assert [s.rounds for s in trainer.engine_attr("last_sync") + rollout.engine_attr("last_sync")] == [1] * 4
+    finally:
+        trainer.set_stream("full")
+
+
 def test_shard_stream_manager_by_configuration(cluster) -> None:
     """`checkpoint_manager_class=reshard.integrations.verl.ShardStreamManager` (loaded as verl's trainer loads it):
     verl's own trainer-side `update_weights` then hands the training engine to `send_weights`, which streams

@@ -9,7 +9,8 @@ any other) under verl's real `CheckpointEngineManager`: `reshard.integrations.ve
   dispatch: the engine itself to `send_weights` for `mode="delta_sharded"`, else its `get_per_tensor_param()`
   stream), run with this worker as the training engine: `get_per_tensor_param()` streams what verl's FSDP engine
   streams, `(name, p.full_tensor())` for every parameter on every rank (`stream="full"`), or the DTensors themselves
-  (`"dtensor"`), or `(name, local.reshape(-1), ShardSpec.from_param(p))` (`"shard"`);
+  (`"dtensor"`; `"dtensor-cols"`: resharded by columns), or `(name, local.reshape(-1), ShardSpec.from_param(p))`
+  (`"shard"`);
   `get_per_tensor_param_shard()` is the FSDP engine's export (each local shard, floating ones cast to bf16,
   flattened, with its `ShardSpec`). verl's FSDP engine itself needs a GPU device (`get_device_id()`).
 - `RolloutWorker`: verl's `CheckpointEngineWorker` with a server adapter that keeps a copy of every tensor it is
@@ -132,6 +133,10 @@ class TrainerWorker(Worker):
                 yield name, p.full_tensor()
             elif self.stream == "dtensor":
                 yield name, p.data
+            elif self.stream == "dtensor-cols":  # the same DTensors resharded by columns (a layout change)
+                from torch.distributed.tensor import Shard
+
+                yield name, p.data.redistribute(p.data.device_mesh, [Shard(1)]) if p.dim() == 2 else p.data
             else:
                 # as verl's FSDP engine exports it: the local shard flattened, its spec from the parameter
                 yield name, p.to_local().reshape(-1), ShardSpec.from_param(p)

@@ -26,9 +26,9 @@ What moves where:
 Errors: bad or missing `engine_kwargs` are a `ValueError` / `TypeError` in the constructor, on every worker;
 `build_topology` refuses metadata of the wrong length or without a master; a rank given another world size, or a
 peer that does not join or disappears, is a `CommError` on every rank within `timeout_s`. A rollout worker never
-yields the last bucket of a sync before every rank confirmed it received every bucket; if a sync fails after some
-buckets were yielded, `receive_weights` raises `SyncError` saying how many tensors the engine already took (its
-weights are then a mix of two versions until the next sync succeeds).
+yields the last bucket of a sync before every rank confirmed it received every bucket and its engine took every
+earlier one; if a sync fails after some buckets were yielded, `receive_weights` raises `SyncError` saying how many
+tensors the engine already took (its weights are then a mix of two versions until the next sync succeeds).
 """
 
 from __future__ import annotations
@@ -330,7 +330,10 @@ class ReshardCheckpointEngine:
         try:
             while True:
                 entries, views, last = await task
-                if not last:
+                if last:  # every rank holds every bucket and its engine took all but this one: only then hand it on
+                    task = loop.run_in_executor(None, stream_of.commit, stats)
+                    await task
+                else:
                     index += 1
                     task = loop.run_in_executor(None, stream_of.receive, index, stats)
                 for e, v in zip(entries, views):

@@ -15,8 +15,9 @@ rank inside the same plan (`[sync number, bucket index, status, last]`).
   having read the same header; a bucket index the last sync did not have starts manifest rounds on every rank,
   since the previous bucket's header said it was not the last. Nothing of a changed bucket reaches the engine.
 - Every sync ends with one commit round: every rank's digest of the buckets it sent or received (index, manifest,
-  last flag) and the bucket count; all must be equal, else every rank raises. A rollout rank yields the last
-  bucket only after it. So a steady sync costs exactly this one all-rank round.
+  last flag) and the bucket count; all must be equal, else every rank raises. A rollout rank joins it only once
+  its engine took every bucket but the last (so an engine that fails on any earlier tensor fails every rank), and
+  yields the last bucket only after it. So a steady sync costs exactly this one all-rank round.
 
 Buffers: a trainer rank packs bucket `i` into shared buffer `i % 2` (bucket `i + 1` is packed while bucket `i`
 is sent); a rollout rank receives bucket `i` into shared buffer `i % 3`, so the views of bucket `i` it yields stay
@@ -98,6 +99,7 @@ class Bucket:
     buffer: torch.Tensor | None = None  # the bucket's own buffer (an oversized bucket), else None: a shared slot
     sources: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # name -> (local tensor, first row)
     ran: bool = False
+    layouts: tuple = ()  # trainer: each item's own layout (`layout_key`), which the manifest does not carry
 
 
 class Stream:
@@ -137,7 +139,8 @@ class Stream:
     def send(self, index: int, items: list[tuple[str, Any, Any]], rows: list, last: bool, stats: SyncStats) -> None:
         """Trainer rank: send bucket `index` (`items`: `(name, tensor, ShardSpec or None)`, `rows` their manifest)."""
         kept = self.plans.get(index) if self._steady_now and index < self.known else None
-        if kept is not None and kept.rows == rows:
+        layouts = tuple(layout_key(t, spec) for _, t, spec in items)
+        if kept is not None and kept.rows == rows and kept.layouts == layouts:
             self._fill(kept, items)
             self._run(kept, index, SAME, last, stats, agreed=True)
         else:
@@ -147,7 +150,7 @@ class Stream:
                 stats.replanned = index
             self._steady_now = False
             rows, entries, last = self._exchange(rows, last, stats)
-            b = self._planned(index, rows, entries, items)
+            b = self._planned(index, rows, entries, items, layouts)
             self._fill(b, items)
             self._run(b, index, SAME, last, stats, agreed=False)
         self._account(index, rows, last)
@@ -156,7 +159,7 @@ class Stream:
 
     def receive(self, index: int, stats: SyncStats) -> tuple[list[bk.Entry], list[torch.Tensor], bool]:
         """Rollout rank: receive bucket `index`; its entries, views of the received tensors, and whether it is the
-        last (then the commit round has passed)."""
+        last (the caller then runs `commit` once its engine took every earlier bucket, before handing this one)."""
         kept = self.plans.get(index) if self._steady_now and index < self.known else None
         b = None
         if kept is not None:
@@ -169,15 +172,13 @@ class Stream:
                 stats.replanned = index
             self._steady_now = False
             rows, entries, last = self._exchange(None, False, stats)
-            b = self._planned(index, rows, entries, None)
+            b = self._planned(index, rows, entries, None, ())
             self._run(b, index, None, False, stats, agreed=False)
             status, head_last = self._check_header(b, index)
             if status != SAME or head_last != last:
                 raise self._fault(f"rollout rank {self.group.rank}: bucket {index}'s header says status {status}, "
                                   f"last {head_last} after its manifest said last {last}")
         self._account(index, b.rows, last)
-        if last:
-            self.commit(stats)
         return b.entries, [b.sources[e.name][0] for e in b.entries], last
 
     def commit(self, stats: SyncStats) -> None:
@@ -219,12 +220,15 @@ class Stream:
         rows = mine[0]["manifest"]
         return rows, bk.layout_entries(rows), bool(mine[0]["last"])
 
-    def _planned(self, index: int, rows: list, entries: list[bk.Entry], items: list | None) -> Bucket:
-        """The kept plan of `index` if its manifest is `rows`, else a new one (kept under `index`)."""
+    def _planned(self, index: int, rows: list, entries: list[bk.Entry], items: list | None,
+                 layouts: tuple) -> Bucket:
+        """The kept plan of `index` if its manifest is `rows` (and, on a trainer rank, its items' own layouts are
+        `layouts`), else a new one (kept under `index`)."""
         b = self.plans.get(index)
-        if b is None or b.rows != rows:
+        if b is None or b.rows != rows or b.layouts != layouts:
             b = self._build_source(index, rows, entries, items) if self.trainer else \
                 self._build_dest(index, rows, entries)
+            b.layouts = layouts
             self.plans[index] = b
         return b
 
@@ -344,6 +348,16 @@ class Stream:
                               f"{self.seq}: the trainer ranks' headers [sync, bucket, status, last] read {rows} "
                               "(trainer ranks out of step, or one of them streamed something else)")
         return rows[0][2], bool(rows[0][3])
+
+
+def layout_key(t: Any, spec: Any) -> tuple | None:
+    """What a trainer rank's item is laid out by beyond the manifest (which has its global shape and kind): the mesh
+    (its ranks and shape) and placements of a DTensor or a `ShardSpec`; None for a full tensor."""
+    mesh, placements = (spec.mesh, spec.placements) if spec is not None else \
+        (getattr(t, "device_mesh", None), getattr(t, "placements", None))
+    if mesh is None:
+        return None
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), repr(tuple(placements)))
 
 
 def local_of(t: Any, spec: Any) -> torch.Tensor:
