@@ -149,8 +149,10 @@ class Stream:
             if self._steady_now:
                 stats.replanned = index
             self._steady_now = False
-            rows, entries, last = self._exchange(rows, last, stats)
-            b = self._planned(index, rows, entries, items, layouts)
+            old = self.plans.get(index)
+            fresh = old is None or old.rows != rows or old.layouts != layouts
+            rows, entries, last, fresh = self._exchange(rows, last, fresh, stats)
+            b = self._planned(index, rows, entries, items, layouts, fresh)
             self._fill(b, items)
             self._run(b, index, SAME, last, stats, agreed=False)
         self._account(index, rows, last)
@@ -171,8 +173,8 @@ class Stream:
             if self._steady_now:
                 stats.replanned = index
             self._steady_now = False
-            rows, entries, last = self._exchange(None, False, stats)
-            b = self._planned(index, rows, entries, None, ())
+            rows, entries, last, fresh = self._exchange(None, False, False, stats)
+            b = self._planned(index, rows, entries, None, (), fresh)
             self._run(b, index, None, False, stats, agreed=False)
             status, head_last = self._check_header(b, index)
             if status != SAME or head_last != last:
@@ -204,11 +206,13 @@ class Stream:
         self.group.report_fault(self.group.rank, message)
         return CommError(message)
 
-    def _exchange(self, rows: list | None, last: bool, stats: SyncStats) -> tuple[list, list[bk.Entry], bool]:
-        """One manifest round: every trainer rank's manifest of the next bucket reaches every rank; they must agree."""
+    def _exchange(self, rows: list | None, last: bool, fresh: bool,
+                  stats: SyncStats) -> tuple[list, list[bk.Entry], bool, bool]:
+        """One manifest round: every trainer rank's manifest of the next bucket (and whether the trainer ranks plan it
+        anew: `fresh`) reaches every rank; they must agree. Returns the manifest's rows, entries, last and fresh."""
         t0 = time.perf_counter()
-        got = all_gather_json(self.group, {"manifest": rows, "last": last} if rows is not None else None,
-                              timeout=self.timeout, what="reshard verl bucket manifest")
+        mine_ = {"manifest": rows, "last": last, "fresh": fresh} if rows is not None else None
+        got = all_gather_json(self.group, mine_, timeout=self.timeout, what="reshard verl bucket manifest")
         stats.rounds += 1
         stats.seconds_rounds += time.perf_counter() - t0
         mine = got[: self.T]
@@ -218,14 +222,14 @@ class Stream:
                              f"must stream the same names, shapes and dtypes in the same order): rank 0 has "
                              f"{short(mine[0])}, rank {first} has {short(mine[first])}")
         rows = mine[0]["manifest"]
-        return rows, bk.layout_entries(rows), bool(mine[0]["last"])
+        return rows, bk.layout_entries(rows), bool(mine[0]["last"]), bool(mine[0]["fresh"])
 
-    def _planned(self, index: int, rows: list, entries: list[bk.Entry], items: list | None,
-                 layouts: tuple) -> Bucket:
-        """The kept plan of `index` if its manifest is `rows` (and, on a trainer rank, its items' own layouts are
-        `layouts`), else a new one (kept under `index`)."""
+    def _planned(self, index: int, rows: list, entries: list[bk.Entry], items: list | None, layouts: tuple,
+                 fresh: bool) -> Bucket:
+        """The kept plan of `index`, or (`fresh`, which the trainer ranks decided: another manifest, or their items'
+        own layouts changed) a new one, kept under `index`."""
         b = self.plans.get(index)
-        if b is None or b.rows != rows or b.layouts != layouts:
+        if b is None or fresh or b.rows != rows:
             b = self._build_source(index, rows, entries, items) if self.trainer else \
                 self._build_dest(index, rows, entries)
             b.layouts = layouts
