@@ -1,31 +1,45 @@
-"""reshard against verl's own weight-sync backends, in the same verl setup and run: bytes and seconds per sync.
+"""reshard against verl's own weight-sync backends, in the same verl workers and run, interleaved: bytes, seconds,
+all-rank rounds and trainer-side assembly per sync.
 
 Usage (in `.venv-verl`, `make verl-env`):
-    python perf/bench_frameworks.py [--trainers 2] [--rollouts 2] [--hidden 256] [--layers 4] [--vocab 8000]
-        [--bucket-mb 4] [--syncs 5] [--backends reshard,gloo-single-sender,naive] [--out perf/out]
+    python perf/bench_frameworks.py [--trainers 2] [--rollouts 2] [--rollout-tp 1] [--hidden 256] [--layers 4]
+        [--vocab 8000] [--bucket-mb 4] [--syncs 5] [--backends reshard,reshard-shard,gloo-single-sender,naive]
+        [--out perf/out]
 
-One local Ray cluster; per backend a fresh set of verl workers (`tests/verl_cases.py`: trainer workers with a tiny
-Qwen3 under FSDP2 over gloo, rollout workers = verl's `CheckpointEngineWorker`), driven by verl's real
-`CheckpointEngineManager.update_weights`. Every trainer rank streams `(name, p.full_tensor())`, as verl's FSDP
-engine does. Backends:
-    reshard             `reshard.integrations.verl` (`domains="node"`: the rollout workers of this machine forward
-                        to each other, as GPUs of one node would over NVLink).
-    gloo-single-sender  verl's `nccl` backend's algorithm over gloo (`perf/verl_gloo_baseline.py`): trainer rank 0
-                        sends every bucket, the rollout ranks pass it along (NCCL's ring broadcast).
+One local Ray cluster and one set of verl workers (`reshard.testing.verl`: trainer workers with a tiny Qwen3 under
+FSDP2 over gloo, whose trainer-side sync is verl 0.9.1's own `ActorRolloutRefWorker.update_weights`; rollout
+workers = verl's `CheckpointEngineWorker`, `--rollouts / --rollout-tp` replicas of `--rollout-tp` workers). Every
+worker holds one checkpoint engine per backend, and each sync is verl's real `CheckpointEngineManager.update_weights`
+with that backend's engines. Backends:
+    reshard             `reshard.integrations.verl`, verl's default manager: the trainer ranks stream
+                        `(name, p.full_tensor())` (verl's FSDP `get_per_tensor_param()`): every rank gathers every
+                        parameter, then sends a distinct row block of it.
+    reshard-shard       the same backend with `checkpoint_manager_class=reshard.integrations.verl.ShardStreamManager`:
+                        verl hands the training engine to `send_weights`, which streams `get_per_tensor_param_shard()`
+                        (each rank's local FSDP shards in bf16; nothing gathered). Half the bytes of fp32.
+    reshard-dtensor     the same backend, the trainer's `get_per_tensor_param()` streaming the fp32 DTensors instead of
+                        their full tensors (not what verl 0.9.1's FSDP engine streams: a control with the fp32 bytes
+                        of the other backends and no gather). Not in the default `--backends`.
+    gloo-single-sender  verl's `nccl` backend's algorithm over gloo (`perf/verl_gloo_baseline.py`): every trainer rank
+                        gathers the full tensors, trainer rank 0 sends every bucket, the rollout ranks pass it along
+                        (NCCL's ring broadcast).
     naive               verl's colocated `naive` backend: each trainer worker loads the stream into an in-process
                         copy (no network; what a colocated rollout engine would load).
-After a warm-up sync (group rendezvous, plans), `--syncs` timed syncs, with the weights changed between them
-(untimed); the last sync's received tensors are checked against the trainer's, byte for byte. Rows give the driver's
-wall time of `update_weights` (median and spread), bytes sent per trainer rank (the busiest and the total; counted by
-reshard's executor and by the baseline's own message sizes) and bytes sent by rollout ranks (forwarding); for reshard
-also the slowest trainer rank's `send_weights` seconds and its seconds in all-rank rounds (`SyncStats.seconds_rounds`:
-the bucket manifests, each bucket's plan agreement and completion rounds, the commit).
+After one warm-up sync per backend (group rendezvous, plans), `--syncs` rounds: the weights change (untimed), then
+every backend syncs once, in an order rotated each round (so none always runs first after the change), each
+sync's received tensors checked against the trainer's `full_tensor()` byte for byte (bf16 for `reshard-shard`;
+untimed). Per backend: the driver's wall time of `update_weights` (median and spread), bytes sent per trainer rank
+(the busiest and the total), bytes received per rollout rank (the most) against the bytes of the rank's own shards in
+vLLM's TP layout (`reshard.integrations.hf.engine_tensors`: what a rank of a TP replica needs), bytes forwarded by
+rollout ranks, the slowest trainer rank's seconds waiting for the stream (the framework's assembly: `full_tensor()`)
+and until its first bucket moves, and all-rank rounds per sync. Also the 1-minute load average during the run.
 Writes `bench_frameworks.csv` under `--out` and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -33,102 +47,161 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE)]
 
 import ray  # noqa: E402  (after the path set-up)
 import torch  # noqa: E402  (after the path set-up)
-import verl_cases as vc  # noqa: E402  (after the path set-up)
 from _common import machine_info, spread, write_csv  # noqa: E402  (after the path set-up)
+from verl.workers.config import CheckpointEngineConfig  # noqa: E402  (after the path set-up)
 
-MODULES = {"reshard": "reshard.integrations.verl", "gloo-single-sender": "verl_gloo_baseline", "naive": None}
+import reshard.testing.verl as vc  # noqa: E402  (after the path set-up)
+
+# label -> (verl backend name, custom_backend_module, checkpoint_manager_class, what get_per_tensor_param() streams)
+BACKENDS = {
+    "reshard": ("reshard", "reshard.integrations.verl", None, "full"),
+    "reshard-shard": ("reshard", "reshard.integrations.verl", "reshard.integrations.verl.ShardStreamManager", "full"),
+    "reshard-dtensor": ("reshard", "reshard.integrations.verl", None, "dtensor"),
+    "gloo-single-sender": ("gloo-single-sender", "verl_gloo_baseline", None, "full"),
+    "naive": ("naive", None, None, "full"),
+}
 
 
-def run_backend(backend: str, args: argparse.Namespace, config: dict) -> dict[str, object]:
-    kwargs = {"timeout_s": 120} if backend != "naive" else {}
-    trainer, rollout, _, manager = vc.setup(backend, num_trainers=args.trainers, num_rollout=args.rollouts,
-                                            bucket_mb=args.bucket_mb, engine_kwargs=kwargs, config=config,
-                                            custom_module=MODULES[backend])
-    try:
-        vc.sync(manager, 0)  # warm-up
-        seconds, sent, forwarded, rounds, busy = [], [], [], [], []
-        for step in range(1, args.syncs + 1):
-            trainer.change_weights(step)
-            t0 = time.perf_counter()
-            metrics = vc.sync(manager, step)
-            seconds.append(time.perf_counter() - t0)
-            per_rank = [float(v) for k, v in sorted(metrics.items()) if k.endswith("bytes_sent")]
-            sent.append(per_rank or [0.0] * args.trainers)
-            if backend == "reshard":
-                forwarded.append(sum(s.bytes_sent for s in rollout.engine_attr("last_sync")))
-                mine = trainer.engine_attr("last_sync")
-                rounds.append(max(s.seconds_rounds for s in mine))
-                busy.append(max(s.seconds for s in mine))
-            elif backend != "naive":
-                forwarded.append(sum(rollout.engine_attr("bytes_sent")))
-            else:
-                forwarded.append(0)
-        full = trainer.full_state()[0]
-        model_bytes = sum(t.nbytes for t in full.values())
-        got = rollout.received() if backend != "naive" else [([], c) for c in trainer.colocated_weights()]
-        for _, rec in got:
-            assert list(rec) == list(full) and all(
-                torch.equal(rec[n].view(torch.uint8), full[n].view(torch.uint8)) for n in full), backend
-        med, lo, hi = spread(seconds)
-        return {"backend": backend, "trainers": args.trainers, "rollouts": args.rollouts,
-                "model_bytes": model_bytes, "tensors": len(full), "bucket_bytes": args.bucket_mb << 20,
-                "syncs": args.syncs, "seconds_median": round(med, 4), "seconds_min": round(lo, 4),
-                "seconds_max": round(hi, 4), "busiest_trainer_bytes": int(max(max(s) for s in sent)),
-                "trainer_bytes_total": int(statistics.median(sum(s) for s in sent)),
-                "rollout_forward_bytes": int(statistics.median(forwarded)), "byte_equal": True,
-                "trainer_send_s": round(statistics.median(busy), 4) if busy else "",
-                "trainer_rounds_s": round(statistics.median(rounds), 4) if rounds else ""}
-    finally:
-        for w in trainer.workers + rollout.workers:
-            ray.kill(w)
+def own_shard_bytes(model: torch.nn.Module, num_rollout: int, tp: int, dtype: torch.dtype) -> list[int]:
+    """Per rollout rank, the bytes of the Hugging Face tensors' parts it holds in vLLM's TP layout (in `dtype`)."""
+    from reshard.integrations.hf import EngineParallel, engine_tensors
+
+    out = [0] * num_rollout
+    for et in engine_tensors(model, EngineParallel(range(num_rollout), tp=tp)):
+        for _, layout in et.components:
+            for r in range(num_rollout):
+                out[r] += sum(math.prod(p.global_box.shape) for p in layout.pieces(r)) * dtype.itemsize
+    return out
+
+
+def check(label: str, trainer, rollout, full: dict[str, torch.Tensor]) -> None:
+    if label == "naive":
+        got = [c for c in trainer.colocated_weights()]
+    else:
+        got = [rec for _, rec in rollout.received()]
+    want = {n: t.to(torch.bfloat16) for n, t in full.items()} if label == "reshard-shard" else full
+    for rec in got:
+        assert list(rec) == list(want) and all(
+            torch.equal(rec[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want), label
+
+
+def observe(label: str, trainer, rollout, metrics: dict, T: int) -> dict[str, float]:
+    """What one sync of `label` did, from its engines' own counters."""
+    per_rank = [float(v) for k, v in sorted(metrics.items()) if k.endswith("bytes_sent")]
+    row = {"busiest": max(per_rank or [0.0]), "total": sum(per_rank), "received": 0.0, "forwarded": 0.0,
+           "stream_s": float("nan"), "first_send_s": float("nan"), "rounds": 0.0}
+    if label == "naive":
+        return row
+    if label.startswith("reshard"):
+        mine, theirs = trainer.engine_attr("last_sync"), rollout.engine_attr("last_sync")
+        row.update(received=max(s.bytes_received for s in theirs), forwarded=sum(s.bytes_sent for s in theirs),
+                   stream_s=max(s.seconds_stream for s in mine), first_send_s=max(s.seconds_first_send for s in mine),
+                   rounds=max(s.rounds for s in mine + theirs))
+    else:
+        row.update(received=max(rollout.engine_attr("bytes_received")),
+                   forwarded=sum(rollout.engine_attr("bytes_sent")),
+                   stream_s=max(trainer.engine_attr("seconds_stream")),
+                   first_send_s=max(trainer.engine_attr("seconds_first_send")))
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--rollouts", type=int, default=2)
+    ap.add_argument("--rollout-tp", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--bucket-mb", type=int, default=4)
     ap.add_argument("--syncs", type=int, default=5)
-    ap.add_argument("--backends", default="reshard,gloo-single-sender,naive")
+    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "reshard-dtensor"))
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args()
+    labels = args.backends.split(",")
+    unknown = sorted(set(labels) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
     config = dict(vc.CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                   num_hidden_layers=args.layers, vocab_size=args.vocab, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=args.hidden // 4)
     vc.ray_init(extra_path=(str(HERE),))
-    rows = []
+    samples: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    loads: list[float] = []
     try:
-        for backend in args.backends.split(","):
-            row = run_backend(backend, args, config)
-            row.update(machine_info(torch.device("cpu")))
-            rows.append(row)
-            print(row, flush=True)
+        first = BACKENDS[labels[0]]
+        trainer, rollout, replicas, _ = vc.setup(first[0], num_trainers=args.trainers, num_rollout=args.rollouts,
+                                                 rollout_tp=args.rollout_tp, bucket_mb=args.bucket_mb,
+                                                 config=config, custom_module=first[1])
+        managers = {}
+        for label in labels:
+            backend, module, manager_class, _ = BACKENDS[label]
+            kwargs = {"timeout_s": 120} if backend != "naive" else {}
+            ce = CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=args.bucket_mb,
+                                        engine_kwargs={backend: kwargs}, custom_backend_module=module)
+            trainer.add_engine(label, ce)
+            rollout.add_engine(label, ce)
+            managers[label] = vc.make_manager(ce, trainer, replicas, manager_class)
+
+        def run(label: str, step: int) -> tuple[float, dict]:
+            trainer.use_engine(label)
+            rollout.use_engine(label)
+            trainer.set_stream(BACKENDS[label][3])
+            t0 = time.perf_counter()
+            metrics = vc.sync(managers[label], step)
+            return time.perf_counter() - t0, metrics
+
+        for label in labels:
+            run(label, 0)  # warm-up: rendezvous, plans
+        for step in range(1, args.syncs + 1):
+            trainer.change_weights(step)
+            full = trainer.full_state()[0]
+            loads.append(os.getloadavg()[0])
+            order = labels[step % len(labels):] + labels[: step % len(labels)]
+            for label in order:
+                seconds, metrics = run(label, step)
+                check(label, trainer, rollout, full)
+                samples[label].append(dict(observe(label, trainer, rollout, metrics, args.trainers),
+                                           seconds=seconds))
+        full = trainer.full_state()[0]
+        model = vc.build_model(config, 0)
     finally:
         ray.shutdown()
+    model_bytes = sum(t.nbytes for t in full.values())
+    rows = []
+    for label in labels:
+        s = samples[label]
+        med, lo, hi = spread([x["seconds"] for x in s])
+        dtype = torch.bfloat16 if label == "reshard-shard" else torch.float32
+        need = max(own_shard_bytes(model, args.rollouts, args.rollout_tp, dtype)) if label != "naive" else 0
+        row = {"backend": label, "trainers": args.trainers, "rollouts": args.rollouts, "rollout_tp": args.rollout_tp,
+               "model_bytes": model_bytes, "tensors": len(full), "bucket_bytes": args.bucket_mb << 20,
+               "syncs": args.syncs, "seconds_median": round(med, 4), "seconds_min": round(lo, 4),
+               "seconds_max": round(hi, 4), "byte_equal": True, "rollout_rank_needs_bytes": need,
+               "load_avg_1min_min": round(min(loads), 2), "load_avg_1min_max": round(max(loads), 2)}
+        for key in ("busiest", "total", "received", "forwarded", "rounds", "stream_s", "first_send_s"):
+            row[key] = round(statistics.median(x[key] for x in s), 4)
+        row.update(machine_info(torch.device("cpu")))
+        rows.append(row)
+        print(row, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "bench_frameworks.csv", rows)
-    print(f"\nmodel {rows[0]['model_bytes'] / 1e6:.1f} MB ({rows[0]['tensors']} tensors), {args.trainers} trainer + "
-          f"{args.rollouts} rollout workers, bucket {args.bucket_mb} MiB, {args.syncs} syncs; cpus "
-          f"{os.cpu_count()}\n")
-    print("| backend | sync s (median, min-max) | busiest trainer rank sent | all trainer ranks sent | rollout ranks "
-          "forwarded |")
-    print("|---|---|---|---|---|")
+    print(f"\nmodel {model_bytes / 1e6:.1f} MB fp32 ({len(full)} tensors), {args.trainers} trainer + {args.rollouts} "
+          f"rollout workers (TP{args.rollout_tp} replicas), bucket {args.bucket_mb} MiB, {args.syncs} interleaved "
+          f"syncs; cpus {os.cpu_count()}, load average {min(loads):.1f}-{max(loads):.1f}\n")
+    print("| backend | sync s, median [min, max] | all-rank rounds | trainer: stream (assembly) s, first send s | "
+          "busiest trainer rank sent | all trainer ranks sent | a rollout rank received (its TP shards) | rollout "
+          "ranks forwarded |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['seconds_median']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
-              f"{r['busiest_trainer_bytes'] / 1e6:.2f} MB | {r['trainer_bytes_total'] / 1e6:.2f} MB | "
-              f"{r['rollout_forward_bytes'] / 1e6:.2f} MB |")
-    for r in rows:
-        if r["trainer_rounds_s"] != "":
-            print(f"\n{r['backend']}: slowest trainer rank's send_weights {r['trainer_send_s']:.3f} s, of which "
-                  f"{r['trainer_rounds_s']:.3f} s in all-rank rounds (medians; the rounds include packing overlapped "
-                  "with them)")
+        print(f"| {r['backend']} | {r['seconds_median']:.3f} [{r['seconds_min']:.3f}, {r['seconds_max']:.3f}] | "
+              f"{r['rounds']:.0f} | {r['stream_s']:.3f}, {r['first_send_s']:.3f} | {r['busiest'] / 1e6:.2f} MB | "
+              f"{r['total'] / 1e6:.2f} MB | {r['received'] / 1e6:.2f} MB ({r['rollout_rank_needs_bytes'] / 1e6:.2f}) "
+              f"| {r['forwarded'] / 1e6:.2f} MB |")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ broadcasts each bucket (and its manifest) to every rollout worker; the other tra
 collective over the trainer) and send nothing. NCCL's broadcast is a ring pipeline: the root sends each byte once,
 and the receivers pass it along. This engine does the same over a gloo group: rank 0 sends each bucket to the
 first rollout rank, which forwards it to the next (a chain, NCCL's ring without the pipelining inside a bucket).
-Bytes sent are counted per rank from the sizes of the messages. Registered as `gloo-single-sender`; used by
-`perf/bench_frameworks.py` only.
+Bytes sent and received are counted per rank from the sizes of the messages; a trainer rank also times its wait for
+the stream's next item (`seconds_stream`: the assembly, `full_tensor()` of every parameter) and until its first send.
+Registered as `gloo-single-sender`; used by `perf/bench_frameworks.py` only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import time
 from typing import Any
 
 import torch
@@ -35,10 +37,19 @@ class SingleSenderCheckpointEngine(ReshardCheckpointEngine):
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
         group = self._require("send_weights", trainer=True)
         self.bytes_sent = 0
+        self.seconds_stream, self.seconds_first_send = 0.0, 0.0
+        self._t0 = time.perf_counter()
         rows: list[list] = []
         parts: list[torch.Tensor] = []
         used = 0
-        for name, tensor in weights:  # every trainer rank walks the stream (it is collective over the trainer)
+        items = iter(weights)
+        while True:  # every trainer rank walks the stream (it is collective over the trainer)
+            t_item = time.perf_counter()
+            item = next(items, None)
+            self.seconds_stream += time.perf_counter() - t_item
+            if item is None:
+                break
+            name, tensor = item
             if group.rank != 0:
                 continue
             size = bk.aligned(tensor.nbytes)
@@ -53,6 +64,8 @@ class SingleSenderCheckpointEngine(ReshardCheckpointEngine):
         return {f"{BACKEND}/rank{group.rank}/bytes_sent": float(self.bytes_sent)}
 
     def _send(self, group: Group, rows: list, parts: list[torch.Tensor], last: bool) -> None:
+        if not self.seconds_first_send:
+            self.seconds_first_send = time.perf_counter() - self._t0
         entries = bk.layout_entries(rows)
         payload = torch.zeros(bk.buffer_bytes(entries), dtype=torch.uint8)
         for e, p in zip(entries, parts):
@@ -70,7 +83,7 @@ class SingleSenderCheckpointEngine(ReshardCheckpointEngine):
 
     async def receive_weights(self, global_steps: int | None = None):
         group = self._require("receive_weights", trainer=False)
-        self.bytes_sent = 0
+        self.bytes_sent, self.bytes_received = 0, 0
         src = 0 if group.rank == self._num_trainers else group.rank - 1
         nxt = group.rank + 1 if group.rank + 1 < group.size else None
         while True:
@@ -88,6 +101,7 @@ class SingleSenderCheckpointEngine(ReshardCheckpointEngine):
         pg.recv([m], src, 0).wait(timeout)
         payload = torch.empty(int(head[1]), dtype=torch.uint8)
         pg.recv([payload], src, 0).wait(timeout)
+        self.bytes_received += head.nbytes + m.numel() + payload.numel()
         manifest = bytes(m.numpy().tobytes())
         if nxt is not None:
             self.bytes_sent += self._pass_on(group, manifest, payload, nxt)

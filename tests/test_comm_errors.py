@@ -503,7 +503,7 @@ def on_rank_stuck(w, timeout: float) -> float:
 def test_stuck_peer_makes_every_rank_raise_within_timeout(pool) -> None:
     timeout = 2.0
     outs = pool.run(on_rank_stuck, timeout)
-    assert outs[7].error_type == "RuntimeError"
+    assert outs[7].error_type == "RuntimeError", outs[7].error
     for o in outs[:7]:
         assert o.error_type == "CommError", f"rank {o.rank}: {o.error}"
         assert f"rank {o.rank} of" in o.error and "timeout 2.0 s" in o.error
@@ -536,3 +536,40 @@ def test_posting_to_a_dead_peer_raises_comm_error() -> None:
     t = torch.zeros(4)
     with pytest.raises(CommError, match=r"rank 2 of Group\(4 ranks\): chunk 3: cannot post send to rank 1; the peer"):
         post([(1, t)], [(0, t)], OneGroup(), what="chunk 3")
+
+
+def on_rank_agreed(w, tag: str) -> None:
+    """`execute(agreed=True)`: a plan that ran before runs with no handshake and delivers DTensor's bytes; then rank
+    2 passes a float64 source with `agreed=True`: it raises its own error, the other ranks of the plan the fault it
+    recorded (not their timeout). Last in the module: the ranks that raise leave waits on their aborted group
+    behind, which end at its timeout and slowed the next test's 2 s rendezvous."""
+    from reshard.comm import execute
+
+    group = w.new_group(tag, timeout=10)
+    src, dst = _layouts()
+    p = plan(src, dst)
+    full, s, d = _locals(w.rank, src, dst)
+    srcs, dsts = ([s] if s is not None else None), ([d] if d is not None else None)
+    execute(p, w.rank, srcs, dsts, group)
+    if d is not None:
+        d.zero_()
+    execute(p, w.rank, srcs, dsts, group, agreed=True, confirm=False)
+    assert d is None or torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst))), f"rank {w.rank}: wrong bytes"
+    if w.rank == 2:
+        srcs = [s.to(torch.float64)]
+    t0 = time.perf_counter()
+    try:
+        execute(p, w.rank, srcs, dsts, group, agreed=True)
+    finally:
+        group.close()
+        assert time.perf_counter() - t0 < 7, f"rank {w.rank} waited out its timeout"
+
+
+def test_agreed_runs_skip_the_handshake_and_fail_every_rank_on_bad_input(pool) -> None:
+    outs = pool.run(on_rank_agreed, "agreed")
+    ranks = plan(*_layouts()).ranks
+    assert outs[2].error_type == "ValueError" and "bad input, nothing was moved by this rank" in outs[2].error, \
+        outs[2].error
+    for o in outs:
+        if o.rank in ranks and o.rank != 2:
+            assert o.error_type == "CommError" and "rank 2" in o.error, (o.rank, o.error, o.trace)

@@ -3,9 +3,12 @@ the constructor's refusals. The backend against verl itself: `tests/test_verl_ba
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from reshard.comm import CommError
 from reshard.integrations.verl import DOMAINS, ReshardCheckpointEngine
 from reshard.integrations.verl import _buckets as bk
 
@@ -119,8 +122,29 @@ class _ShardExport:
         return ((n, t.reshape(-1), spec(t)) for n, t in _weights(self.step).items()), None
 
 
-def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tuple[list, list[dict]]:
-    """One sync as verl's manager runs it, with every worker a thread of this process."""
+HEADER_ROW = 32
+"""Bytes of one trainer rank's row of a bucket's header (4 int64), sent with every bucket to every rollout domain."""
+
+
+async def _take(engine: ReshardCheckpointEngine, step: int) -> dict[str, torch.Tensor]:
+    return {n: t.clone() async for n, t in engine.receive_weights(step)}
+
+
+class _FullExport:
+    """A stand-in for a verl engine without a shard export: `get_per_tensor_param()` only."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def get_per_tensor_param(self) -> tuple:
+        return iter(_weights(self.step).items()), None
+
+
+def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int, streams: Any = None,
+              consume: Any = _take) -> tuple[list, list]:
+    """One sync as verl's manager runs it, with every worker a thread of this process. `streams(rank)`: trainer
+    rank's stream (default: `_weights(step)`, the second sync through a flattened shard export); `consume(engine,
+    step)`: a rollout worker's consumer (default: a copy of every tensor)."""
     import asyncio
     import threading
 
@@ -134,12 +158,11 @@ def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tupl
         try:
             engines[i].init_process_group(**kw[i])
             if i < T:
-                stream = _ShardExport(step) if step == 1 else iter(_weights(step).items())
+                stream = streams(i) if streams is not None else _ShardExport(step) if step == 1 else \
+                    _FullExport(step) if step == 2 else iter(_weights(step).items())
                 out[i] = asyncio.run(engines[i].send_weights(stream, global_steps=step))
             else:
-                async def take() -> dict:
-                    return {n: t.clone() async for n, t in engines[i].receive_weights(step)}
-                out[i] = asyncio.run(take())
+                out[i] = asyncio.run(consume(engines[i], step))
             engines[i].finalize()
         except BaseException as e:  # noqa: BLE001  (a thread must hand every failure to the test, which raises it)
             out[i] = e
@@ -149,33 +172,208 @@ def _run_sync(engines: list[ReshardCheckpointEngine], T: int, step: int) -> tupl
         t.start()
     for t in threads:
         t.join(120)
-    errors = [o for o in out if isinstance(o, BaseException)]
-    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a worker hangs"
     return out[:T], out[T:]
+
+
+def _engines(n: int = 4, bucket: int = 4096, **kw: Any) -> list[ReshardCheckpointEngine]:
+    kw = {"host": "127.0.0.1", "timeout_s": 60, **kw}
+    return [ReshardCheckpointEngine(bucket, is_master=i == 0, **kw) for i in range(n)]
+
+
+def _assert_received(received: list, want: dict[str, torch.Tensor]) -> None:
+    errors = [o for o in received if isinstance(o, BaseException)]
+    assert not errors, errors
+    for got in received:
+        assert list(got) == list(want)
+        for n, t in want.items():
+            assert got[n].shape == t.shape and got[n].dtype == t.dtype
+            assert torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
 
 
 @pytest.mark.parametrize("domains,rebuild", [("node", False), ("rank", True)])
 def test_two_trainers_two_rollouts_in_threads(domains: str, rebuild: bool) -> None:
     """The whole protocol without verl or Ray: 2 trainer + 2 rollout engines in threads, on loopback, three syncs.
     Received tensors byte-equal the sources, in order (the second sync streams an engine's flattened
-    `get_per_tensor_param_shard()` export); with `domains="node"` the trainers send the model once
-    (the rollout ranks forward), with `"rank"` once per rollout rank; `rebuild_group` builds plans every sync."""
-    kw = {"host": "127.0.0.1", "domains": domains, "rebuild_group": rebuild, "timeout_s": 60}
-    engines = [ReshardCheckpointEngine(4096, is_master=i == 0, **kw) for i in range(4)]
+    `get_per_tensor_param_shard()` export, the third an engine's `get_per_tensor_param()`); with `domains="node"`
+    the trainers send the model once (the rollout ranks forward), with `"rank"` once per rollout rank;
+    `rebuild_group` builds plans every sync.
+    A steady sync (the same stream on the same group) takes exactly one all-rank round on every rank."""
+    engines = _engines(domains=domains, rebuild_group=rebuild)
     for step in range(3):
         metrics, received = _run_sync(engines, 2, step)
         want = _weights(step)
+        _assert_received(received, want)
         model = sum(t.nbytes for t in want.values())
-        for got in received:
-            assert list(got) == list(want)
-            for n, t in want.items():
-                assert got[n].shape == t.shape and got[n].dtype == t.dtype
-                assert torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
-        sent = [m[f"reshard/rank{r}/bytes_sent"] for r, m in enumerate(metrics)]
-        assert sum(sent) == model * (1 if domains == "node" else 2), (sent, model)
         stats = [e.last_sync for e in engines]
+        buckets = stats[0].buckets
+        sent = [m[f"reshard/rank{r}/bytes_sent"] for r, m in enumerate(metrics)]
+        copies = 1 if domains == "node" else 2
+        assert sum(sent) == (model + HEADER_ROW * 2 * buckets) * copies, (sent, model, buckets)
         assert all(s.first_plans == (s.buckets if rebuild or step == 0 else 0) for s in stats), stats
-        assert all(s.largest_bucket <= 4096 for s in stats)
+        assert all(s.largest_bucket <= 4096 and s.buckets == buckets for s in stats)
+        steady = step > 0 and not rebuild
+        assert all((s.rounds == 1) == steady and s.replanned == -1 for s in stats), [s.rounds for s in stats]
+        if not steady:  # per bucket a manifest round, the plan's metadata, agreement and completion; one commit
+            assert all(s.rounds == 4 * buckets + 1 for s in stats), [s.rounds for s in stats]
+    for e in engines:
+        e._close_group()
+
+
+def _twelve(step: int) -> dict[str, torch.Tensor]:
+    """12 float32 tensors of 1 KiB: 4 per 4 KiB bucket, 3 buckets."""
+    g = torch.Generator().manual_seed(100 + step)
+    return {f"t{i}": torch.randn(16, 16, generator=g) for i in range(12)}
+
+
+def test_a_changed_stream_is_replanned_on_every_rank() -> None:
+    """A steady group whose stream changes: a tensor renamed in the third bucket, a tensor added (a fourth bucket),
+    dropped again (the third bucket is the last again: no replanning needed), a reshaped tensor in the first
+    bucket. Every rank finds the change at the same bucket, every engine gets exactly the new stream byte for byte
+    (nothing moved by a kept plan for a changed bucket reaches it), and the next sync of the same stream is steady
+    again: one all-rank round on every rank."""
+    def renamed(step: int) -> dict[str, torch.Tensor]:
+        return {("t9.renamed" if n == "t9" else n): t for n, t in _twelve(step).items()}
+
+    def reshaped(step: int) -> dict[str, torch.Tensor]:
+        return dict(renamed(step), t0=_twelve(step)["t0"].reshape(8, 32))
+
+    def more(step: int) -> dict[str, torch.Tensor]:
+        return dict(renamed(step), more=torch.full((16, 16), float(step)))
+
+    # (stream, the bucket where every rank must find a change (-1: none), all-rank rounds per rank)
+    cases = [(_twelve, -1, 4 * 3 + 1), (_twelve, -1, 1), (renamed, 2, None), (renamed, -1, 1), (more, 3, None),
+             (renamed, -1, 1), (reshaped, 0, None), (reshaped, -1, 1)]
+    engines = _engines()
+    for step, (make, replanned, rounds) in enumerate(cases):
+        want = make(step)
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, w=want: iter(w.items()))
+        _assert_received(received, want)
+        stats = [e.last_sync for e in engines]
+        assert [s.replanned for s in stats] == [replanned] * 4, (step, [s.replanned for s in stats])
+        if rounds is not None:
+            assert [s.rounds for s in stats] == [rounds] * 4, (step, [s.rounds for s in stats])
+    for e in engines:
+        e._close_group()
+
+
+def test_trainer_ranks_that_disagree_in_a_steady_sync_fail_every_rank() -> None:
+    """A steady group where trainer rank 1 streams a renamed tensor in the second bucket and rank 0 does not: no
+    per-bucket round would catch it, but the bucket's header does: every rank raises (the rollout ranks before
+    the engine gets that bucket), none hangs, and the next sync builds a new group and delivers exactly."""
+    engines = _engines(timeout_s=30)
+    for step in range(2):
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()))
+        _assert_received(received, _twelve(step))
+
+    def stream(rank: int) -> object:
+        w = _twelve(2)
+        return iter(w.items() if rank == 0 else {("t5.other" if n == "t5" else n): t for n, t in w.items()}.items())
+
+    seen: list[int] = []
+
+    async def count(engine: ReshardCheckpointEngine, step: int) -> int:
+        async for _ in engine.receive_weights(step):
+            seen.append(1)
+        return len(seen)
+
+    metrics, received = _run_sync(engines, 2, 2, streams=stream, consume=count)
+    errors = metrics + received
+    assert all(isinstance(e, CommError) for e in errors), errors
+    assert any("headers" in str(e) for e in errors), errors
+    assert len(seen) <= 2 * 4  # at most the first bucket (4 tensors) reached each engine
+    _, received = _run_sync(engines, 2, 3, streams=lambda rank: iter(_twelve(3).items()))
+    _assert_received(received, _twelve(3))
+    for e in engines:
+        e._close_group()
+
+
+def test_a_stream_that_fails_in_a_steady_sync_fails_every_rank() -> None:
+    """In a steady sync (no per-bucket round to fail in), trainer rank 1's stream raises after 6 tensors: that rank
+    raises its own error, every other rank a `CommError` naming the failure, none waits out its timeout; the next
+    sync builds a new group and delivers exactly."""
+    import time
+
+    engines = _engines(timeout_s=60)
+    for step in range(2):
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()))
+        _assert_received(received, _twelve(step))
+
+    def stream(rank: int) -> object:
+        for i, item in enumerate(_twelve(2).items()):
+            if rank == 1 and i == 6:
+                raise RuntimeError("the framework's stream failed (a test fault)")
+            yield item
+
+    t0 = time.perf_counter()
+    metrics, received = _run_sync(engines, 2, 2, streams=stream)
+    assert time.perf_counter() - t0 < 30  # far below the 60 s timeout: the fault was seen, not waited out
+    assert isinstance(metrics[1], RuntimeError), metrics
+    others = [metrics[0], *received]
+    assert all(isinstance(e, CommError) and "stream failed" in str(e) for e in others), others
+    _, received = _run_sync(engines, 2, 3, streams=lambda rank: iter(_twelve(3).items()))
+    _assert_received(received, _twelve(3))
+    for e in engines:
+        e._close_group()
+
+
+def test_an_engine_that_fails_before_the_last_bucket_fails_every_rank() -> None:
+    """Rollout rank 1's engine refuses a tensor of the second of three buckets after the last bucket has arrived
+    in the background: the commit round waits for every engine to have taken every bucket but the last, so every
+    rank raises (no trainer reports a sync one engine did not load), and the next sync is exact."""
+    import asyncio
+
+    engines = _engines(timeout_s=30)
+    for step in range(2):
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()))
+        _assert_received(received, _twelve(step))
+
+    async def refuse(engine: ReshardCheckpointEngine, step: int) -> int:
+        n = 0
+        async for name, _ in engine.receive_weights(step):
+            if engine is engines[3] and name == "t6":
+                await asyncio.sleep(0.5)  # the third bucket is received meanwhile
+                raise RuntimeError("the engine refused t6 (a test fault)")
+            n += 1
+        return n
+
+    metrics, received = _run_sync(engines, 2, 2, streams=lambda rank: iter(_twelve(2).items()), consume=refuse)
+    assert isinstance(received[1], RuntimeError), received
+    assert all(isinstance(e, CommError) for e in [*metrics, received[0]]), [*metrics, received[0]]
+    _, received = _run_sync(engines, 2, 3, streams=lambda rank: iter(_twelve(3).items()))
+    _assert_received(received, _twelve(3))
+    for e in engines:
+        e._close_group()
+
+
+def test_views_live_until_the_bucket_after_the_next_is_asked_for() -> None:
+    """The documented lifetime of a yielded view: a consumer that holds every view (as one that buffers a layer
+    across buckets does) finds each still equal to the source while it takes the tensors of the next bucket,
+    i.e. until it asks for the first tensor of the bucket after the next. 12 tensors in 4 KiB buckets, two syncs
+    (the second steady: the kept plans and buffers). Checked against the sources, not the engine's own output."""
+    import asyncio
+
+    bucket_of = {f"t{i}": i // 4 for i in range(12)}
+    stale: list[str] = []
+
+    async def hold(engine: ReshardCheckpointEngine, step: int) -> dict[str, torch.Tensor]:
+        want, held = _twelve(step), {}
+        async for name, view in engine.receive_weights(step):
+            held[name] = view
+            await asyncio.sleep(0.05)  # the next bucket's receive runs meanwhile (and lands, if it may)
+            for n, v in held.items():
+                if bucket_of[n] >= bucket_of[name] - 1 and not torch.equal(v, want[n]):
+                    stale.append(f"sync {step}: {n} (bucket {bucket_of[n]}) while taking {name}")
+        return {n: v.clone() for n, v in held.items()}
+
+    engines = _engines()
+    for step in range(2):
+        assert bk.plan_buckets([(n, (16, 16)) for n in bucket_of], dict.fromkeys(bucket_of, 4), 4096) == \
+            [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        _, received = _run_sync(engines, 2, step, streams=lambda rank, s=step: iter(_twelve(s).items()), consume=hold)
+        errors = [o for o in received if isinstance(o, BaseException)]
+        assert not errors, errors
+        assert not stale, stale[:5]
     for e in engines:
         e._close_group()
 

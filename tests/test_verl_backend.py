@@ -20,8 +20,8 @@ pytest.importorskip("verl", reason="verl is installed in .venv-verl (make test-f
 
 import ray
 import torch
-import verl_cases as vc
 
+import reshard.testing.verl as vc
 from reshard.comm import CommError
 from reshard.integrations.verl import ReshardCheckpointEngine, SyncError
 
@@ -29,13 +29,14 @@ pytestmark = pytest.mark.frameworks
 
 BUCKET = 1 << 20
 TIMEOUT = 30
+HEADER_ROW = 32  # bytes of one trainer rank's row of a bucket's header, sent with every bucket
 
 
 @pytest.fixture(scope="module")
 def cluster():
     vc.ray_init()
-    trainer, rollout, _, manager = vc.setup(engine_kwargs={"timeout_s": TIMEOUT}, bucket_mb=1)
-    yield trainer, rollout, manager
+    trainer, rollout, replicas, manager = vc.setup(engine_kwargs={"timeout_s": TIMEOUT}, bucket_mb=1)
+    yield trainer, rollout, manager, replicas
     ray.shutdown()
 
 
@@ -51,7 +52,9 @@ def _check_received(trainer, rollout) -> dict[str, torch.Tensor]:
 
 
 def test_three_syncs_byte_equal(cluster) -> None:
-    trainer, rollout, manager = cluster
+    """Three syncs with weights changed between them; the second and third are steady: one all-rank round on
+    every rank (the plans kept, the stream's digest checked once)."""
+    trainer, rollout, manager, _ = cluster
     model_bytes = sum(t.nbytes for t in trainer.full_state()[0].values())
     previous = None
     for step in range(3):
@@ -61,14 +64,17 @@ def test_three_syncs_byte_equal(cluster) -> None:
             assert all(not torch.equal(full[n], previous[n]) for n in full)
         previous = full
         sent = [metrics[f"reshard/rank{r}/bytes_sent"] for r in range(2)]
-        # every trainer rank sends a distinct part of each tensor: together the model once, none more than its share
-        assert sum(sent) == model_bytes, (sent, model_bytes)
-        assert max(sent) <= model_bytes / 2 + 64 * 31, sent
         stats = rollout.engine_attr("last_sync")
+        headers = HEADER_ROW * 2 * stats[0].buckets
+        # every trainer rank sends a distinct part of each tensor: together the model once, none more than its share
+        assert sum(sent) == model_bytes + headers, (sent, model_bytes)
+        assert max(sent) <= model_bytes / 2 + 64 * 31 + headers / 2, sent
         for s in stats:
             assert 0 < s.largest_bucket <= BUCKET, s
             assert s.tensors == len(full)
             assert s.first_plans == (0 if step else s.buckets), s  # plans are built once, reused by later syncs
+        rounds = [s.rounds for s in trainer.engine_attr("last_sync") + stats]
+        assert rounds == ([1] * 4 if step else [4 * stats[0].buckets + 1] * 4), rounds
         trainer.change_weights(step + 1)
 
 
@@ -76,16 +82,72 @@ def test_three_syncs_byte_equal(cluster) -> None:
 def test_sharded_streams(cluster, stream) -> None:
     """DTensors and `(name, local, ShardSpec)` (verl's `get_per_tensor_param_shard()`): nothing gathered on the
     trainer, each rank sends (part of) its own FSDP shard."""
-    trainer, rollout, manager = cluster
+    trainer, rollout, manager, _ = cluster
     trainer.set_stream(stream)
     try:
-        metrics = vc.sync(manager, 10)
+        vc.sync(manager, 10)  # the stream changed (another kind of source): replanned
+        assert [s.replanned for s in rollout.engine_attr("last_sync")] == [0, 0]
+        metrics = vc.sync(manager, 11)
         _check_received(trainer, rollout)
         full = trainer.full_state()[0]
         sent = [metrics[f"reshard/rank{r}/bytes_sent"] for r in range(2)]
-        assert sum(sent) == sum(t.nbytes for t in full.values()), sent
+        buckets = rollout.engine_attr("last_sync")[0].buckets
+        assert sum(sent) == sum(t.nbytes for t in full.values()) + HEADER_ROW * 2 * buckets, sent
+        assert [s.rounds for s in trainer.engine_attr("last_sync")] == [1, 1]
     finally:
         trainer.set_stream("full")
+
+
+def test_a_changed_layout_is_replanned(cluster) -> None:
+    """The same names, shapes and dtypes but another layout (the DTensors resharded by columns): the manifest is
+    equal, so only the trainer ranks see the change; the steady sync replans at the first bucket on every rank,
+    delivers exactly, and the next sync is steady again."""
+    trainer, rollout, manager, _ = cluster
+    trainer.set_stream("dtensor")
+    try:
+        vc.sync(manager, 60)
+        vc.sync(manager, 61)
+        assert [s.rounds for s in trainer.engine_attr("last_sync")] == [1, 1]  # steady on the row layout
+        trainer.set_stream("dtensor-cols")
+        vc.sync(manager, 62)
+        _check_received(trainer, rollout)
+        assert [s.replanned for s in trainer.engine_attr("last_sync") + rollout.engine_attr("last_sync")] == [0] * 4
+        vc.sync(manager, 63)
+        _check_received(trainer, rollout)
+        assert [s.rounds for s in trainer.engine_attr("last_sync") + rollout.engine_attr("last_sync")] == [1] * 4
+    finally:
+        trainer.set_stream("full")
+
+
+def test_shard_stream_manager_by_configuration(cluster) -> None:
+    """`checkpoint_manager_class=reshard.integrations.verl.ShardStreamManager` (loaded as verl's trainer loads it):
+    verl's own trainer-side `update_weights` then hands the training engine to `send_weights`, which streams
+    `get_per_tensor_param_shard()` (each rank's local FSDP shards in bf16): the full-tensor export is never asked
+    for, each trainer rank sends exactly its own shards, and the rollout workers get every tensor, byte-equal to
+    the trainer's `full_tensor()` in bf16."""
+    trainer, rollout, manager, replicas = cluster
+    shard_manager = vc.make_manager(manager.config, trainer, replicas, "reshard.integrations.verl.ShardStreamManager")
+    assert type(shard_manager).__name__ == "ShardStreamManager"
+    trainer.export_calls()
+    for step in (50, 51):
+        trainer.change_weights(step)
+        metrics = vc.sync(shard_manager, step)
+        assert trainer.export_calls() == [{"full": 0, "shard": 1}] * 2
+        full = {n: t.to(torch.bfloat16) for n, t in trainer.full_state()[0].items()}
+        for worker, (order, got) in enumerate(rollout.received()):
+            assert order == list(full)
+            for name, want in full.items():
+                assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.uint8),
+                                                                         want.view(torch.uint8)), (worker, name)
+        stats = trainer.engine_attr("last_sync")
+        if step == 51:  # steady (the first sync replanned: bf16 shards are another stream than fp32 full tensors)
+            assert [s.rounds for s in stats + rollout.engine_attr("last_sync")] == [1] * 4
+            sent = [metrics[f"reshard/rank{r}/bytes_sent"] for r in range(2)]
+            local = trainer.local_bytes(torch.bfloat16)
+            headers = HEADER_ROW * stats[0].buckets
+            assert sent == [b + headers for b in local], (sent, local)  # each rank its own shards, none gathered
+    vc.sync(manager, 52)  # back to verl's default manager: the full-tensor stream again
+    assert trainer.export_calls() == [{"full": 1, "shard": 0}] * 2
 
 
 def test_bad_kwargs_on_every_worker(cluster) -> None:
@@ -97,7 +159,7 @@ constructor's other refusals: `tests/test_integrations_verl.py`)."""
 
     with pytest.raises(TypeError, match="unknown engine_kwargs"):
         CheckpointEngineRegistry.new("reshard", bucket_size=BUCKET, is_master=True, nonsense=True)
-    trainer, rollout, _ = cluster
+    trainer, rollout, _, _ = cluster
     assert trainer.new_engine("reshard", {"timeout_s": 5}) == ["ReshardCheckpointEngine"] * 2
     refs = [w.new_engine.remote("reshard", {"timeout_s": "soon"}) for w in trainer.workers + rollout.workers]
     for ref in refs:
@@ -106,7 +168,7 @@ constructor's other refusals: `tests/test_integrations_verl.py`)."""
 
 
 def test_build_topology_refuses_mismatch(cluster) -> None:
-    trainer, rollout, _ = cluster
+    trainer, rollout, _, _ = cluster
     meta = ray.get(trainer.execute_checkpoint_engine(["prepare"] * 2)
                    + rollout.execute_checkpoint_engine(["prepare"] * 2))
     with pytest.raises(ValueError, match=r"metadata from 4 workers, but actor_wg_world_size 2 \+ rollout_world_size "
@@ -120,7 +182,7 @@ def test_build_topology_refuses_mismatch(cluster) -> None:
 
 def test_world_size_mismatch_fails_every_rank(cluster) -> None:
     """A rollout worker told another world size: every rank's `init_process_group` raises, none hangs."""
-    trainer, rollout, manager = cluster
+    trainer, rollout, manager, _ = cluster
     meta = ray.get(trainer.execute_checkpoint_engine(["prepare"] * 2)
                    + rollout.execute_checkpoint_engine(["prepare"] * 2))
     # a fresh group (the live one would be kept): bump the generation the master reported
@@ -141,7 +203,7 @@ def test_world_size_mismatch_fails_every_rank(cluster) -> None:
 def test_engine_error_fails_every_rank(cluster) -> None:
     """A rollout engine that refuses a tensor mid-sync: it raises, the other rollout worker and both trainers raise
     too (none waits out the timeout), and the other worker's error says what its engine already took."""
-    trainer, rollout, manager = cluster
+    trainer, rollout, manager, _ = cluster
     ray.get(rollout.workers[1].fail_after.remote(3))
     try:
         manager.build_process_group(rollout)  # verl's own steps 1-3 of a sync
@@ -163,7 +225,7 @@ def test_engine_error_fails_every_rank(cluster) -> None:
 def test_peer_disappears_fails_every_rank(cluster) -> None:
     """A rollout worker whose process ends mid-sync: the trainers and the other rollout worker raise `CommError`
     within the timeout. Last in the module: the worker is gone."""
-    trainer, rollout, manager = cluster
+    trainer, rollout, manager, _ = cluster
     ray.get(rollout.workers[1].fail_after.remote(5, "exit"))
     manager.build_process_group(rollout)
     refs = trainer.update_weights(global_steps=40) + rollout.update_weights(global_steps=40)

@@ -586,6 +586,7 @@ def execute(
     confirm: bool = True,
     zero_copy: bool | None = None,
     delta: Any = None,
+    agreed: bool = False,
 ) -> ExecutionReport:
     """Run `rank`'s part of `plan`: send what it holds, receive and write what it needs, forward relayed boxes.
 
@@ -614,6 +615,11 @@ def execute(
             after the plan handshake either way.
         delta: a `reshard.comm.DeltaSession`: after the first run, send per box only the changed elements (see
             `reshard.comm._delta`; returns a `DeltaReport`; `zero_copy` does not apply). None: a full run.
+        agreed: skip the plan handshake: the caller has already agreed with every rank of the plan that they run
+            this very plan now (it ran on this group before, and a round of the caller's own says so; e.g. the
+            verl backend's steady-state syncs, which check a digest of the whole sync once). Bad local input then
+            raises on this rank (recording a fault on the group, so peers waiting for it raise too) instead of on
+            every rank before any byte moves. Not with `delta`.
 
     Returns:
         An `ExecutionReport` of this rank's work.
@@ -633,6 +639,8 @@ def execute(
         raise ValueError(f"execute: rank {rank} is not this process's rank {group.rank} in {group}")
     td = as_timedelta(timeout, default=group.timeout)
     if delta is not None:
+        if agreed:
+            raise ValueError("execute: agreed=True is not supported with delta runs")
         return execute_delta(plan, rank, src_tensors, dst_tensors, group, delta, verify=verify, timeout=td)
     if zero_copy is None:
         zero_copy = os.environ.get(ZERO_COPY_ENV, "1").strip() != "0"
@@ -658,8 +666,8 @@ def execute(
                 run.pack_ahead()
                 ahead.append(run)
 
-        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify, early=early,
-                                 ranks=ranks)
+        staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify,
+                                 early=None if agreed else early, ranks=ranks, agreed=agreed)
         report.seconds_handshake = time.perf_counter() - start
         verify_errors: list[str] = []
         if staging is not None:

@@ -251,7 +251,7 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
                 dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
                 reserving: str = "staging", early: Callable[[Staging], None] | None = None,
-                ranks: Sequence[int] | None = None) -> tuple[Staging | None, Any]:
+                ranks: Sequence[int] | None = None, agreed: bool = False) -> tuple[Staging | None, Any]:
     """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
     plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
     the device, then agree with the other ranks (plan fingerprint + error flags), so bad input raises on every rank
@@ -264,6 +264,11 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
     counts as usual).
 
     `ranks`: `plan.ranks` if the caller has it already (it is computed from every item).
+
+    `agreed`: the caller already agreed on this plan with every rank of it (the same plan ran on this group before,
+    and the caller's own round says every rank runs it again now): no agreement round. A local error then raises
+    here after recording a fault on the group (`Group.report_fault`), so the peers' waits for this rank end at once
+    with it instead of at their timeout.
 
     Returns:
         `(staging, reserve(device))`, or `(None, None)` for a rank without chunks.
@@ -281,7 +286,13 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             reserved = reserve(device) if reserve is not None else None
         except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
             errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
-    if len(ranks) > 1:
+    if agreed and errs:
+        message = f"rank {rank}: bad input, nothing was moved by this rank:\n  " + "\n  ".join(errs)
+        report = getattr(group, "report_fault", None)
+        if report is not None and len(ranks) > 1:
+            report(rank, message)
+        raise ValueError(message)
+    if len(ranks) > 1 and not agreed:
         with group.exclusive("plan handshake"):
             pending = PendingAgreement(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
                                        timeout=timeout, what="plan handshake")

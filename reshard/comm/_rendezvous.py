@@ -88,6 +88,23 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_store(host: str, port: int, timeout: float) -> Any:
+    """A `torch.distributed.TCPStore` served on `host:port` only (not on every interface), for `Group.rendezvous`
+    calls with `is_master=False` to meet on, possibly one group after another under distinct prefixes; it lives as
+    long as the returned object. `port` 0 picks a free port (the store's `.port`).
+
+    Raises:
+        CommError: the address cannot be bound.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = listen(host, port)
+    return dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
 def wait_for_listener(host: str, port: int, deadline: float, label: str) -> None:
     """Wait until something accepts TCP connections on `host:port`, polling until `deadline`.
 

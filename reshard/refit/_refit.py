@@ -366,10 +366,21 @@ class Refit:
             raise ValueError("Refit.plan: call run() first")
         return self._built.plan
 
-    def run(self) -> RefitReport:
-        """Move every registered weight's current values into the destinations. Every rank of the group calls it."""
+    def run(self, *, agreed: bool = False, confirm: bool = True) -> RefitReport:
+        """Move every registered weight's current values into the destinations. Every rank of the group calls it.
+
+        Args:
+            agreed: after the first run only: the caller has agreed with every rank, in a round of its own, that
+                they all run this refit now, so the plan handshake is skipped (`reshard.comm.execute(agreed=True)`;
+                a local error raises on this rank and records a fault the peers raise with).
+            confirm: end with the completion round (`execute(confirm=...)`); False when the caller confirms
+                completion itself later (a rank then returns once its own part is done).
+        """
         seconds = {"metadata": 0.0, "plan": 0.0, "transfer": 0.0}
         first = self._built is None
+        if agreed and (first or self.delta is not None):
+            raise ValueError(f"{self.label}: run(agreed=True) needs a plan every rank built and ran before (not the "
+                             "first run) and no delta session")
         t0 = time.perf_counter()
         srcs, dsts, scales, errors = self._resolve()
         if first:
@@ -399,7 +410,7 @@ class Refit:
         rep = None
         if b.plan.items:
             rep = execute(b.plan, self.rank, src, dst, self.group, verify=self.verify, timeout=self.timeout,
-                          delta=self.delta)
+                          delta=self.delta, agreed=agreed, confirm=confirm)
         for w in b.fp8:
             w.after(self.rank, dst)
         for gb in b.gather_broadcast:

@@ -12,6 +12,9 @@ Ranks on this machine:
 Devices:
     device_under_test, DEVICE_ENV: the test device, `RESHARD_TEST_DEVICE` (`cpu` by default, or `cuda`).
 
+verl (`import reshard.testing.verl` explicitly; needs verl and Ray): verl trainer and rollout workers on a local CPU
+Ray cluster under verl's real `CheckpointEngineManager`, for testing and measuring a checkpoint-engine backend.
+
 Ground truth from DTensor, in one process (a fake process group):
     dtensor_local: what `distribute_tensor(full, mesh, placements).to_local()` gives any rank.
     index_tensor: a tensor whose element `i` is `i`, to read ownership off a local tensor.

@@ -8,8 +8,9 @@ What moves where:
 - Trainer ranks `0 .. T-1`, rollout ranks `T .. T+R-1` meet in one `reshard.Group.rendezvous` whose TCP store
   trainer rank 0 hosts (its address and the job token come from `prepare()`; the driver hands them over).
 - The trainer streams `(name, tensor)` pairs (verl's FSDP engine: `.full_tensor()` of every parameter, on every
-  rank). They are cut into buckets of at most `bucket_size` bytes (`_buckets`); all trainer ranks derive the same
-  buckets and rank 0's manifest of each bucket (names, shapes, dtypes) reaches the rollout ranks before its bytes.
+  rank), or hands over its training engine (`ShardStreamManager`: verl's `mode="delta_sharded"`), whose
+  `get_per_tensor_param_shard()` is streamed. The stream is cut into buckets of at most `bucket_size` bytes
+  (`_buckets`); all trainer ranks derive the same buckets.
 - A full tensor is registered on trainer rank t as its `t`-th row block (`Shard(0)` over the T trainer ranks), so
   every trainer rank sends a distinct part of each tensor and none sends more than its share. A DTensor, or a local
   shard with verl's `ShardSpec` (`get_per_tensor_param_shard()`), is registered with its own layout: nothing is
@@ -18,38 +19,33 @@ What moves where:
   bucket buffer, and `receive_weights` yields `(name, view)` pairs from it. With `domains="node"` the rollout
   ranks of one node form one domain: each byte crosses from the trainers to that node once and is forwarded there
   (NVLink on a GPU node), so the trainers together send the model once per rollout node, not once per rollout rank.
-- Plans are cached per bucket manifest and reused by later syncs while the group lives (`rebuild_group=False`).
+- Each bucket index keeps its plan while the group lives (`rebuild_group=False`); a sync whose stream equals the
+  last one's runs them with one all-rank round in all, a changed stream is found at its first changed bucket on
+  every rank and replanned from there (`_stream`).
 
 Errors: bad or missing `engine_kwargs` are a `ValueError` / `TypeError` in the constructor, on every worker;
 `build_topology` refuses metadata of the wrong length or without a master; a rank given another world size, or a
 peer that does not join or disappears, is a `CommError` on every rank within `timeout_s`. A rollout worker never
-yields the last bucket of a sync before every rank confirmed it received every bucket; if a sync fails after some
-buckets were yielded, `receive_weights` raises `SyncError` saying how many tensors the engine already took (its
-weights are then a mix of two versions until the next sync succeeds).
+yields the last bucket of a sync before every rank confirmed it received every bucket and its engine took every
+earlier one; if a sync fails after some buckets were yielded, `receive_weights` raises `SyncError` saying how many
+tensors the engine already took (its weights are then a mix of two versions until the next sync succeeds).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
-import math
 import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 
-from reshard.comm import CommError, Group
-from reshard.comm import _rendezvous as rv
-from reshard.comm._handshake import all_gather_json
+from reshard.comm import TOKEN_ENV, CommError, Group, is_loopback, serve_store
 from reshard.integrations.verl import _buckets as bk
-from reshard.planner import Layout, Mesh, Topology
-from reshard.refit import Refit
+from reshard.integrations.verl._stream import Stream, SyncStats, short, topology_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,32 +63,6 @@ DEVICES = ("auto", "cpu", "cuda")
 
 class SyncError(CommError):
     """A weight sync failed; the message says what the rollout engine had already been given."""
-
-
-@dataclass
-class _Bucket:
-    """What a rank holds of one bucket: its manifest key, entries, and (cached across syncs) its Refit."""
-
-    entries: list[bk.Entry]
-    refit: Refit
-    buffer: torch.Tensor | None = None  # the bucket's own buffer (an oversized tensor), else None: a shared slot
-    sources: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # name -> (registered tensor, row)
-
-
-@dataclass
-class SyncStats:
-    """What the last sync did on this rank (also returned, summed up, by `send_weights` as verl metrics)."""
-
-    step: int | None = None
-    buckets: int = 0
-    tensors: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    seconds_transfer: float = 0.0
-    first_plans: int = 0
-    largest_bucket: int = 0  # bytes of the largest bucket holding more than one tensor (at most bucket_size)
-    seconds_rounds: float = 0.0  # in all-rank rounds: manifests, each bucket's agreement and completion, the commit
 
 
 class ReshardCheckpointEngine:
@@ -150,7 +120,7 @@ class ReshardCheckpointEngine:
         self.is_master = bool(is_master)
         self.host: str | None = kw["host"]
         self.port: int = kw["port"]
-        self.token: str | None = kw["token"] or os.environ.get(rv.TOKEN_ENV) or None
+        self.token: str | None = kw["token"] or os.environ.get(TOKEN_ENV) or None
         self.timeout_s = float(kw["timeout_s"])
         self.domains: str = kw["domains"]
         self.rebuild_group: bool = kw["rebuild_group"]
@@ -164,9 +134,7 @@ class ReshardCheckpointEngine:
         self._group: Group | None = None
         self._session: dict[str, Any] | None = None  # the live group's prefix, rank and world size
         self._num_trainers = 0
-        self._topology: Topology | None = None
-        self._buckets: dict[str, _Bucket] = {}
-        self._slots: list[torch.Tensor] = []  # the two shared bucket buffers (see `_shared`)
+        self._stream: Stream | None = None  # the live group's bucket plans and buffers
         self._failed = False  # the last sync failed on this rank
 
     # ---- verl's interface ---------------------------------------------------------------------------------------
@@ -257,8 +225,11 @@ class ReshardCheckpointEngine:
         group = Group.rendezvous(master["host"], int(master["port"]), rank, world_size, prefix=prefix,
                                  is_master=False, token=token, timeout=self.timeout_s)
         self._group, self._session, self._num_trainers = group, session, num_trainers
-        self._topology = (Topology(domain_of={r: repr(d) for r, d in enumerate(domains)})
-                          if self.domains == "node" else Topology())
+        kw: dict[str, Any] = {"topology": topology_of(domains, self.domains == "node"), "policy": "reshard",
+                              "verify": self.verify, "timeout": self.timeout_s}
+        if self.staging_bytes is not None:
+            kw["staging_bytes"] = self.staging_bytes
+        self._stream = Stream(group, num_trainers, self.bucket_size, self.device, kw, self.timeout_s)
         logger.info("reshard init_process_group: rank %d of %d (%d trainer ranks), %s", rank, world_size,
                     num_trainers, prefix)
 
@@ -272,24 +243,39 @@ class ReshardCheckpointEngine:
 
         Args:
             weights: an iterable or async iterable of `(name, tensor)` (full tensors or DTensors) or of
-                `(name, local shard, ShardSpec)`; or a verl engine with `get_per_tensor_param_shard()`.
+                `(name, local shard, ShardSpec)`; or a verl training engine (verl passes it for
+                `mode="delta_sharded"`, which `ShardStreamManager` sets): its `get_per_tensor_param_shard()`, or
+                its `get_per_tensor_param()` if it has no shard export.
             global_steps: the trainer step (logged, returned in the metrics).
 
         Returns:
             verl metrics: this rank's bytes sent and seconds (`reshard/...`).
         """
         group = self._require("send_weights", trainer=True)
+        stream_of = self._stream
+        assert stream_of is not None
         t0 = time.perf_counter()
         stats = SyncStats(step=global_steps)
         self.last_sync = stats
         stream = weights
         if hasattr(weights, "get_per_tensor_param_shard"):
             stream, _ = weights.get_per_tensor_param_shard()
+        elif hasattr(weights, "get_per_tensor_param"):  # an engine without a shard export: its full tensors
+            stream, _ = weights.get_per_tensor_param()
+        stream_of.begin()
         pending: list[tuple[str, Any, Any]] = []
         used, index = 0, 0
         task: asyncio.Future | None = None  # the previous bucket's transfer, overlapping the next bucket's stream
         try:
-            async for item in _aiter(stream):
+            items = _aiter(stream).__aiter__()
+            while True:
+                t_item = time.perf_counter()
+                try:
+                    item = await items.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    stats.seconds_stream += time.perf_counter() - t_item
                 name, tensor, spec = _normalise(item)
                 size = bk.aligned(bk.nbytes_of(_full_shape(tensor, spec), tensor.dtype))
                 if pending and used + size > self.bucket_size:
@@ -310,21 +296,29 @@ class ReshardCheckpointEngine:
                                                f"{type(e).__name__}: {e}")
             if task is not None and not task.done():
                 await asyncio.wait([task])  # the group is not free until the running bucket ends (it fails too)
+            if task is not None:
+                _retrieve(task)
             raise
         stats.seconds = time.perf_counter() - t0
-        logger.info("reshard send_weights: rank %d, step %s: %d tensors in %d buckets, %d bytes sent, %.3f s",
-                    group.rank, global_steps, stats.tensors, stats.buckets, stats.bytes_sent, stats.seconds)
+        stats.seconds_first_send = max(0.0, stats.seconds_first_send - t0)
+        logger.info("reshard send_weights: rank %d, step %s: %d tensors in %d buckets, %d bytes sent, %d all-rank "
+                    "rounds, %.3f s", group.rank, global_steps, stats.tensors, stats.buckets, stats.bytes_sent,
+                    stats.rounds, stats.seconds)
         return {f"reshard/rank{group.rank}/bytes_sent": float(stats.bytes_sent),
-                f"reshard/rank{group.rank}/seconds": stats.seconds}
+                f"reshard/rank{group.rank}/seconds": stats.seconds,
+                f"reshard/rank{group.rank}/rounds": float(stats.rounds)}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield `(name, tensor)` for every weight, bucket by bucket (every rollout worker calls it).
 
         A yielded tensor is a view of a bucket buffer: valid until the consumer asks for the tensors of the bucket
-        after the next one (copy it to keep it), as with verl's `nccl` backend. The next bucket is received while
-        the consumer loads the current one.
+        after the next one (copy it to keep it longer). The next bucket is received while the consumer loads the
+        current one.
         """
         group = self._require("receive_weights", trainer=False)
+        stream_of = self._stream
+        assert stream_of is not None
+        stream_of.begin()
         t0 = time.perf_counter()
         stats = SyncStats(step=global_steps)
         self.last_sync = stats
@@ -332,13 +326,16 @@ class ReshardCheckpointEngine:
         index = 0
         yielded = 0
         done = False
-        task = loop.run_in_executor(None, self._receive_bucket, 0, stats)
+        task = loop.run_in_executor(None, stream_of.receive, 0, stats)
         try:
             while True:
                 entries, views, last = await task
-                if not last:
+                if last:  # every rank holds every bucket and its engine took all but this one: only then hand it on
+                    task = loop.run_in_executor(None, stream_of.commit, stats)
+                    await task
+                else:
                     index += 1
-                    task = loop.run_in_executor(None, self._receive_bucket, index, stats)
+                    task = loop.run_in_executor(None, stream_of.receive, index, stats)
                 for e, v in zip(entries, views):
                     yield e.name, v
                     yielded += 1
@@ -353,6 +350,7 @@ class ReshardCheckpointEngine:
                             + f": {e}") from e
         finally:
             if not done:
+                task.add_done_callback(_retrieve)  # the bucket in flight fails too: its error is this one's echo
                 self._failed = True
                 # the consumer stopped early (GeneratorExit or its own error) or the sync failed: tell the peers, so
                 # they raise now instead of waiting out the timeout
@@ -374,173 +372,31 @@ class ReshardCheckpointEngine:
         return self._group
 
     def _start_store(self) -> None:
-        import torch.distributed as dist
-
         if self.host is None:
             self.host = _node_ip()
-        if self.token is None and not rv.is_loopback(self.host):
+        if self.token is None and not is_loopback(self.host):
             self.token = secrets.token_hex(16)  # handed to the workers by the driver, never written to the store
-        sock = rv.listen(self.host, self.port)
-        self._store = dist.TCPStore(self.host, sock.getsockname()[1], None, True,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False,
-                                    master_listen_fd=sock.detach())
+        self._store = serve_store(self.host, self.port, self.timeout_s)
         logger.info("reshard checkpoint engine: store at %s:%d", self.host, self._store.port)
 
     def _close_group(self) -> None:
         if self._group is not None:
             self._group.close()
-        self._group, self._session, self._buckets, self._failed = None, None, {}, False
-        self._slots = []
-
-    def _refit(self) -> Refit:
-        kw: dict[str, Any] = {"topology": self._topology, "policy": "reshard", "verify": self.verify,
-                              "timeout": self.timeout_s}
-        if self.staging_bytes is not None:
-            kw["staging_bytes"] = self.staging_bytes
-        return Refit(self._group, **kw)
-
-    def _exchange(self, manifest: Any, last: bool) -> tuple[list[bk.Entry], str, bool]:
-        """One manifest round: every trainer rank's manifest of the next bucket reaches every rank; they must agree."""
-        group = self._group
-        assert group is not None
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        t0 = time.perf_counter()
-        got = all_gather_json(group, {"manifest": manifest, "last": last} if manifest is not None else None,
-                              timeout=timeout, what="reshard verl bucket manifest")
-        self.last_sync.seconds_rounds += time.perf_counter() - t0
-        mine = got[: self._num_trainers]
-        if any(m is None for m in mine) or any(m != mine[0] for m in mine):
-            first = next(i for i, m in enumerate(mine) if m != mine[0] or m is None)
-            raise ValueError(f"reshard verl backend: trainer ranks disagree on the next bucket (every trainer rank "
-                             f"must stream the same names, shapes and dtypes in the same order): rank 0 has "
-                             f"{_short(mine[0])}, rank {first} has {_short(mine[first])}")
-        rows, last = mine[0]["manifest"], bool(mine[0]["last"])
-        return bk.layout_entries(rows), repr(rows), last
+        self._group, self._session, self._stream, self._failed = None, None, None, False
 
     def _send_bucket(self, index: int, items: list[tuple[str, Any, Any]], last: bool, stats: SyncStats) -> None:
         rows = [bk.manifest_row(n, _full_shape(t, s), t.dtype, _kind(t, s)) for n, t, s in items]
-        entries, key, _ = self._exchange(rows, last)
-        slot = index % 2
-        b = self._buckets.get(f"{slot}:{key}")
-        if b is None:
-            b = self._build_source_bucket(slot, entries, items)
-            self._buckets[f"{slot}:{key}"] = b
-            stats.first_plans += 1
-        for (_, tensor, spec), e in zip(items, entries):
-            self._fill_source(b, e, tensor, spec)
-        self._run(b, stats)
-        if last:
-            self._commit()
-
-    def _shared(self, slot: int) -> torch.Tensor:
-        """Shared bucket buffer `slot` (0 or 1): bucket i of a sync uses slot i % 2, so bucket i+1 can be filled
-        or received while bucket i is still in use."""
-        while len(self._slots) <= slot:
-            self._slots.append(torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device))
-        return self._slots[slot]
-
-    def _build_source_bucket(self, slot: int, entries: list[bk.Entry], items: list[tuple[str, Any, Any]]) -> _Bucket:
-        from torch.distributed.tensor import DTensor
-
-        refit = self._refit()
-        T, rank = self._num_trainers, self._group.rank  # type: ignore[union-attr]
-        plan: list[tuple[bk.Entry, Any, tuple[int, ...], torch.dtype, int]] = []  # entry, layout, shape, dtype, row
-        for (_, tensor, spec), e in zip(items, entries):
-            if e.kind == "full":
-                mesh, placements = _full_mesh(e.shape, T)
-                layout = Layout(e.shape, mesh, placements, e.dtype, name=e.name)
-                if rank not in mesh.ranks:
-                    continue
-                pieces = layout.pieces(rank)
-                start = pieces[0].global_box.offsets[0] if pieces and len(e.shape) else 0
-                plan.append((e, layout, layout.local_shape(rank), e.dtype, start))
-            else:
-                src = _local_of(tensor, spec)
-                placement = (tensor.device_mesh, tuple(tensor.placements)) if spec is None else \
-                    (spec.mesh, tuple(spec.placements))
-                plan.append((e, placement, tuple(src.shape), src.dtype, 0))
-        need = sum(bk.aligned(bk.nbytes_of(shape, dtype)) for _, _, shape, dtype, _ in plan)
-        own = torch.empty(need, dtype=torch.uint8, device=self.device) if need > self.bucket_size else None
-        buf = own if own is not None else self._shared(slot)
-        b = _Bucket(entries, refit, buffer=own)
-        off = 0
-        for e, layout, shape, dtype, start in plan:
-            local = _carve(buf, off, shape, dtype)
-            off += bk.aligned(local.nbytes)
-            if e.kind == "full":
-                refit.add_source(e.name, local, layout)
-            else:
-                mesh, placements = layout
-                refit.add_source(e.name, DTensor.from_local(local, mesh, placements, run_check=False,
-                                                            shape=torch.Size(e.shape),
-                                                            stride=_contiguous_stride(e.shape)))
-            b.sources[e.name] = (local, start)
-        return b
-
-    def _fill_source(self, b: _Bucket, e: bk.Entry, tensor: Any, spec: Any) -> None:
-        held = b.sources.get(e.name)
-        if held is None:  # this trainer rank holds no part of it (a scalar is sent by trainer rank 0)
-            return
-        local, start = held
-        if e.kind == "full":
-            src = tensor.reshape(e.shape)[start: start + local.shape[0]] if len(e.shape) else tensor.reshape(())
-        else:
-            src = _local_of(tensor, spec)
-        if tuple(src.shape) != tuple(local.shape) or src.dtype != local.dtype:
-            raise ValueError(f"reshard verl backend: {e.name!r} on trainer rank {self._group.rank}: its local "  # type: ignore[union-attr]
-                             f"tensor {tuple(src.shape)} {src.dtype} differs from the planned "
-                             f"{tuple(local.shape)} {local.dtype} (a shard's layout changed between syncs?)")
-        local.copy_(src)
-
-    def _receive_bucket(self, index: int, stats: SyncStats) -> tuple[list[bk.Entry], list[torch.Tensor], bool]:
-        entries, key, last = self._exchange(None, False)
-        slot = index % 2
-        b = self._buckets.get(f"{slot}:{key}")
-        if b is None:
-            b = self._build_dest_bucket(slot, entries)
-            self._buckets[f"{slot}:{key}"] = b
-            stats.first_plans += 1
-        self._run(b, stats)
-        if last:
-            self._commit()
-        return entries, [b.sources[e.name][0] for e in entries], last
-
-    def _build_dest_bucket(self, slot: int, entries: list[bk.Entry]) -> _Bucket:
-        refit = self._refit()
-        size = bk.buffer_bytes(entries)
-        own = torch.empty(size, dtype=torch.uint8, device=self.device) if size > self.bucket_size else None
-        buf = own if own is not None else self._shared(slot)
-        b = _Bucket(entries, refit, buffer=own)
-        ranks = list(range(self._num_trainers, self._group.size))  # type: ignore[union-attr]
-        for e in entries:
-            dst = bk.view(buf, e)
-            refit.add_destination(e.name, dst, Layout(e.shape, Mesh(ranks), [Replicate()], e.dtype, name=e.name))
-            b.sources[e.name] = (dst, 0)
-        return b
-
-    def _run(self, b: _Bucket, stats: SyncStats) -> None:
-        report = b.refit.run()
-        stats.buckets += 1
-        if len(b.entries) > 1:
-            stats.largest_bucket = max(stats.largest_bucket, bk.buffer_bytes(b.entries))
-        if self._group.rank < self._num_trainers:  # type: ignore[union-attr]
-            stats.tensors += len(b.entries)
-        ex = report.execution
-        if ex is not None:
-            stats.bytes_sent += ex.bytes_sent
-            stats.bytes_received += ex.bytes_received
-            stats.seconds_rounds += ex.seconds_handshake + ex.seconds_confirm
-        stats.seconds_transfer += report.seconds.get("transfer", 0.0)
-
-    def _commit(self) -> None:
-        """The last round of a sync: every rank says it holds every bucket (a rank that failed never says so)."""
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        t0 = time.perf_counter()
-        all_gather_json(self._group, "done", timeout=timeout, what="reshard verl sync commit")
-        self.last_sync.seconds_rounds += time.perf_counter() - t0
+        self._stream.send(index, items, rows, last, stats)  # type: ignore[union-attr]
+        stats.tensors += len(items)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
+def _retrieve(future: Any) -> None:
+    """Mark a finished future's error as seen (asyncio would log it, with a traceback, when the future is collected)."""
+    if future.done() and not future.cancelled():
+        future.exception()
+
+
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"reshard checkpoint engine: engine_kwargs.reshard.{name} must be {expected}, got {value!r}")
@@ -558,7 +414,7 @@ def _node_id() -> str:
     try:
         import ray
 
-        if ray.is_initialized():
+        if getattr(ray, "is_initialized", lambda: False)():  # (a directory named `ray` on the path is no Ray)
             return str(ray.get_runtime_context().get_node_id())
     except ImportError:
         pass
@@ -571,7 +427,7 @@ def _node_ip() -> str:
     try:
         import ray
 
-        if ray.is_initialized():
+        if getattr(ray, "is_initialized", lambda: False)():
             return ray.util.get_node_ip_address().strip("[]")
     except ImportError:
         pass
@@ -599,7 +455,7 @@ async def _aiter(stream: Any) -> AsyncIterator[Any]:
 def _normalise(item: Any) -> tuple[str, Any, Any]:
     if not isinstance(item, (tuple, list)) or len(item) not in (2, 3) or not isinstance(item[0], str):
         raise TypeError(f"reshard send_weights: expected (name, tensor) or (name, shard, ShardSpec), got "
-                        f"{type(item).__name__} {_short(item)}")
+                        f"{type(item).__name__} {short(item)}")
     name, tensor = item[0], item[1]
     spec = item[2] if len(item) == 3 else None
     if not isinstance(tensor, torch.Tensor):
@@ -627,44 +483,3 @@ def _full_shape(t: Any, spec: Any) -> tuple[int, ...]:
     if spec is not None:
         return tuple(int(s) for s in spec.full_shape)
     return tuple(t.shape)
-
-
-def _local_of(t: Any, spec: Any) -> torch.Tensor:
-    """This rank's local tensor of a DTensor, or of a `(local, ShardSpec)` pair in its DTensor local shape (verl's
-    FSDP engine flattens the local shard: `local.reshape(-1)`)."""
-    if spec is None:
-        return t.to_local() if _is_dtensor(t) else t
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, _ = compute_local_shape_and_global_offset(torch.Size(spec.full_shape), spec.mesh, list(spec.placements))
-    if t.numel() != math.prod(shape):
-        raise ValueError(f"reshard send_weights: a local shard of {t.numel()} elements does not match its ShardSpec "
-                         f"(full shape {tuple(spec.full_shape)}, placements {tuple(spec.placements)}: local shape "
-                         f"{tuple(shape)} on this rank)")
-    return t.reshape(shape)
-
-
-def _full_mesh(shape: tuple[int, ...], T: int) -> tuple[Mesh, list[Any]]:
-    """The trainer layout of a full tensor: row blocks over the T trainer ranks (`Shard(0)`, torch.chunk's
-    split); a scalar or an empty first dim: held by trainer rank 0 alone."""
-    if len(shape) == 0 or shape[0] == 0:
-        return Mesh([0]), [Replicate()]
-    return Mesh(list(range(T))), [Shard(0)]
-
-
-def _carve(buf: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    n = bk.nbytes_of(shape, dtype)
-    return buf[off: off + n].view(dtype).view(shape)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
-def _short(v: Any, n: int = 300) -> str:
-    s = repr(v)
-    return s if len(s) <= n else s[:n] + "..."

@@ -1,12 +1,18 @@
-"""Ray workers for the verl checkpoint-engine tests and benchmark: verl's own worker classes, driven by verl's real
-`CheckpointEngineManager`, on a local CPU Ray cluster.
+"""verl workers on a local CPU Ray cluster, for testing and measuring a checkpoint-engine backend (reshard's, or
+any other) under verl's real `CheckpointEngineManager`: `reshard.integrations.verl`'s tests and
+`perf/bench_frameworks.py` use them. Needs verl and Ray (`make verl-env`).
 
 - `TrainerWorker` (a verl `Worker`): a tiny Qwen3 (`transformers`, random weights from a seed) under FSDP2 over gloo
   among the trainer workers, with the checkpoint engine verl's FSDP `ActorRolloutRefWorker` builds
-  (`CheckpointEngineRegistry.new(backend, is_master=rank == 0, bucket_size=..., **engine_kwargs)`). `update_weights`
-  streams what verl's FSDP engine streams: `(name, p.full_tensor())` for every parameter on every rank
-  (`stream="full"`), or the DTensors themselves (`"dtensor"`), or `(name, local.reshape(-1),
-  ShardSpec.from_param(p))` as the FSDP engine's `get_per_tensor_param_shard()` does (`"shard"`).
+  (`CheckpointEngineRegistry.new(backend, is_master=rank == 0, bucket_size=..., **engine_kwargs)`). Its
+  `update_weights(global_steps, mode)` is verl 0.9.1's own `ActorRolloutRefWorker.update_weights` (the mode
+  dispatch: the engine itself to `send_weights` for `mode="delta_sharded"`, else its `get_per_tensor_param()`
+  stream), run with this worker as the training engine: `get_per_tensor_param()` streams what verl's FSDP engine
+  streams, `(name, p.full_tensor())` for every parameter on every rank (`stream="full"`), or the DTensors themselves
+  (`"dtensor"`; `"dtensor-cols"`: resharded by columns), or `(name, local.reshape(-1), ShardSpec.from_param(p))`
+  (`"shard"`);
+  `get_per_tensor_param_shard()` is the FSDP engine's export (each local shard, floating ones cast to bf16,
+  flattened, with its `ShardSpec`). verl's FSDP engine itself needs a GPU device (`get_device_id()`).
 - `RolloutWorker`: verl's `CheckpointEngineWorker` with a server adapter that keeps a copy of every tensor it is
   given (what vLLM's `load_weights` would load), as verl's own checkpoint-engine tests do.
 - `Replica`: a `RolloutReplica` owning rollout workers, without servers (abort / resume are no-ops over no servers).
@@ -18,6 +24,7 @@ server adapter, a mock replica) on CPU.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
@@ -76,12 +83,47 @@ class TrainerWorker(Worker):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.stream = stream
+        self.exports = {"full": 0, "shard": 0}
         cfg = checkpoint_engine_config
+        self.backend = cfg.backend
+        self.engines: dict[str, tuple[str, Any]] = {}
         if cfg.custom_backend_module:
             __import__(cfg.custom_backend_module)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
             cfg.backend, is_master=torch.distributed.get_rank() == 0,
             bucket_size=cfg.update_weights_bucket_megabytes << 20, **cfg.engine_kwargs.get(cfg.backend, {}))
+
+    def get_per_tensor_param(self, **kwargs: Any) -> tuple[Any, None]:
+        """The training engine's full-tensor stream (what verl hands every backend by default)."""
+        self.exports["full"] += 1
+        return self._weights(), None
+
+    def get_per_tensor_param_shard(self, **kwargs: Any) -> tuple[Any, None]:
+        """verl 0.9.1's FSDP `get_per_tensor_param_shard()`: each local shard, floating ones cast to bf16, flat."""
+        from verl.workers.engine.spec import ShardSpec
+
+        self.exports["shard"] += 1
+
+        def gen() -> Any:
+            for name, p in self.model.named_parameters():
+                spec = ShardSpec.from_param(p.data)
+                local = p.data.to_local()
+                if local.is_floating_point():
+                    local = local.to(torch.bfloat16)
+                yield name, local.reshape(-1), spec
+
+        return gen(), None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def local_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of this rank's local shards of every parameter in `dtype`."""
+        return sum(p.data.to_local().numel() * dtype.itemsize for p in self.model.parameters())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_calls(self) -> dict[str, int]:
+        """How often the full-tensor and the shard export were asked for since the last call (then reset)."""
+        out, self.exports = self.exports, {"full": 0, "shard": 0}
+        return out
 
     def _weights(self) -> Any:
         from verl.workers.engine.spec import ShardSpec
@@ -91,6 +133,10 @@ class TrainerWorker(Worker):
                 yield name, p.full_tensor()
             elif self.stream == "dtensor":
                 yield name, p.data
+            elif self.stream == "dtensor-cols":  # the same DTensors resharded by columns (a layout change)
+                from torch.distributed.tensor import Shard
+
+                yield name, p.data.redistribute(p.data.device_mesh, [Shard(1)]) if p.dim() == 2 else p.data
             else:
                 # as verl's FSDP engine exports it: the local shard flattened, its spec from the parameter
                 yield name, p.to_local().reshape(-1), ShardSpec.from_param(p)
@@ -124,8 +170,17 @@ class TrainerWorker(Worker):
             self.checkpoint_engine.send_weights(self._weights())
             self.colocated = {name: t.clone() for name, t in self.checkpoint_engine.receive_weights()}
             return {}
-        metrics = await self.checkpoint_engine.send_weights(self._weights(), global_steps=global_steps)
-        return metrics or {}
+        from types import SimpleNamespace
+
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        # verl's own trainer-side sync: `mode` picks the engine itself or its full-tensor stream; this worker is the
+        # training engine (`self.actor.engine`)
+        verl_update = inspect.unwrap(ActorRolloutRefWorker.update_weights)
+        shim = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(
+            checkpoint_engine=SimpleNamespace(backend=self.backend))), checkpoint_engine=self.checkpoint_engine,
+            actor=SimpleNamespace(engine=self))
+        return await verl_update(shim, global_steps=global_steps, mode=mode)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -134,6 +189,22 @@ class TrainerWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def engine_attr(self, name: str) -> Any:
         return getattr(self.checkpoint_engine, name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def add_engine(self, label: str, config: CheckpointEngineConfig) -> None:
+        """Build another checkpoint engine, as verl builds this worker's, kept under `label` (`use_engine`)."""
+        self.engines.setdefault("default", (self.backend, self.checkpoint_engine))
+        if config.custom_backend_module:
+            __import__(config.custom_backend_module)
+        self.engines[label] = (config.backend, CheckpointEngineRegistry.new(
+            config.backend, is_master=torch.distributed.get_rank() == 0,
+            bucket_size=config.update_weights_bucket_megabytes << 20, **config.engine_kwargs.get(config.backend, {})))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_engine(self, label: str) -> None:
+        """Make the engine `add_engine` kept under `label` this worker's checkpoint engine."""
+        self.engines.setdefault("default", (self.backend, self.checkpoint_engine))
+        self.backend, self.checkpoint_engine = self.engines[label]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def new_engine(self, backend: str, engine_kwargs: dict[str, Any]) -> str:
@@ -176,6 +247,7 @@ class RolloutWorker(CheckpointEngineWorker):
     def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig) -> None:
         torch.set_num_threads(1)
         super().__init__(rollout_config, model_config, RecordingAdapter(rollout_config, model_config))
+        self.engines: dict[str, Any] = {}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def received(self) -> tuple[list[str], dict[str, torch.Tensor]]:
@@ -189,6 +261,22 @@ class RolloutWorker(CheckpointEngineWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def engine_attr(self, name: str) -> Any:
         return getattr(self.checkpoint_engine, name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def add_engine(self, label: str, config: CheckpointEngineConfig) -> None:
+        """Build another checkpoint engine, as `CheckpointEngineWorker.__init__` builds this worker's, kept under
+        `label` (`use_engine`)."""
+        self.engines.setdefault("default", self.checkpoint_engine)
+        if config.custom_backend_module:
+            __import__(config.custom_backend_module)
+        self.engines[label] = CheckpointEngineRegistry.new(
+            config.backend, bucket_size=config.update_weights_bucket_megabytes << 20,
+            **config.engine_kwargs.get(config.backend, {}))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_engine(self, label: str) -> None:
+        self.engines.setdefault("default", self.checkpoint_engine)
+        self.checkpoint_engine = self.engines[label]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def new_engine(self, backend: str, engine_kwargs: dict[str, Any]) -> str:
@@ -208,10 +296,10 @@ class Replica(RolloutReplica):
 
 
 def ray_init(num_cpus: int = 64, extra_path: tuple[str, ...] = ()) -> None:
-    """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store; the workers import this
-    module (and `extra_path`'s) by name."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(here), *extra_path, os.environ.get("PYTHONPATH", "")])
+    """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store; the workers import
+    `reshard` from where this process does (and the modules of `extra_path`)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds reshard/
+    path = os.pathsep.join([root, *extra_path, os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                                        "RAY_DEDUP_LOGS": "0"}})
@@ -219,9 +307,11 @@ def ray_init(num_cpus: int = 64, extra_path: tuple[str, ...] = ()) -> None:
 
 def setup(backend: str = "reshard", *, num_trainers: int = 2, num_rollout: int = 2, rollout_tp: int = 1,
           bucket_mb: int = 1, engine_kwargs: dict[str, Any] | None = None, stream: str = "full",
-          config: dict[str, Any] | None = None, seed: int = 0, custom_module: str | None = "reshard.integrations.verl"
+          config: dict[str, Any] | None = None, seed: int = 0, custom_module: str | None = "reshard.integrations.verl",
+          manager_class: str | None = None
           ) -> tuple[RayWorkerGroup, RayWorkerGroup, list[Replica], CheckpointEngineManager]:
-    """Trainer and rollout worker groups on one resource pool, and verl's `CheckpointEngineManager` over them."""
+    """Trainer and rollout worker groups on one resource pool, and verl's `CheckpointEngineManager` over them (or
+    the class `manager_class` names, loaded as verl's trainer loads `rollout.checkpoint_manager_class`)."""
     config = config or CONFIG
     ce = CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=bucket_mb,
                                 engine_kwargs={backend: dict(engine_kwargs or {})},
@@ -239,8 +329,20 @@ def setup(backend: str = "reshard", *, num_trainers: int = 2, num_rollout: int =
         rep = Replica(replica_rank=r, config=rollout_config, model_config=model_config)
         rep.workers = rollout.workers[r * rollout_tp: (r + 1) * rollout_tp]
         replicas.append(rep)
-    manager = CheckpointEngineManager(config=ce, actor_wg=trainer, replicas=replicas)
+    manager = make_manager(ce, trainer, replicas, manager_class)
     return trainer, rollout, replicas, manager
+
+
+def make_manager(config: CheckpointEngineConfig, trainer: RayWorkerGroup, replicas: list[Replica],
+                 manager_class: str | None = None) -> CheckpointEngineManager:
+    """verl's `CheckpointEngineManager`, or the class `manager_class` names, loaded as verl's PPO trainer loads
+    `actor_rollout_ref.rollout.checkpoint_manager_class` (`load_class_from_fqn`)."""
+    cls = CheckpointEngineManager
+    if manager_class:
+        from verl.utils.import_utils import load_class_from_fqn
+
+        cls = load_class_from_fqn(manager_class, "CheckpointEngineManager")
+    return cls(config=config, actor_wg=trainer, replicas=replicas)
 
 
 def sync(manager: CheckpointEngineManager, step: int) -> dict:
