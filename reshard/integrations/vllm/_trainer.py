@@ -127,7 +127,10 @@ class ReshardTrainer(_EngineBase):
             client: optional; on rank 0 it is told to initialize the engines' side, concurrently.
             source: HuggingFace name -> DTensor, or -> `(local tensor, reshard.Layout)`; or a module whose
                 parameters are DTensors. One tensor under several names (a module's tied parameters, a
-                `state_dict()`'s tied entries) is sent once, the other names being its aliases (`find_ties`).
+                `state_dict()`'s tied entries) is sent once, the other names being its aliases (`find_ties`). A
+                module is followed, not its parameter objects (`Refit.add_module_sources`): a parameter replaced
+                by one of the same layout is sent from the next `send_weights()`, one of another layout or an
+                untied one is refused on every rank, naming it.
             name_map: trainer name -> the engine's (HuggingFace) name, a dict or a callable returning None for a
                 name to leave out of the map (which is then an error unless ignored); default identity.
             ignore_sources: trainer names the engine does not serve, left out on purpose (an MTP head, a value
@@ -155,12 +158,7 @@ class ReshardTrainer(_EngineBase):
             call.join()
         refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s,
                       name_map=name_map, ignore_sources=ignore_sources, delta=init_info.delta)
-        for name, w in weights.items():
-            aliases = found.get(name, ())
-            if isinstance(w, tuple):
-                refit.add_source(name, w[0], w[1], aliases=aliases)
-            else:
-                refit.add_source(name, w, aliases=aliases)
+        _register(refit, source, weights, found)
         return cls(client=client, source=source, is_sender=init_info.is_sender, group=group, refit=refit,
                    info=init_info)
 
@@ -187,6 +185,23 @@ class ReshardTrainer(_EngineBase):
 
     def shutdown(self) -> None:
         self.group.close()
+
+
+def _register(refit: Refit, source: Weights, weights: Mapping[str, Any], ties: Mapping[str, list[str]]) -> None:
+    """Register `source` with `refit`: a module through `Refit.add_module_sources`, which follows the module (a
+    replaced parameter is read at the next send, an untied one is refused naming it), with the ties the module
+    does not show itself (`ties=`, the config's); a mapping name by name, as given."""
+    if isinstance(source, torch.nn.Module):
+        held = {n for n, _ in source.named_parameters(remove_duplicate=False)}
+        extra = {n: [a for a in names if a not in held] for n, names in ties.items()}
+        refit.add_module_sources(source, ties={n: names for n, names in extra.items() if names})
+        return
+    for name, w in weights.items():
+        aliases = ties.get(name, ())
+        if isinstance(w, tuple):
+            refit.add_source(name, w[0], w[1], aliases=aliases)
+        else:
+            refit.add_source(name, w, aliases=aliases)
 
 
 def _weights(source: Weights | None) -> tuple[dict[str, Any], dict[str, list[str]]]:
