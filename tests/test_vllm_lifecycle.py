@@ -11,6 +11,7 @@ ends at once with the stage thread gone; the versions always name what the forwa
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -96,12 +97,16 @@ def test_reinit_over_a_landed_stage_drops_it(engine, trainers) -> None:
     trainers.wait()
     llm.finish_weight_update()
     _join(engine, trainers)  # the trainer restarted: a new group, no shutdown first
-    assert llm.collective_rpc(vc.versions) == [(None, None)] * tp  # the dropped stage is no longer named
     llm.start_weight_update()
-    with pytest.raises(Exception, match=r"'commit' is refused in state '(idle|failed)'(.|\n)*start_weight_update\(\)"):
+    try:
         llm.update_weights({"update_info": {"version": "2", "phase": "commit"}})
+        refusal = None
+    except Exception as e:  # noqa: BLE001 - checked below, after the engine
+        refusal = str(e)
     _assert_same(_observe(llm), engine["v1"])  # never committed into the new group's (empty) buffers
-    assert llm.collective_rpc(vc.versions) == [(None, None)] * tp
+    dropped = r"'commit' is refused in state 'failed': nothing is staged \(the stage of version '2' was dropped"
+    assert refusal is not None and re.search(dropped + r"(.|\n)*start_weight_update\(\)", refusal), refusal
+    assert llm.collective_rpc(vc.versions) == [(None, None)] * tp  # the dropped stage is no longer named
 
     _stage(llm, "2")  # the named next step
     trainers.post("send", V2)
@@ -118,6 +123,7 @@ def test_refusals_keep_replies_in_step_and_name_the_next_call(engine, trainers) 
     accepted; a commit without a new `start_weight_update()` is one error naming it; every worker's replies stay
     in step (a call after each reads its own replies); the named next step commits the staged version exactly."""
     llm, tp = engine["llm"], engine["tp"]
+    live = llm.collective_rpc(vc.versions)[0][0]
     _stage(llm, "3")
     trainers.post("send", V1)
     trainers.wait()
@@ -127,11 +133,11 @@ def test_refusals_keep_replies_in_step_and_name_the_next_call(engine, trainers) 
             llm.update_weights({"update_info": {"version": "4", "phase": "stage"}})
         finally:
             llm.finish_weight_update()  # the caller's cleanup: accepted, it does not replace the refusal
-    assert llm.collective_rpc(vc.versions) == [("2", "3")] * tp  # in step: every worker's own reply
+    assert llm.collective_rpc(vc.versions) == [(live, "3")] * tp  # in step: every worker's own reply
     with pytest.raises(Exception, match=r"start_weight_update must be called before update_weights(.|\n)*"
                                         r"call start_weight_update\(\) first"):
         llm.update_weights({"update_info": {"version": "3", "phase": "commit"}})  # "commit it first", no start
-    assert llm.collective_rpc(vc.versions) == [("2", "3")] * tp
+    assert llm.collective_rpc(vc.versions) == [(live, "3")] * tp
     assert llm.collective_rpc(update_state) == ["staged"] * tp
     llm.start_weight_update()  # the named next step
     _commit(llm, "3")
@@ -158,14 +164,15 @@ def test_update_without_a_version_is_named(engine, trainers) -> None:
     assert len(live) == tp and all(v[0] is not None and v[0].startswith("update-") and v[1] is None
                                    for v in live), live
     assert len({v[0] for v in live}) == 1, live
+    engine.setdefault("v2", _observe(llm))
     _assert_same(_observe(llm), engine["v2"])
 
 
 def test_shutdown_during_a_stage_ends_at_once(engine, trainers) -> None:
     """A stage the trainer never sends, then `shutdown_weight_transfer_engine`: it returns within seconds, the stage
-    thread is gone on every worker, nothing is staged, and the engine still serves what it served; the trainer's
-    next send hears the engine left. Then vLLM's own reload of V2 equals the V2 the lifecycle landed."""
+    thread is gone on every worker, nothing is staged, and the engine still serves what it served."""
     llm, tp = engine["llm"], engine["tp"]
+    before, served = _observe(llm), llm.collective_rpc(vc.versions)
     _stage(llm, "5")
     assert llm.collective_rpc(vc.versions)[0][1] == "5"
     llm.finish_weight_update()
@@ -174,11 +181,17 @@ def test_shutdown_during_a_stage_ends_at_once(engine, trainers) -> None:
     took = time.monotonic() - t0
     assert took < 20, f"shutdown during a stage took {took:.1f} s"
     assert llm.collective_rpc(stage_threads) == [[]] * tp
-    live = llm.collective_rpc(vc.versions)
-    assert all(v[1] is None and v[0].startswith("update-") for v in live), live
-    _assert_same(_observe(llm), engine["v2"])
+    assert llm.collective_rpc(vc.versions) == [(served[0][0], None)] * tp
+    _assert_same(_observe(llm), before)
     trainers.post("close")
     trainers.wait()
-    # the oracle for the V2 landed after the re-init: vLLM's own in-place reload of the V2 checkpoint
+
+
+def test_the_v2_landed_equals_vllms_own_reload(engine) -> None:
+    """The oracle for the V2 the lifecycle landed through a new group: vLLM's own in-place reload of the V2
+    checkpoint (last: a refit after vLLM's reload is not possible)."""
+    if "v2" not in engine:
+        pytest.skip("runs after the cases that land V2")
+    llm = engine["llm"]
     _reload(llm, engine["ck2"])
     _assert_same(_observe(llm), engine["v2"])
