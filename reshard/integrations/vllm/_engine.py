@@ -224,7 +224,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 torch.cuda.synchronize(self.device)
         except BaseException as e:  # agreed with the other workers below
             error = e
-            if not isinstance(e, Refused):  # a refusal touched nothing: a stage in flight keeps its delta state
+            # a refusal (or a bad update_info) touched nothing: a stage in flight keeps running, with its delta state
+            if not isinstance(e, Refused) and self.updates.state not in ("staging", "staged"):
                 self.updates.fail()
                 if self.refit is not None and self.refit.delta is not None:
                     self.refit.delta.reset()  # what the buffers hold is unknown now: the next update is full
