@@ -120,22 +120,25 @@ def test_reinit_over_a_landed_stage_drops_it(engine, trainers) -> None:
 
 def test_refusals_keep_replies_in_step_and_name_the_next_call(engine, trainers) -> None:
     """A second stage before the commit is refused naming the commit; `finally: finish_weight_update()` after it is
-    accepted; a commit without a new `start_weight_update()` is one error naming it; every worker's replies stay
-    in step (a call after each reads its own replies); the named next step commits the staged version exactly."""
+    refused once, carrying the refusal and the next call (never setting a version); a commit without a new
+    `start_weight_update()` is one error naming it; every worker's replies stay in step (a call after each reads
+    its own replies); the named next step commits the staged version exactly."""
     llm, tp = engine["llm"], engine["tp"]
     live = llm.collective_rpc(vc.versions)[0][0]
     _stage(llm, "3")
     trainers.post("send", V1)
     trainers.wait()
-    with pytest.raises(Exception, match=r"'stage' update is refused in state 'staged', version '3' staged(.|\n)*"
-                                        r"start_weight_update\(\), then update_weights(.|\n)*'3'(.|\n)*'commit'"):
+    refusal = (r"'stage' update is refused in state 'staged', version '3' staged(.|\n)*start_weight_update\(\), "
+               r"then update_weights(.|\n)*'3'(.|\n)*'commit'")
+    with pytest.raises(Exception, match=r"finish_weight_update called without a matching start_weight_update(.|\n)*"
+                                        + refusal + r"(.|\n)*no version is set; next: start_weight_update\(\)"):
         try:
             llm.update_weights({"update_info": {"version": "4", "phase": "stage"}})
         finally:
-            llm.finish_weight_update()  # the caller's cleanup: accepted, it does not replace the refusal
+            llm.finish_weight_update()  # the caller's cleanup: refused once, carrying the refusal and the next call
     assert llm.collective_rpc(vc.versions) == [(live, "3")] * tp  # in step: every worker's own reply
     with pytest.raises(Exception, match=r"start_weight_update must be called before update_weights(.|\n)*"
-                                        r"call start_weight_update\(\) first"):
+                                        r"next: start_weight_update\(\)"):
         llm.update_weights({"update_info": {"version": "3", "phase": "commit"}})  # "commit it first", no start
     assert llm.collective_rpc(vc.versions) == [(live, "3")] * tp
     assert llm.collective_rpc(update_state) == ["staged"] * tp

@@ -234,8 +234,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if any(o is not None for o in outcomes):
             self.last_error = message = combined(outcomes, "update_weights")
             raise RuntimeError(message + "\n(the update session has ended on every worker, as vLLM ends it when "
-                               "update_weights raises; finish_weight_update() is accepted and does nothing; next: "
-                               "start_weight_update())") from error
+                               "update_weights raises; next: start_weight_update())") from error
 
     def finish_weight_update(self) -> None:
         pass

@@ -66,9 +66,11 @@ def keep_in_step(engine: Any) -> bool:
     reason) or vLLM's own checks (`finish_weight_update` without `start_weight_update`, `start_weight_update`
     twice, ...), which fail on every worker at once. Each of the worker's `WORKER_CALLS` is wrapped on the worker
     object (not its class): it runs vLLM's method, agrees the outcome with the other workers (`agree`), and the last
-    worker raises, the others log and return. A `finish_weight_update()` right after a failed `update_weights`
-    (which ended the update session, as vLLM does) is accepted and does nothing, so `try: ... finally:
-    finish_weight_update()` keeps working. Returns False (with a warning) when no vLLM worker is found."""
+    worker raises, the others log and return. vLLM's refusal of a `finish_weight_update()` or `update_weights`
+    after a failed `update_weights` (which ended the update session, as vLLM does) carries the failure's reason and
+    names `start_weight_update()` as the next call; it is raised, not swallowed, so that the caller's
+    `finish_weight_update(weight_version=...)` never labels the failed version as served. Returns False (with a
+    warning) when no vLLM worker is found."""
     frame = sys._getframe(1)
     worker = None
     for _ in range(12):
@@ -93,20 +95,13 @@ def keep_in_step(engine: Any) -> bool:
 def _in_step(worker: Any, name: str, original: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         engine = getattr(worker, "weight_transfer_engine", None)
-        ended = getattr(engine, "_session_ended_by_failure", False)
         active = bool(getattr(worker, "_weight_update_active", False))
-        if name == "finish_weight_update" and ended and not active:
-            engine._session_ended_by_failure = False  # the caller's `finally` after a failed update: nothing to end
-            logger.info("reshard: finish_weight_update after a failed update_weights: the session had ended")
-            return None
         error: BaseException | None = None
         result = None
         try:
             result = original(*args, **kwargs)
         except BaseException as e:  # agreed below; raised by the last worker
             error = e
-        if engine is not None and name in ("update_weights", "start_weight_update", "finish_weight_update"):
-            engine._session_ended_by_failure = name == "update_weights" and error is not None
         outcomes = agree(error)
         if all(o is None for o in outcomes):
             return result
@@ -114,9 +109,12 @@ def _in_step(worker: Any, name: str, original: Any) -> Any:
             logger.error("reshard: %s failed (raised by the last worker): %s", name, outcomes)
             return None
         if error is not None and all(o == outcomes[-1] for o in outcomes):
-            if name == "update_weights" and not active:
-                raise RuntimeError(f"{error} (reshard: no update session is open: a failed update_weights ends it, "
-                                   "as finish_weight_update() does; call start_weight_update() first)") from error
+            if name in ("update_weights", "finish_weight_update") and not active:
+                failed = getattr(engine, "last_error", None)
+                why = (f"the update session ended when update_weights failed ({failed})" if failed else
+                       "no update session is open")
+                raise RuntimeError(f"{error} (reshard: {why}; nothing was done and no version is set; next: "
+                                   "start_weight_update())") from error
             raise error
         raise RuntimeError(combined(outcomes, name)) from error
 
