@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from live_cases import ENGINE, SHAPE, TRAIN, dtensor, engine_slice, full
 
-from reshard.comm import Group
 from reshard import Layout, Mesh, Shard
+from reshard.comm import Group
 from reshard.refit import Refit
 
 NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
