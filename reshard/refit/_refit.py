@@ -217,6 +217,7 @@ class Refit:
         self._follow: dict[tuple[str, str], Bound] = {}
         self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
         self._paths: dict[str, tuple[torch.nn.Module, str]] = {}  # add_module_sources: re-read at every run
+        self._module_ties: dict[str, tuple[str, ...]] = {}  # add_module_sources: source -> its tied parameter names
         self._src_aliases: dict[str, tuple[str, ...]] = {}  # trainer name -> its other names (a tie)
         self._dst_aliases: dict[str, tuple[str, ...]] = {}  # inference global name -> its other names
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
@@ -272,21 +273,50 @@ class Refit:
             self._follow[("source", name)] = Bound(tensor)
         self._sources[name] = (tensor, layout)
 
-    def add_module_sources(self, module: torch.nn.Module, *, prefix: str = "") -> None:
+    def add_module_sources(self, module: torch.nn.Module, *, prefix: str = "",
+                           ties: Mapping[str, Sequence[str]] | None = None) -> None:
         """Register every DTensor parameter of `module` under `prefix + name` (`module.named_parameters()`).
 
-        Unlike `add_source(name, param)`, the parameters are looked up in the module again at every `run()`: a
-        parameter replaced by a new object of the same layout (`load_state_dict(assign=True)`,
-        `module.weight = nn.Parameter(...)`) is picked up and its new values sent; one of another layout (dtype,
-        shape, placements, mesh) or a parameter gone from the module raises a `ValueError` on every rank, naming
-        it, before data moves.
+        Unlike `add_source(name, param)`, the registration follows the module, not the parameter objects: the
+        parameters are looked up in the module again at every `run()`. A parameter replaced by a new object of the
+        same layout (`load_state_dict(assign=True)`, `module.weight = nn.Parameter(...)`) is picked up and its new
+        values sent; one of another layout (dtype, shape, placements, mesh) or a parameter gone from the module
+        raises a `ValueError` on every rank, naming it, before data moves.
+
+        Ties: a parameter under several names (a tied `lm_head`: `named_parameters(remove_duplicate=False)`) is
+        registered once, under its first name, the others being its aliases (see `add_source`). The module's sharing
+        is checked again at every run: a name that was tied and now holds a parameter of its own (untied, as after
+        `module.lm_head.weight = nn.Parameter(...)`) has no registration in the plan, so it raises a `ValueError`
+        on every rank naming both names, before data moves (build a new Refit to send it); names registered apart
+        that became one parameter (re-tied) are each still read from the module, so each sends the shared values.
+
+        Args:
+            ties: more aliases, `prefix + name` -> other names the engine may hold it under (a tied `lm_head` the
+                module does not have, by its config); never checked against the module.
         """
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Refit.add_module_sources: expected a torch.nn.Module, got {type(module).__name__}")
-        for pname, p in module.named_parameters():
-            self.add_source(prefix + pname, p)
-            if prefix + pname in self._sources:
-                self._paths[prefix + pname] = (module, pname)
+        first: dict[int, str] = {}
+        tied: dict[str, list[str]] = {}
+        params: dict[str, Any] = {}
+        for pname, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                tied[first[id(p)]].append(pname)
+            else:
+                first[id(p)], tied[pname], params[pname] = pname, [], p
+        extra = dict(ties or {})
+        unknown = sorted(set(extra) - {prefix + n for n in params})
+        if unknown:
+            raise ValueError(f"Refit.add_module_sources: ties names {unknown}, which the module does not hold")
+        for pname, p in params.items():
+            name = prefix + pname
+            aliases = [prefix + a for a in tied[pname]]
+            aliases += [a for a in extra.get(name, ()) if a not in aliases]
+            self.add_source(name, p, aliases=aliases)
+            if name in self._sources:
+                self._paths[name] = (module, pname)
+                if tied[pname]:
+                    self._module_ties[name] = tuple(tied[pname])
 
     def add_destination(
         self,
@@ -475,6 +505,10 @@ class Refit:
                     errors.append(f"source {name!r} on rank {self.rank}: its module no longer has parameter "
                                   f"{pname!r} ({e})")
                     continue
+                untied = self._untied(name, module, pname, now)
+                if untied:
+                    errors.append(untied)
+                    continue
                 if now is not obj:
                     e = self._adopt(name, now, layout)
                     if e:
@@ -504,6 +538,24 @@ class Refit:
         if e:
             errors.append(e)
         return now
+
+    def _untied(self, name: str, module: torch.nn.Module, pname: str, now: Any) -> str | None:
+        """Why source `name`'s tied names (registered as its aliases) are no longer its parameter, or None."""
+        gone = []
+        for alias in self._module_ties.get(name, ()):
+            try:
+                other = module.get_parameter(alias)
+            except AttributeError:
+                other = None
+            if other is not now:
+                gone.append(alias)
+        if not gone:
+            return None
+        return (f"source {name!r} on rank {self.rank}: its module's parameters {gone} were tied to {pname!r} when "
+                f"registered (sent as its aliases) and are now parameters of their own (untied or removed): the "
+                "plan has no registration for their values, so nothing is sent rather than the tied values. Build a "
+                "new Refit for the module's new sharing (ReshardTrainer: trainer_init again, with the engine's "
+                "init_weight_transfer_engine)")
 
     def _adopt(self, name: str, now: Any, layout: LayoutLike) -> str | None:
         """Take `now`, the parameter that replaced source `name` in its module, if it has the same layout."""

@@ -11,25 +11,27 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
   weights, each byte once, and re-runs post-processing where the layer needs it, copying the result into the
   storage the forward reads. `last_report` is that update's `RefitReport`, with `seconds["process"]` the time
   spent re-processing.
-- A failed `init_weight_transfer_engine` or `update_weights` raises on the engine's last worker only, with every
-  worker's reason, and every worker ends the call as vLLM expects, so vLLM's RPC replies stay in step
-  (`reshard.integrations.vllm._outcome`); `last_error` keeps the reason on every worker. A failed init also writes
-  its reason as the group's verdict, so the trainer ranks' next `send_weights()` raises it at once. A failed transfer
-  (any refit error, a dead trainer rank) leaves the forward on the previous weights: re-processing, the step that
-  changes what the forward reads, runs only after the whole transfer succeeded.
+- A failed `init_weight_transfer_engine` or `update_weights` fails on every worker with every worker's reason (so
+  vLLM ends the update session on every worker alike) and is raised by the engine's last worker only, as are vLLM's
+  own refusals of these calls, so vLLM's RPC replies stay in step (`reshard.integrations.vllm._outcome`);
+  `last_error` keeps the reason on every worker. A failed init also writes its reason as the group's verdict, so
+  the trainer ranks' next `send_weights()` raises it at once. A failed transfer (any refit error, a dead trainer
+  rank) leaves the forward on the previous weights: re-processing, the step that changes what the forward reads,
+  runs only after the whole transfer succeeded.
 - Updates come in phases (`ReshardUpdateInfo.phase`): `"stage"` starts the transfer in a background thread into
   buffers the forward does not read (loader-format buffers, copies of the norms) and returns, so the engine keeps
   serving; `"commit"` waits for it, then re-processes and copies into the live tensors; `"full"` (the default) is
   both in one call. Pausing generation around a commit or a full update is the caller's (vLLM's
   `pause_generation` / `/pause`). With `delta`, updates after the first send only changed elements into the
-  buffers, which still hold the last update; a failed update resets that state, so the next one is full.
+  buffers, which still hold the last update; a failed update resets that state, so the next one is full. Which
+  phase may come next is one state machine (`reshard.integrations.vllm._lifecycle.Updates`, `update_state`): a
+  call it cannot honour is refused before anything is touched, naming the state and the valid next call; a new
+  `init_weight_transfer_engine` or a shutdown drops a stage (never committing it into another group's buffers).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +43,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.comm import Group
 from reshard.integrations.vllm._layouts import Target, engine_targets
-from reshard.integrations.vllm._outcome import agree, combined, end_update, is_last_worker
+from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
+from reshard.integrations.vllm._outcome import agree, combined, keep_in_step
 from reshard.integrations.vllm._process import reprocess_layer
 from reshard.refit import Refit, RefitReport
 
@@ -131,28 +134,41 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.targets: list[Target] = []
         self.last_report: RefitReport | None = None
         self.last_error: str | None = None  # the last failed call's reason, every worker's (the last one raises it)
-        self.live_version: str | None = None  # the version the forward reads (None: the checkpoint loaded)
-        self.staged_version: str | None = None  # the version a stage in flight is receiving
-        self._stage: _Stage | None = None
+        self.updates = Updates()  # the update state machine: the stage in flight, the versions
         self._info: ReshardInitInfo | None = None
+        self.in_step = keep_in_step(self)  # vLLM's own refusals of a worker call are raised by the last worker only
+
+    @property
+    def live_version(self) -> str | None:
+        """The version the forward reads (None: the checkpoint vLLM loaded; see `_lifecycle`)."""
+        return self.updates.live_version
+
+    @property
+    def staged_version(self) -> str | None:
+        """The version a stage in flight or landed holds (None: nothing staged)."""
+        return self.updates.staged_version
+
+    @property
+    def update_state(self) -> str:
+        """`"idle"`, `"staging"`, `"staged"`, `"committing"` or `"failed"` (see `_lifecycle`)."""
+        return self.updates.state
 
     # ---- vLLM's lifecycle --------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        self._release("init_weight_transfer_engine was called again")  # a new group: the old one's stage is dropped
         error: BaseException | None = None
         try:
             self._init(init_info)
-        except BaseException as e:  # agreed with the other workers below, raised by the last one
+        except BaseException as e:  # agreed with the other workers below
             error = e
         outcomes = agree(error)
         if any(o is not None for o in outcomes):
             message = combined(outcomes, "init_weight_transfer_engine")
             if self.group is not None:  # the trainer ranks wait in the group: they hear this reason, not a timeout
                 self.group.report_fault(self.group.rank, message)
-                self.shutdown()
+                self._release(message)
             self.last_error = message
-            if is_last_worker():
-                raise RuntimeError(message) from error
-            logger.error("%s", message)
+            raise RuntimeError(message) from error
 
     def _init(self, init_info: ReshardInitInfo) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -180,33 +196,21 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             raise RuntimeError("reshard vLLM backend: call init_weight_transfer_engine before start_weight_update")
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        if self.group is None or self._info is None:
-            raise RuntimeError("reshard vLLM backend: call init_weight_transfer_engine before update_weights")
-        assert self.refit is not None
+        if self.group is None or self.refit is None:
+            raise Refused("reshard vLLM backend: update_weights before init_weight_transfer_engine (or after "
+                          "shutdown_weight_transfer_engine). Next: init_weight_transfer_engine, then "
+                          "start_weight_update()")
         phase = update_info.phase
         if phase in ("full", "stage"):
-            if self._stage is not None:
-                raise RuntimeError(f"reshard vLLM backend: a {phase!r} update while version "
-                                   f"{self._stage.version!r} is staged; commit it first")
-            if update_info.full and self.refit.delta is not None:
+            if update_info.full and self.refit.delta is not None and self.updates.state in ("idle", "failed"):
                 self.refit.delta.reset()
-            self._stage = _Stage(self.refit, update_info.version, background=phase == "stage")
-            self.staged_version = update_info.version
-            if phase == "stage":
+            stage = self.updates.begin(self.refit, update_info.version, phase)
+            if stage is None:  # staging: the transfer runs in the background
                 return
-        if self._stage is None:
-            raise RuntimeError("reshard vLLM backend: commit without a staged update (send phase 'stage' first)")
-        stage, self._stage = self._stage, None
-        self.staged_version = None
-        report = stage.wait()  # a failed transfer raises here: nothing the forward reads was touched
-        if update_info.version is not None and update_info.version != stage.version:
-            raise RuntimeError(f"reshard vLLM backend: commit of version {update_info.version!r}, but version "
-                               f"{stage.version!r} is staged (it is dropped; the next update is full)")
-        t0 = time.perf_counter()
-        self.reprocess()
-        report.seconds["process"] = time.perf_counter() - t0
+        else:
+            stage = self.updates.take(self.refit, update_info.version)
+        report = self.updates.commit(stage, self.reprocess)  # a failed transfer raises before the commit
         self.last_report = report
-        self.live_version = stage.version
         logger.info("reshard: update %s on group rank %d: transfer %.1f ms, re-processing %.1f ms, %d network bytes "
                     "planned", stage.version, self.group.rank, 1e3 * report.seconds["transfer"],
                     1e3 * report.seconds["process"], report.network_bytes)
@@ -218,28 +222,36 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self.receive_weights(self.parse_update_info(update_info))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except BaseException as e:  # agreed with the other workers below, raised by the last one
+        except BaseException as e:  # agreed with the other workers below
             error = e
-            if self.refit is not None and self.refit.delta is not None:
-                self.refit.delta.reset()  # what the buffers hold is unknown now: the next update is full
+            # a refusal (or a bad update_info) touched nothing: a stage in flight keeps running, with its delta state
+            if not isinstance(e, Refused) and self.updates.state not in ("staging", "staged"):
+                self.updates.fail()
+                if self.refit is not None and self.refit.delta is not None:
+                    self.refit.delta.reset()  # what the buffers hold is unknown now: the next update is full
         outcomes = agree(error)
         self.last_error = None
         if any(o is not None for o in outcomes):
             self.last_error = message = combined(outcomes, "update_weights")
-            if is_last_worker():
-                raise RuntimeError(message) from error
-            logger.error("%s", message)
-            end_update(self)  # as vLLM does when a worker raises, so the next start_weight_update is accepted
+            raise RuntimeError(message + "\n(the update session has ended on every worker, as vLLM ends it when "
+                               "update_weights raises; next: start_weight_update())") from error
 
     def finish_weight_update(self) -> None:
         pass
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        if self._stage is not None and self._stage.thread is not None:  # ends with the closed group's error
-            self._stage.thread.join(timeout=30)
-        self.group, self.refit, self._stage = None, None, None
+        self._release("shutdown_weight_transfer_engine was called")
+
+    def _release(self, why: str) -> None:
+        """Leave the group: a stage in flight or landed is dropped (its thread ends with the closed group's error,
+        within `STOP_JOIN_S`); the live version stays (the forward still reads it)."""
+        stage = self.updates.drop(why)
+        group, self.group, self.refit = self.group, None, None
+        if group is not None:
+            if stage is not None and stage.running:  # the stage's waits poll the group's verdict: they end now
+                group.report_fault(group.rank, f"reshard vLLM backend: the engine dropped its stage: {why}")
+            group.close()
+        stop(stage)
 
     # ---- reshard ------------------------------------------------------------------------------------------------
     def _build_refit(self) -> Refit:
@@ -283,33 +295,3 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 entry[2][t.param_name] = (t.tensor, t.loader_attrs)
         for name, module, loader in layers.values():
             reprocess_layer(module, loader, name)
-
-
-class _Stage:
-    """One update's transfer: run at once, or in a background thread (`background`) while the engine generates."""
-
-    def __init__(self, refit: Refit, version: str | None, *, background: bool) -> None:
-        self.version = version
-        self.report: RefitReport | None = None
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
-        if background:
-            self.thread = threading.Thread(target=self._run, args=(refit,), name=f"reshard-stage-{version}",
-                                           daemon=True)
-            self.thread.start()
-        else:
-            self._run(refit)
-
-    def _run(self, refit: Refit) -> None:
-        try:
-            self.report = refit.run()
-        except BaseException as e:  # re-raised by wait(), on the commit
-            self.error = e
-
-    def wait(self) -> RefitReport:
-        if self.thread is not None:
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.report is not None
-        return self.report

@@ -1,13 +1,13 @@
-"""One outcome per vLLM engine call, agreed by the engine's workers, raised so that vLLM's RPC layer stays in step.
+"""One outcome per vLLM weight-transfer call, agreed by the engine's workers, raised so that vLLM's RPC layer stays
+in step.
 
 vLLM's multiprocess executor (`MultiprocExecutor.collective_rpc`) reads the workers' replies in worker order and
 raises at the first failed one, leaving the later workers' replies queued: every later call then reads the
-previous call's replies. So a failed `init_weight_transfer_engine` or `update_weights` must fail on the *last*
-worker only. Every worker first learns every worker's outcome (a fixed-size all-gather over the engine's own
-tensor-parallel CPU group, strings only: nothing is unpickled), so a failure on one worker (a re-processing error)
-fails the call as surely as one on all (a refit error, which `Refit` raises on every rank); then the last worker
-raises the combined reason and the others end the call as vLLM would have had they raised (`end_update`), and
-return.
+previous call's replies. So a failed call must fail on the *last* worker only. The backend's engine raises a failed
+`init_weight_transfer_engine` / `update_weights` on every worker, with every worker's reason (`agree`: a
+fixed-size all-gather over the engine's own tensor-parallel CPU group, strings only: nothing is unpickled), so vLLM
+ends the update session on every worker alike; `keep_in_step` wraps the worker's weight-transfer calls so that
+only the last worker then raises, for the engine's failures and for vLLM's own precondition errors alike.
 """
 
 from __future__ import annotations
@@ -56,20 +56,68 @@ def combined(outcomes: list[str | None], what: str) -> str:
         f"  worker {w}: {m}" for w, m in failed)
 
 
-def end_update(engine: Any) -> None:
-    """End the current weight-update session of the vLLM worker that called `engine` (what vLLM's
-    `Worker.update_weights` does when the engine raises), for a worker that returns instead of raising."""
-    frame = sys._getframe(1).f_back
-    for _ in range(8):
+WORKER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update", "update_weights",
+                "finish_weight_update", "shutdown_weight_transfer_engine")
+
+
+def keep_in_step(engine: Any) -> bool:
+    """Make the vLLM worker creating `engine` (called from the engine's `__init__`) raise a failed weight-transfer
+    call on its last worker only, whoever raised it: the engine (which raises on every worker, with every worker's
+    reason) or vLLM's own checks (`finish_weight_update` without `start_weight_update`, `start_weight_update`
+    twice, ...), which fail on every worker at once. Each of the worker's `WORKER_CALLS` is wrapped on the worker
+    object (not its class): it runs vLLM's method, agrees the outcome with the other workers (`agree`), and the last
+    worker raises, the others log and return. vLLM's refusal of a `finish_weight_update()` or `update_weights`
+    after a failed `update_weights` (which ended the update session, as vLLM does) carries the failure's reason and
+    names `start_weight_update()` as the next call; it is raised, not swallowed, so that the caller's
+    `finish_weight_update(weight_version=...)` never labels the failed version as served. Returns False (with a
+    warning) when no vLLM worker is found."""
+    frame = sys._getframe(1)
+    worker = None
+    for _ in range(12):
         if frame is None:
             break
-        worker = frame.f_locals.get("self")
-        if getattr(worker, "weight_transfer_engine", None) is engine and hasattr(worker, "_weight_update_active"):
-            worker._weight_update_active = False
+        candidate = frame.f_locals.get("self")
+        if hasattr(candidate, "_weight_update_active") and callable(getattr(candidate, "update_weights", None)):
+            worker = candidate
             break
         frame = frame.f_back
-    else:
-        frame = None
-    if frame is None:
-        logger.warning("reshard: the calling vLLM worker was not found; its weight-update session stays open")
-    engine.reset_weight_update_target()
+    if worker is None:
+        logger.warning("reshard: the vLLM worker creating the weight-transfer engine was not found; with tensor "
+                       "parallelism > 1 a failed call may put vLLM's RPC replies out of step")
+        return False
+    for name in WORKER_CALLS:
+        original = getattr(worker, name, None)
+        if original is not None and not hasattr(original, "__reshard_in_step__"):
+            setattr(worker, name, _in_step(worker, name, original))
+    return True
+
+
+def _in_step(worker: Any, name: str, original: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        engine = getattr(worker, "weight_transfer_engine", None)
+        active = bool(getattr(worker, "_weight_update_active", False))
+        error: BaseException | None = None
+        result = None
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as e:  # agreed below; raised by the last worker
+            error = e
+        outcomes = agree(error)
+        if all(o is None for o in outcomes):
+            return result
+        if not is_last_worker():
+            logger.error("reshard: %s failed (raised by the last worker): %s", name, outcomes)
+            return None
+        if error is not None and all(o == outcomes[-1] for o in outcomes):
+            if name in ("update_weights", "finish_weight_update") and not active:
+                failed = getattr(engine, "last_error", None)
+                why = (f"the update session ended when update_weights failed ({failed})" if failed else
+                       "no update session is open")
+                raise RuntimeError(f"{error} (reshard: {why}; nothing was done and no version is set; next: "
+                                   "start_weight_update())") from error
+            raise error
+        raise RuntimeError(combined(outcomes, name)) from error
+
+    call.__reshard_in_step__ = True  # type: ignore[attr-defined]
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    return call

@@ -130,7 +130,10 @@ class ReshardTrainer(_EngineBase):
                 parameters are DTensors; or a Megatron-core `GPTModel` chunk (registered by
                 `reshard.integrations.megatron.add_sources`, the real vocabulary from `config`'s `vocab_size`).
                 One tensor under several names (a module's tied parameters, a `state_dict()`'s tied entries) is
-                sent once, the other names being its aliases (`find_ties`).
+                sent once, the other names being its aliases (`find_ties`). A module is followed, not its
+                parameter objects (`Refit.add_module_sources`): a parameter replaced by one of the same layout is
+                sent from the next `send_weights()`, one of another layout or an untied one is refused on every
+                rank, naming it.
             name_map: trainer name -> the engine's (HuggingFace) name, a dict or a callable returning None for a
                 name to leave out of the map (which is then an error unless ignored); default identity.
             ignore_sources: trainer names the engine does not serve, left out on purpose (an MTP head, a value
@@ -162,12 +165,8 @@ class ReshardTrainer(_EngineBase):
         if megatron:
             vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(config, "vocab_size", None)
             add_megatron_sources(refit, source, vocab_size=vocab)
-        for name, w in weights.items():
-            aliases = found.get(name, ())
-            if isinstance(w, tuple):
-                refit.add_source(name, w[0], w[1], aliases=aliases)
-            else:
-                refit.add_source(name, w, aliases=aliases)
+        else:
+            _register(refit, source, weights, found)
         return cls(client=client, source=source, is_sender=init_info.is_sender, group=group, refit=refit,
                    info=init_info)
 
@@ -202,6 +201,23 @@ def _is_megatron(source: Any) -> bool:
     while isinstance(chunk, torch.nn.Module) and not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
         chunk = chunk.module
     return hasattr(chunk, "decoder") and hasattr(chunk, "sharded_state_dict")
+
+
+def _register(refit: Refit, source: Weights, weights: Mapping[str, Any], ties: Mapping[str, list[str]]) -> None:
+    """Register `source` with `refit`: a module through `Refit.add_module_sources`, which follows the module (a
+    replaced parameter is read at the next send, an untied one is refused naming it), with the ties the module
+    does not show itself (`ties=`, the config's); a mapping name by name, as given."""
+    if isinstance(source, torch.nn.Module):
+        held = {n for n, _ in source.named_parameters(remove_duplicate=False)}
+        extra = {n: [a for a in names if a not in held] for n, names in ties.items()}
+        refit.add_module_sources(source, ties={n: names for n, names in extra.items() if names})
+        return
+    for name, w in weights.items():
+        aliases = ties.get(name, ())
+        if isinstance(w, tuple):
+            refit.add_source(name, w[0], w[1], aliases=aliases)
+        else:
+            refit.add_source(name, w, aliases=aliases)
 
 
 def _weights(source: Weights | None) -> tuple[dict[str, Any], dict[str, list[str]]]:

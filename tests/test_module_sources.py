@@ -1,0 +1,66 @@
+"""A registered trainer module is followed, not its parameter objects, by `ReshardTrainer.trainer_init(source=
+module)` and `Refit.add_module_sources` alike (4 gloo ranks, `module_cases`): a replaced parameter's new values
+land at the next send; a re-tied one sends the shared values; an untied one (its own values now) is refused on
+every rank, naming it, before anything moves, never sent as the tied values. The oracle: the full tensors of each
+seed cut by hand (`live_cases.full`, `engine_slice`)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from live_cases import ENGINE
+from module_cases import expected, job_module
+
+from reshard.testing import shared_pool
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return shared_pool(4)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check(out: list, run: int, seeds: dict[str, int]) -> None:
+    for r in ENGINE:
+        want = expected(r, seeds)
+        got = out[r]["runs"][run]
+        bad = [n for n in want if not torch.equal(got[n], want[n])]
+        assert not bad, (r, run, bad)
+
+
+@pytest.mark.parametrize("api", ["trainer", "refit"])
+def test_a_replaced_parameter_is_sent(pool, api: str) -> None:
+    out = pool.run_ok(job_module, api, "replace", _port())
+    assert all(o["error"] is None and "error1" not in o for o in out), out
+    tied = {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 1}
+    _check(out, 0, tied)
+    _check(out, 1, {**tied, "model.norm.weight": 7})  # the new parameter's values, not the old one's
+
+
+@pytest.mark.parametrize("api", ["trainer", "refit"])
+def test_an_untied_parameter_is_refused_on_every_rank(pool, api: str) -> None:
+    out = pool.run_ok(job_module, api, "untie", _port())
+    assert all("error1" not in o for o in out), out
+    tied = {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 1}
+    _check(out, 0, tied)  # the tie was sent as the embedding's values
+    for r, o in enumerate(out):
+        assert o["error"] is not None and "['lm_head.weight'] were tied to 'model.embed_tokens.weight'" in o["error"] \
+            and "untied" in o["error"], (r, o["error"])
+    _check(out, 1, tied)  # nothing moved: never the embedding's values sent as the untied lm_head
+
+
+@pytest.mark.parametrize("api", ["trainer", "refit"])
+def test_a_retied_parameter_sends_the_shared_values(pool, api: str) -> None:
+    out = pool.run_ok(job_module, api, "retie", _port())
+    assert all(o["error"] is None and "error1" not in o for o in out), out
+    _check(out, 0, {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 3})
+    _check(out, 1, {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 1})
