@@ -171,7 +171,9 @@ def join(store: Any, rank: int, world_size: int, token: bytes, deadline: float, 
         _check_abort(verdicts, rank, label)
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not store.check([keys[r]])]
-            raise _fail(verdicts, rank, missing[0] if missing else None,
+            if not missing:  # the last rank joined between the two checks: the group is complete
+                break
+            raise _fail(verdicts, rank, missing[0],
                         f"{me}: ranks {missing} did not join within the timeout (world size {world_size})")
         time.sleep(_POLL_S)
     nonces = []
