@@ -273,7 +273,7 @@ def _faults(llm, trainers: vc.Trainers, cfg: dict, tp: int, got_v2, want_v1) -> 
 
 
 @pytest.mark.parametrize("family,tp", [("llama-tied", 2), ("qwen2-tied", 2), ("qwen3-tied", 1), ("mistral", 1),
-                                       ("gemma", 1)])
+                                       ("gemma", 1), ("phi3", 1)])
 def test_family_refit(tmp_path, monkeypatch, trainers, family: str, tp: int) -> None:
     """The sweep: each family from a tiny random `transformers` config, saved by `save_pretrained` (a tied model
     stores its embedding once), refit from a trainer holding the model's own parameters (a tied one under both

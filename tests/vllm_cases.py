@@ -116,6 +116,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "num_key_value_heads": 1,
               "vocab_size": 1000, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh",
               "hidden_activation": "gelu_pytorch_tanh"},
+    # fused in the checkpoint: `qkv_proj` [q; k; v] and `gate_up_proj` [gate; up], which vLLM loads whole, untied
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "num_key_value_heads": 2,
+             "vocab_size": 1000, "tie_word_embeddings": False, "hidden_act": "silu", "pad_token_id": 0},
 }
 
 
