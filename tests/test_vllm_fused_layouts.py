@@ -60,3 +60,19 @@ def test_transposed_conv1d_weight_is_a_view() -> None:
         assert torch.equal(view, local.t())
     with pytest.raises(ValueError, match="only a 2-D weight"):
         transposed_layout(Layout((4,), Mesh([0]), [Replicate()], torch.float32, name="b"))
+
+
+def test_trainer_finds_conv1d_weights_and_refuses_unknown_names() -> None:
+    utils = pytest.importorskip("transformers.pytorch_utils")
+    from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+    from reshard.integrations.vllm._conv1d import conv1d_weights
+
+    model = torch.nn.Module()  # GPT-2's attention block: Conv1D layers (nf = out, nx = in) and a plain Linear
+    model.attn = torch.nn.Module()
+    model.attn.c_attn, model.attn.c_proj = utils.Conv1D(24, 8), utils.Conv1D(8, 8)
+    model.lm_head = torch.nn.Linear(8, 10)
+    assert conv1d_weights(model) == ["attn.c_attn.weight", "attn.c_proj.weight"]
+    lay = Layout((4, 6), Mesh([0]), [Replicate()], torch.float32, name="w")
+    with pytest.raises(ValueError, match="transposed names 'c_proj.weight', which the source does not hold"):
+        ReshardTrainer.trainer_init(ReshardTrainerInitInfo(rank=0), source={"w": (torch.zeros(4, 6), lay)},
+                                    transposed=["c_proj.weight"])
