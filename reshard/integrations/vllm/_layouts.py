@@ -15,7 +15,13 @@ Where the layouts come from:
 - experts: a layer with a `FusedMoEMethodBase` quant method (`RoutedExperts`), all experts on every rank (TP over
   the intermediate dim), as stacked `[E, I, H]` globals named by its checkpoint prefix and names
   (`layer_name`, `ckpt_gate_proj_name`, ...): `...mlp.experts.{gate,up,down}_proj.weight`;
-- fused names: the model's `packed_modules_mapping` (`qkv_proj` -> q, k, v; `gate_up_proj` -> gate, up).
+- fused names: the model's `packed_modules_mapping` (`qkv_proj` -> q, k, v; `gate_up_proj` -> gate, up);
+- fused checkpoint tensors: for a model whose checkpoint holds the fused tensor itself and whose loader hands it
+  whole to the layer's own `weight_loader` (`FUSED_IN_CHECKPOINT`: Phi-3's `qkv_proj` and `gate_up_proj`, GPT-2's
+  `c_attn`), one global under the layer's own name, `[q; k; v]` (or `[gate; up]`) of the whole model, each TP
+  rank's local tensor being its q, k and v slices of it (`fused_checkpoint_layout`): what that `weight_loader` does
+  with `loaded_shard_id=None`. GPT-2's Conv1D weights are described as vLLM loads them, transposed (`[out, in]`):
+  the trainer registers them transposed (`ReshardTrainer` does so for a module's `Conv1D` layers).
 
 A parameter shared by two modules (a tied `lm_head`, vLLM's `tie_weights`) is written once, under the first
 module's name; the second's global name is declared a tie of it (`Refit.add_destination(..., aliases=...)`), so a
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece
+from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece, fuse
 
 LayoutLike = Layout | ExplicitLayout
 
@@ -125,6 +131,46 @@ def _unfused_names(model: torch.nn.Module, module_name: str, param_name: str) ->
     return [f"{head}.{p}.{param_name}" if head else f"{p}.{param_name}" for p in parts]
 
 
+# vLLM model class (module, name) -> the fused layers whose checkpoint tensor its `load_weights` passes unchanged (up to
+# GPT-2's transpose of its Conv1D weights) to the layer's `weight_loader` with `loaded_shard_id=None`. Read from the
+# models' code (vLLM 0.32: `Phi3ForCausalLM` is Llama's loader, whose stacked q/k/v mapping no `qkv_proj` name
+# matches; `GPT2LMHeadModel` transposes then loads by name). Not a rule for every self-named packed module: Falcon's
+# `query_key_value` maps to itself too, but its loader regroups the checkpoint's rows first.
+FUSED_IN_CHECKPOINT: dict[tuple[str, str], tuple[str, ...]] = {
+    ("vllm.model_executor.models.phi3", "Phi3ForCausalLM"): ("qkv_proj", "gate_up_proj"),
+    ("vllm.model_executor.models.gpt2", "GPT2LMHeadModel"): ("c_attn",),
+}
+
+
+def _fused_in_checkpoint(model: torch.nn.Module, module_name: str) -> bool:
+    """Whether `model`'s checkpoint holds `module_name`'s fused tensor under the module's own name."""
+    layers = FUSED_IN_CHECKPOINT.get((type(model).__module__, type(model).__name__), ())
+    return module_name.rpartition(".")[2] in layers
+
+
+def fused_checkpoint_layout(parts: Sequence[LayoutLike], name: str) -> ExplicitLayout:
+    """One global tensor, the `parts` concatenated along dim 0 (`[q; k; v]` of the whole model), laid out as each
+    rank's local tensor holds it: `[q_r; k_r; v_r]`, each part's shard at its offset in the rank's fused tensor.
+
+    Args:
+        parts: each part's own layout (q `[Hq * d, H]` split over TP, ...), on the same ranks.
+        name: the fused global's name (the layer's own: `...qkv_proj.weight`).
+    """
+    placed = fuse(list(parts), dim=0)
+    pieces: dict[int, list[Piece]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    start = 0
+    for part, lay in zip(parts, placed):
+        for r in lay.ranks:
+            shapes[r] = tuple(lay.local_shape(r))
+            for p in lay.pieces(r):
+                g = p.global_box
+                pieces.setdefault(r, []).append(
+                    Piece(Box((g.offsets[0] + start, *g.offsets[1:]), g.shape), p.local_box, tensor=name))
+        start += int(part.shape[0])
+    return ExplicitLayout((start, *parts[0].shape[1:]), parts[0].dtype, pieces, shapes, name=name)
+
+
 def _vocab_layout(layer: Any, shape: Sequence[int], replicas: Sequence[Sequence[int]], dtype: torch.dtype,
                   name: str) -> ExplicitLayout:
     """Each TP rank's rows of the vocabulary, by the layer's own `_get_indices` (padding rows are never written)."""
@@ -165,25 +211,20 @@ def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str
     tp = getattr(layer, "tp_size", 1)
     out_dim = getattr(meta, "output_dim", None)
     in_dim = getattr(meta, "input_dim", None)
+    if isinstance(layer, (QKVParallelLinear, MergedColumnParallelLinear)) and _fused_in_checkpoint(model,
+                                                                                                    module_name):
+        parts = _fused_parts(layer, meta, tp, replicas, [f"{full}[{k}]" for k in range(len(layer.output_sizes))])
+        return [(full, fused_checkpoint_layout([lay for _, lay in parts], full))], 0
     if isinstance(layer, QKVParallelLinear):
         names = _unfused_names(model, module_name, pname)
         if names is None or len(names) != 3:
             return f"{type(layer).__name__} without a 3-way packed_modules_mapping entry"
-        rest = tuple(meta.shape[1:])
-        q = (layer.total_num_heads * layer.head_size, *rest)
-        kv = (layer.total_num_kv_heads * layer.head_size, *rest)
-        v = (layer.total_num_kv_heads * layer.v_head_size, *rest)
-        rep = layer.num_kv_head_replicas
-        return ([(names[0], _sharded(q, 0, tp, replicas, dtype, names[0])),
-                 (names[1], _sharded(kv, 0, tp, replicas, dtype, names[1], rep)),
-                 (names[2], _sharded(v, 0, tp, replicas, dtype, names[2], rep))], 0)
+        return _fused_parts(layer, meta, tp, replicas, names), 0
     if isinstance(layer, MergedColumnParallelLinear):
         names = _unfused_names(model, module_name, pname)
         if names is None or len(names) != len(layer.output_sizes):
             return f"{type(layer).__name__} without a packed_modules_mapping entry of {len(layer.output_sizes)}"
-        rest = tuple(meta.shape[1:])
-        return ([(n, _sharded((size, *rest), 0, tp, replicas, dtype, n))
-                 for n, size in zip(names, layer.output_sizes)], 0)
+        return _fused_parts(layer, meta, tp, replicas, names), 0
     if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
         shape = list(meta.shape)
         if isinstance(layer, ReplicatedLinear):
@@ -206,6 +247,24 @@ def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str
         what = getattr(loader, "__qualname__", loader)
         return f"a {type(layer).__name__} parameter with its own weight_loader ({what})"
     return [(full, _sharded(meta.shape, None, 1, replicas, dtype, full))], 0
+
+
+def _fused_parts(layer: Any, meta: torch.Tensor, tp: int, replicas: Sequence[Sequence[int]],
+                 names: Sequence[str]) -> list[tuple[str, LayoutLike]]:
+    """The parts of a QKV (`[q; k; v]`, K/V heads replicated over `num_kv_head_replicas` TP ranks) or merged column
+    (`[gate; up]`, `output_sizes`) parallel layer's parameter, each over the TP ranks, named `names`."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    rest, dtype = tuple(meta.shape[1:]), meta.dtype
+    if isinstance(layer, QKVParallelLinear):
+        q = (layer.total_num_heads * layer.head_size, *rest)
+        kv = (layer.total_num_kv_heads * layer.head_size, *rest)
+        v = (layer.total_num_kv_heads * layer.v_head_size, *rest)
+        rep = layer.num_kv_head_replicas
+        return [(names[0], _sharded(q, 0, tp, replicas, dtype, names[0])),
+                (names[1], _sharded(kv, 0, tp, replicas, dtype, names[1], rep)),
+                (names[2], _sharded(v, 0, tp, replicas, dtype, names[2], rep))]
+    return [(n, _sharded((size, *rest), 0, tp, replicas, dtype, n)) for n, size in zip(names, layer.output_sizes)]
 
 
 def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Tensor,

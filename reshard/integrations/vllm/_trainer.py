@@ -24,6 +24,7 @@ import torch
 
 from reshard.comm import Group
 from reshard.integrations.megatron import add_sources as add_megatron_sources
+from reshard.integrations.vllm._conv1d import conv1d_weights, transpose_weight
 from reshard.refit import NameMap, Refit, RefitReport
 
 try:  # vLLM's base classes, where vLLM is installed (the trainer may live in an environment without it)
@@ -120,7 +121,8 @@ class ReshardTrainer(_EngineBase):
     @classmethod
     def trainer_init(cls, init_info: ReshardTrainerInitInfo, *, client: Any = None,
                      source: Weights | None = None, name_map: NameMap = None, ignore_sources: Sequence[str] = (),
-                     ties: Mapping[str, Sequence[str]] | None = None, config: Any = None) -> ReshardTrainer:
+                     ties: Mapping[str, Sequence[str]] | None = None, config: Any = None,
+                     transposed: Sequence[str] | None = None) -> ReshardTrainer:
         """Join the group and register this rank's weights (see the module docstring for `client`).
 
         Args:
@@ -142,12 +144,22 @@ class ReshardTrainer(_EngineBase):
                 a source that holds one of them only.
             config: the model's HuggingFace config (default: the module's `.config`): with
                 `tie_word_embeddings`, a source that has the input embedding but no `lm_head.weight` ties the two.
+            transposed: trainer names of 2-D weights stored `[in, out]` (Hugging Face `Conv1D`: GPT-2's `c_attn`,
+                `c_proj`, `c_fc`), which the engine holds `[out, in]`: registered as a transposed view (no copy).
+                Default: a module source's `Conv1D` weights; none for a mapping.
         """
         if not isinstance(init_info, ReshardTrainerInitInfo):
             raise TypeError(f"ReshardTrainer.trainer_init: init_info must be a ReshardTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
         megatron = _is_megatron(source)
         weights, found = ({}, {}) if megatron else _weights(source)
+        if transposed is None:
+            transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and not megatron else ()
+        for name in transposed:
+            if name not in weights:
+                raise ValueError(f"ReshardTrainer.trainer_init: transposed names {name!r}, which the source does not "
+                                 "hold (under its first name)")
+            weights[name] = transpose_weight(name, weights[name])
         found = _config_ties(weights, found, config if config is not None else getattr(source, "config", None))
         for name, names in (ties or {}).items():
             if name not in weights:
