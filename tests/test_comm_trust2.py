@@ -21,7 +21,7 @@ from reshard.testing import RankPool
 pytestmark = pytest.mark.distributed
 
 WORLD = 4
-FAULT_S = 10.0  # generous bound on time-to-error (the groups' timeout is 30 s)
+FAULT_S = 20.0  # bound on time-to-error, below the groups' 30 s timeout (10 s was overrun at 10.1 s on 2 loaded cores)
 
 
 @pytest.fixture(scope="module")
