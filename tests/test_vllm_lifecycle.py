@@ -79,6 +79,15 @@ def _stage(llm, version: str) -> None:
     llm.update_weights({"update_info": {"version": version, "phase": "stage"}})
 
 
+def _landed(llm) -> None:
+    """Wait until every worker's stage thread has finished: the trainers return once their bytes are confirmed, a
+    moment before the engine's thread marks the stage landed ('staged')."""
+    deadline = time.monotonic() + 60
+    while "staging" in llm.collective_rpc(update_state):
+        assert time.monotonic() < deadline, "the stage did not land within 60 s of the trainers' send"
+        time.sleep(0.05)
+
+
 def _commit(llm, version: str) -> None:
     llm.update_weights({"update_info": {"version": version, "phase": "commit"}})
     llm.finish_weight_update()
@@ -91,7 +100,8 @@ def test_reinit_over_a_landed_stage_drops_it(engine, trainers) -> None:
     llm, tp = engine["llm"], engine["tp"]
     _stage(llm, "2")
     trainers.post("send", V2)
-    trainers.wait()  # landed in the loader buffers, not committed
+    trainers.wait()
+    _landed(llm)  # landed in the loader buffers, not committed
     assert llm.collective_rpc(vc.versions) == [(None, "2")] * tp
     trainers.post("close")
     trainers.wait()
@@ -128,6 +138,7 @@ def test_refusals_keep_replies_in_step_and_name_the_next_call(engine, trainers) 
     _stage(llm, "3")
     trainers.post("send", V1)
     trainers.wait()
+    _landed(llm)
     refusal = (r"'stage' update is refused in state 'staged', version '3' staged(.|\n)*start_weight_update\(\), "
                r"then update_weights(.|\n)*'3'(.|\n)*'commit'")
     with pytest.raises(Exception, match=r"finish_weight_update called without a matching start_weight_update(.|\n)*"
