@@ -73,7 +73,7 @@ test-vllm:
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) .pytest_cache .hypothesis perf/out
 
 # verl's checkpoint-engine backend (reshard.integrations.verl) is tested against verl itself, in its own environment
 # (verl pins transformers < 5.11, tensordict, ray[default], ...). With torch pinned to the CPU build, verl and its
@@ -109,14 +109,37 @@ $(RAY_VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -e ".[ray]" "torch==$(TORCH_VERSION)+cpu"
 	touch $(RAY_VLLM_STAMP)
 
+# verl's trainer side refitting a real vLLM engine (tests/test_verl_vllm.py) needs verl and vLLM in one environment.
+# verl's declared dependencies would replace vLLM's pins (transformers < 5.11), so verl goes, without its
+# dependencies, into a folder of its own put on PYTHONPATH, with the modules its trainer and rollout code imports
+# that the vLLM environment lacks, at the versions .venv-verl resolves. Nothing in .venv-vllm changes.
+VERL_VLLM_DIR := .verl-vllm
+VERL_VLLM_STAMP := $(VERL_VLLM_DIR)/.installed
+VERL_VLLM_PINS := verl==$(VERL_VERSION) tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.1 hydra-core==1.3.8 \
+	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0 datasets==5.2.0 multiprocess==0.70.19 \
+	pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 peft==0.21.2 accelerate==1.16.0
+
+.PHONY: verl-vllm-env
+
+verl-vllm-env: $(VERL_VLLM_STAMP)
+
+$(VERL_VLLM_STAMP): Makefile
+	$(MAKE) ray-vllm-env
+	rm -rf $(VERL_VLLM_DIR)
+	$(VLLM_PY) -m pip install --no-deps --target $(VERL_VLLM_DIR) $(VERL_VLLM_PINS)
+	rm -rf $(VERL_VLLM_DIR)/tests $(VERL_VLLM_DIR)/scripts $(VERL_VLLM_DIR)/bin  # verl's wheel ships a `tests` package
+	touch $(VERL_VLLM_STAMP)
+
 # One process (-n 0): the tests start one local Ray cluster per module, with logical CPUs on a 2-core machine. The
-# verl tests run in .venv-verl; the Ray example (a vLLM engine actor) in .venv-vllm with Ray added.
+# verl tests run in .venv-verl; the Ray example (a vLLM engine actor) and verl driving a vLLM engine in .venv-vllm
+# with Ray added (and verl on PYTHONPATH).
 test-frameworks: $(VERL_STAMP)
 	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/test_verl_backend.py
-	@if $(MAKE) ray-vllm-env && $(VLLM_PY) -c "import vllm, ray" >/dev/null 2>&1; then \
-		VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m frameworks tests/test_examples.py; \
+	@if $(MAKE) verl-vllm-env && $(VLLM_PY) -c "import vllm, ray" >/dev/null 2>&1; then \
+		VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(VERL_VLLM_DIR) $(VLLM_PY) -m pytest -q -n 0 -m frameworks \
+			tests/test_examples.py tests/test_verl_vllm.py; \
 	else \
-		echo "SKIPPED the Ray example: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
+		echo "SKIPPED the Ray example and verl with vLLM: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
 	fi
 
 # Megatron-core trainers (reshard.integrations.megatron) are tested against megatron-core itself, added to the vLLM

@@ -374,15 +374,55 @@ class Refit:
             self._follow[("scale of destination", name)] = Bound(scale)
 
     def refuse(self, reason: str) -> None:
-        """Record a problem this rank found in what it was asked to register (an integration's check of its own
-        model): the first `run()` raises a `ValueError` with it on every rank of the group, before data moves.
+        """Record a problem this rank found in what it was asked to register or send (an integration's check of its
+        own model, or of the tensors it binds for this step): the next `run()` raises a `ValueError` with it on every
+        rank of the group, before data moves.
 
-        A problem only one rank can see (a rank given another pipeline stage's model chunk) then stops every rank,
-        where raising on that rank alone would leave the others waiting for it at their first run.
+        A problem only one rank can see (a rank given another pipeline stage's model chunk, a stream that changed on
+        one rank) then stops every rank, where raising on that rank alone would leave the others waiting for it.
+        Before the first run, the refusal stays (every later run raises it too: the refit cannot be planned); after
+        it, the run that raised it consumes it.
         """
-        if self._built is not None:
-            raise ValueError(f"Refit.refuse: after the first run(); build a new Refit ({reason})")
         self._refusals.append(f"rank {self.rank}: {reason}")
+
+    def update_source(self, name: str, tensor: Any) -> None:
+        """Bind source `name` to `tensor` from the next `run()` on: a new object holding this step's values in the
+        registered layout (a training engine's export makes new tensors at every step: casts, DTensors built around
+        them).
+
+        A plain tensor must have the planned geometry (shape, strides, dtype, device); a DTensor source must be a
+        DTensor of the same layout at the same mesh coordinate. What does not fit, and a name never registered, is
+        refused at the next run on every rank before data moves (`refuse`). A source that follows its module
+        (`add_module_sources`) cannot be rebound (ValueError at once: a programming error on every rank alike).
+
+        Args:
+            name: the registered (trainer) name.
+            tensor: the new local tensor, or DTensor, with this step's values.
+        """
+        if name in self._paths:
+            raise ValueError(f"Refit.update_source: {name!r} follows its module's parameter (add_module_sources); "
+                             "replace the parameter in the module instead")
+        if name not in self._sources:
+            self.refuse(f"update_source: {name!r} is not a registered source (registered: "
+                        f"{len(self._sources)} names, e.g. {sorted(self._sources)[:3]}); a refit's sources are fixed "
+                        "at registration")
+            return
+        _, layout = self._sources[name]
+        if name in self._coords:
+            if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
+                self.refuse(f"update_source: source {name!r} is a DTensor, got a plain {type(tensor).__name__}")
+                return
+            coord = tensor.device_mesh.get_coordinate()
+            new = Layout.from_dtensor(tensor, name=name)
+            if new != layout or coord is None or [int(c) for c in coord] != self._coords[name]:
+                self.refuse(f"update_source: source {name!r} has another layout now: {layout!r} at mesh coordinate "
+                            f"{self._coords[name]} -> {new!r} at {None if coord is None else list(coord)}; a "
+                            "refit's tensors keep their layout (build a new Refit for the new one)")
+                return
+            self._sources[name] = (tensor, layout)
+            return
+        self._sources[name] = (tensor, layout)
+        self._follow[("source", name)] = Bound(tensor)
 
     def _check_open(self, name: str) -> None:
         if self._built is not None:
@@ -426,6 +466,7 @@ class Refit:
         b = self._built
         assert b is not None
         if not first:
+            errors, self._refusals = self._refusals + errors, []  # refused since the last run: raised by this one
             self._check_live(b, srcs, dsts, scales, errors)
         if self.check_replicas:
             self._check_replicas(b, srcs)

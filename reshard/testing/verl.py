@@ -295,11 +295,96 @@ class Replica(RolloutReplica):
         raise NotImplementedError
 
 
+class VLLMServer:
+    """Stands in for verl's `vLLMHttpServer` (a Ray actor per replica node): a real vLLM engine, the rollout
+    config's `engine_kwargs.vllm` forwarded to it verbatim as verl's server forwards them, and the server methods
+    verl's replicas and managers call (`collective_rpc` reaching every worker, returning nothing, as verl's does;
+    `abort_all_requests`, `resume_generation`, `release_kv_cache`, `resume_kv_cache`, `clear_kv_cache`,
+    `set_global_steps`). verl's own server launches vLLM's OpenAI API server in the actor with the GPUs Ray gave it
+    (`get_accelerator_ids()`), which a CPU-only Ray cluster has none of; the engine here is vLLM's `LLM` with the
+    same engine arguments.
+
+    Args:
+        rollout_config: verl's rollout config (`tensor_model_parallel_size`, `engine_kwargs.vllm`).
+        model_path: a Hugging Face model directory (a config alone with `load_format="dummy"`).
+        load_format: vLLM's `load_format`.
+    """
+
+    def __init__(self, rollout_config: RolloutConfig, model_path: str, load_format: str = "dummy") -> None:
+        from vllm import LLM
+
+        kwargs = dict(rollout_config.engine_kwargs.get("vllm") or {})
+        self.llm = LLM(model=model_path, load_format=load_format, tensor_parallel_size=
+                       rollout_config.tensor_model_parallel_size, dtype="bfloat16", enforce_eager=True,
+                       skip_tokenizer_init=True, max_model_len=128, distributed_executor_backend="mp", **kwargs)
+        self.calls: list[str] = []
+        self.global_steps: int | None = None
+
+    # verl's vLLMHttpServer methods
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> None:
+        self.calls.append(method)
+        self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        self.calls.append("abort_all_requests")
+        return {}
+
+    def resume_generation(self) -> None:
+        self.calls.append("resume_generation")
+
+    def release_kv_cache(self) -> None:
+        self.calls.append("release_kv_cache")
+
+    def resume_kv_cache(self) -> None:
+        self.calls.append("resume_kv_cache")
+
+    def clear_kv_cache(self) -> None:
+        self.calls.append("clear_kv_cache")
+        self.llm.reset_prefix_cache()
+
+    def set_global_steps(self, global_steps: int) -> None:
+        self.calls.append("set_global_steps")
+        self.global_steps = global_steps
+
+    # for the tests
+    def call(self, fn: Any) -> list[Any]:
+        """`fn(worker)` on every worker of the engine, with the results (verl's `collective_rpc` returns none)."""
+        return self.llm.collective_rpc(fn)
+
+    def taken_calls(self) -> list[str]:
+        out, self.calls = self.calls, []
+        return out
+
+    def greedy(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=max_tokens,
+                                                                                        temperature=0.0),
+                                use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+
+def engine_replicas(rollout_config: RolloutConfig, model_config: HFModelConfig, num_replicas: int,
+                    env: dict[str, str] | None = None, load_format: str = "dummy") -> list[Replica]:
+    """`num_replicas` replicas, each with one `VLLMServer` actor (its engine's workers are vLLM's processes)."""
+    server_cls = ray.remote(num_cpus=1)(VLLMServer)
+    replicas = []
+    for r in range(num_replicas):
+        rep = Replica(replica_rank=r, config=rollout_config, model_config=model_config)
+        rep.servers = [server_cls.options(runtime_env={"env_vars": dict(env or {})}).remote(
+            rep.config, model_config.local_path, load_format)]
+        replicas.append(rep)
+    return replicas
+
+
 def ray_init(num_cpus: int = 64, extra_path: tuple[str, ...] = ()) -> None:
     """A local Ray cluster for 2 cores: logical CPUs, no dashboard, a small object store; the workers import
     `reshard` from where this process does (and the modules of `extra_path`)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds reshard/
-    path = os.pathsep.join([root, *extra_path, os.environ.get("PYTHONPATH", "")])
+    entries = [root, *extra_path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    path = os.pathsep.join(os.path.abspath(p) for p in entries if p)  # the workers start elsewhere
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                                        "RAY_DEDUP_LOGS": "0"}})
@@ -331,6 +416,39 @@ def setup(backend: str = "reshard", *, num_trainers: int = 2, num_rollout: int =
         replicas.append(rep)
     manager = make_manager(ce, trainer, replicas, manager_class)
     return trainer, rollout, replicas, manager
+
+
+def setup_engines(*, num_trainers: int = 2, num_replicas: int = 1, rollout_tp: int = 2, bucket_mb: int = 1,
+                  engine_kwargs: dict[str, Any] | None = None, stream: str = "shard", config: dict[str, Any] | None =
+                  None, seed: int = 0, manager_class: str | None = "reshard.integrations.verl.EngineShardManager",
+                  weight_transfer_backend: str | None = "reshard", server_env: dict[str, str] | None = None,
+                  engine_seed: int | None = None) -> tuple[RayWorkerGroup, list[Replica], CheckpointEngineManager]:
+    """Trainer workers and `num_replicas` vLLM replicas (`VLLMServer` actors, real engines of TP `rollout_tp`), with
+    the manager `manager_class` names; the rollout config forwards `weight_transfer_config` to vLLM as a verl user's
+    `engine_kwargs.vllm` does. The engines load dummy weights, or with `engine_seed` a checkpoint of the model drawn
+    from that seed."""
+    config = config or CONFIG
+    ce = CheckpointEngineConfig(backend="reshard", update_weights_bucket_megabytes=bucket_mb,
+                                engine_kwargs={"reshard": dict(engine_kwargs or {})},
+                                custom_backend_module="reshard.integrations.verl")
+    vllm_kwargs = {"weight_transfer_config": {"backend": weight_transfer_backend}} if weight_transfer_backend else {}
+    path = model_dir(config)
+    if engine_seed is not None:  # the engines start from a checkpoint (vLLM reloads in place only from one)
+        from safetensors.torch import save_file
+
+        state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in build_model(config, engine_seed)
+                 .state_dict().items()}
+        save_file(state, os.path.join(path, "model.safetensors"))
+    model_config = HFModelConfig(path=path, load_tokenizer=False)
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=ce, tensor_model_parallel_size=rollout_tp,
+                                   engine_kwargs={"vllm": vllm_kwargs}, checkpoint_manager_class=manager_class)
+    pool = RayResourcePool(process_on_nodes=[num_trainers], use_gpu=False, max_colocate_count=1)
+    trainer = RayWorkerGroup(resource_pool=pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+        cls=ray.remote(TrainerWorker), config=config, checkpoint_engine_config=ce, seed=seed, stream=stream))
+    replicas = engine_replicas(rollout_config, model_config, num_replicas, server_env,
+                               "dummy" if engine_seed is None else "auto")
+    manager = make_manager(ce, trainer, replicas, manager_class)
+    return trainer, replicas, manager
 
 
 def make_manager(config: CheckpointEngineConfig, trainer: RayWorkerGroup, replicas: list[Replica],

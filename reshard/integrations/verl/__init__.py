@@ -12,22 +12,28 @@ The trainer side without any gather (each trainer rank sends from its own FSDP s
 
     actor_rollout_ref.rollout.checkpoint_manager_class=reshard.integrations.verl.ShardStreamManager
 
+vLLM rollout engines refit in place, each engine worker receiving only its own shards (reshard's vLLM
+weight-transfer backend in the engines, driven through the replicas' servers), by instead:
+
+    actor_rollout_ref.rollout.checkpoint_manager_class=reshard.integrations.verl.EngineShardManager
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.weight_transfer_config.backend=reshard
+
 Exports `ReshardCheckpointEngine` (the backend class; importable without verl or Ray), `SyncError`, `SyncStats`,
 `BACKEND`, `register()`, which registers the class with verl's `CheckpointEngineRegistry` (called on import when
-verl is installed; a no-op returning False without it), and `ShardStreamManager` (verl's `CheckpointEngineManager`
-asking the trainer workers for their shards; needs verl). See `docs/frameworks.md`.
+verl is installed; a no-op returning False without it), `ShardStreamManager` (verl's `CheckpointEngineManager`
+asking the trainer workers for their shards; needs verl) and `EngineShardManager` (the same, refitting the vLLM
+engines themselves; needs verl). See `docs/frameworks.md`.
 """
 
 from typing import Any
 
 from reshard.integrations.verl._engine import BACKEND, DOMAINS, ReshardCheckpointEngine, SyncError, SyncStats
+from reshard.integrations.verl._names import SHARD_MODE
+from reshard.integrations.verl._vllm import engine_shard_manager
 
 __all__ = ["BACKEND", "DOMAINS", "ReshardCheckpointEngine", "SyncError", "SyncStats", "register"]
 # `ShardStreamManager` is left out of `__all__`: it is a verl class, defined on first access (needs verl and Ray)
 
-SHARD_MODE = "delta_sharded"
-"""The `mode` verl 0.9.1's trainer worker (`ActorRolloutRefWorker.update_weights`) answers by handing its training
-engine itself to the checkpoint engine's `send_weights` instead of the `get_per_tensor_param()` stream."""
 
 
 def register() -> bool:
@@ -43,6 +49,8 @@ def register() -> bool:
 def __getattr__(name: str) -> type:
     if name == "ShardStreamManager":  # a verl class: defined only when asked for (verl and Ray are optional)
         return _shard_stream_manager()
+    if name == "EngineShardManager":  # likewise
+        return engine_shard_manager()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

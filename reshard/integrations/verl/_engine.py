@@ -45,12 +45,11 @@ import torch
 
 from reshard.comm import TOKEN_ENV, CommError, Group, is_loopback, serve_store
 from reshard.integrations.verl import _buckets as bk
+from reshard.integrations.verl._names import BACKEND
 from reshard.integrations.verl._stream import Stream, SyncStats, short, topology_of
+from reshard.integrations.verl._vllm import EngineLink
 
 logger = logging.getLogger(__name__)
-
-BACKEND = "reshard"
-"""The backend's name in verl's `CheckpointEngineRegistry` (`checkpoint_engine.backend=reshard`)."""
 
 FORMAT = 1
 """Version of the metadata `prepare()` returns; `build_topology` refuses a mix."""
@@ -136,6 +135,7 @@ class ReshardCheckpointEngine:
         self._num_trainers = 0
         self._stream: Stream | None = None  # the live group's bucket plans and buffers
         self._failed = False  # the last sync failed on this rank
+        self._link: EngineLink | None = None  # the vLLM engines' group (EngineShardManager), when targeted
 
     # ---- verl's interface ---------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -238,6 +238,20 @@ class ReshardCheckpointEngine:
         if self.rebuild_group:
             self._close_group()
 
+    def target_engines(self, rank: int, world_size: int, engine_world_size: int, master: dict[str, Any]) -> None:
+        """Send the next syncs into vLLM engine workers with reshard's weight-transfer backend instead of the rollout
+        workers (`EngineShardManager` calls it on every trainer worker; the group is joined at the next
+        `send_weights`). A target other than the current one closes the current engine group."""
+        if not (_is_int(world_size) and world_size >= 1 and _is_int(rank) and 0 <= rank < world_size
+                and _is_int(engine_world_size) and engine_world_size >= 1):
+            raise ValueError(f"reshard target_engines: inconsistent topology: rank={rank!r}, world_size="
+                             f"{world_size!r}, engine_world_size={engine_world_size!r}")
+        link = EngineLink(rank, world_size, engine_world_size, master, self.timeout_s, self.verify)
+        if self._link is not None and self._link.key == link.key and not self._link.failed:
+            return
+        self._close_link()
+        self._link = link
+
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
         """Send the weights (every trainer worker calls it with its own stream).
 
@@ -251,6 +265,8 @@ class ReshardCheckpointEngine:
         Returns:
             verl metrics: this rank's bytes sent and seconds (`reshard/...`).
         """
+        if self._link is not None:
+            return await self._send_to_engines(weights, global_steps)
         group = self._require("send_weights", trainer=True)
         stream_of = self._stream
         assert stream_of is not None
@@ -378,6 +394,35 @@ class ReshardCheckpointEngine:
             self.token = secrets.token_hex(16)  # handed to the workers by the driver, never written to the store
         self._store = serve_store(self.host, self.port, self.timeout_s)
         logger.info("reshard checkpoint engine: store at %s:%d", self.host, self._store.port)
+
+    async def _send_to_engines(self, weights: Any, global_steps: int | None) -> dict[str, float]:
+        link = self._link
+        assert link is not None
+        t0 = time.perf_counter()
+        stats = SyncStats(step=global_steps)
+        self.last_sync = stats
+        stream = weights
+        if hasattr(weights, "get_per_tensor_param_shard"):
+            stream, _ = weights.get_per_tensor_param_shard()
+        elif hasattr(weights, "get_per_tensor_param"):
+            stream, _ = weights.get_per_tensor_param()
+        items = [_normalise(item) async for item in _aiter(stream)]
+        try:
+            await asyncio.to_thread(link.send, items, stats)
+        except BaseException:
+            self._close_link()  # the next sync (EngineShardManager joins anew) builds a new group
+            raise
+        stats.seconds = time.perf_counter() - t0
+        stats.seconds_first_send += stats.seconds_stream
+        rank = link.info.rank
+        logger.info("reshard send_weights (engines): rank %d, step %s: %d tensors, %d bytes sent, %.3f s", rank,
+                    global_steps, stats.tensors, stats.bytes_sent, stats.seconds)
+        return {f"reshard/rank{rank}/bytes_sent": float(stats.bytes_sent), f"reshard/rank{rank}/seconds": stats.seconds}
+
+    def _close_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+        self._link = None
 
     def _close_group(self) -> None:
         if self._group is not None:

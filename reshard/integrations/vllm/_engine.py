@@ -32,7 +32,7 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -62,6 +62,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
         trainer_world_size: the number of trainer ranks in the group.
         trainer_ranks: `"first"` (trainer ranks `0 .. T-1`, engine ranks after) or `"last"`.
         rank_offset: the first engine rank in the group; default from `trainer_ranks`. Given, it must agree.
+        engines, engine_index: several engines of one shape (the same model, TP and DP size) refit by one trainer
+            group, as separate rollout replicas are: `engines` of them, this one the `engine_index`-th (its ranks
+            follow the earlier engines' ranks). Each byte crosses to each engine once; default one engine.
+        token: the group's job token (default: `RESHARD_TOKEN` in the worker's environment); never logged.
+        prefix: the group's namespace in the store (the trainer's `ReshardTrainerInitInfo.prefix`).
         timeout_s: seconds any wait for a peer may last.
         precision: `Refit`'s precision (`"same"` or `"cast"`), the same on both sides.
         verify: check every received box against its sender's checksum.
@@ -79,8 +84,22 @@ class ReshardInitInfo(WeightTransferInitInfo):
     precision: str = "same"
     verify: bool = False
     delta: bool = False
+    engines: int = 1
+    engine_index: int = 0
+    token: str | None = field(default=None, repr=False)
+    prefix: str = "reshard"
 
     def __post_init__(self) -> None:
+        if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 1:
+            raise ValueError(f"reshard init_info: engines must be an integer >= 1, got {self.engines!r}")
+        if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) \
+                or not 0 <= self.engine_index < self.engines:
+            raise ValueError(f"reshard init_info: engine_index must be an integer in [0, {self.engines}), got "
+                             f"{self.engine_index!r}")
+        if self.token is not None and not isinstance(self.token, str):
+            raise ValueError("reshard init_info: token must be a string or null")
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise ValueError(f"reshard init_info: prefix must be a non-empty string, got {self.prefix!r}")
         if self.trainer_ranks not in TRAINER_RANKS:
             raise ValueError(f"reshard init_info: trainer_ranks must be one of {TRAINER_RANKS}, got "
                              f"{self.trainer_ranks!r}")
@@ -179,15 +198,17 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if get_pp_group().world_size > 1:
             raise NotImplementedError("reshard vLLM backend: pipeline parallelism is not supported yet")
         dp_index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
-        size = init_info.trainer_world_size + pc.data_parallel_size * world
-        group_rank = init_info.rank_offset + dp_index * world + rank
-        self.engine_ranks = [init_info.rank_offset + i for i in range(pc.data_parallel_size * world)]
-        self.replicas = [self.engine_ranks[d * world:(d + 1) * world] for d in range(pc.data_parallel_size)]
-        logger.info("reshard: worker %d of replica %d joins %s:%d as group rank %d of %d", rank, dp_index,
+        replicas = init_info.engines * pc.data_parallel_size  # every engine's DP replicas, engine by engine
+        replica = init_info.engine_index * pc.data_parallel_size + dp_index
+        size = init_info.trainer_world_size + replicas * world
+        group_rank = init_info.rank_offset + replica * world + rank
+        self.engine_ranks = [init_info.rank_offset + i for i in range(replicas * world)]
+        self.replicas = [self.engine_ranks[d * world:(d + 1) * world] for d in range(replicas)]
+        logger.info("reshard: worker %d of replica %d joins %s:%d as group rank %d of %d", rank, replica,
                     init_info.master_address, init_info.master_port, group_rank, size)
         self.group = Group.rendezvous(init_info.master_address, init_info.master_port, group_rank, size,
                                       backend="nccl" if self.device.type == "cuda" else "gloo",
-                                      timeout=init_info.timeout_s)
+                                      timeout=init_info.timeout_s, prefix=init_info.prefix, token=init_info.token)
         self._info = init_info
         self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
 

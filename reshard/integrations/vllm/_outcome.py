@@ -28,7 +28,7 @@ def agree(error: BaseException | None) -> list[str | None]:
     from vllm.distributed.parallel_state import get_tp_group
 
     tp = get_tp_group()
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = None if error is None else describe(error)
     if tp.world_size == 1:
         return [mine]
     raw = b"" if mine is None else mine.encode()[:MESSAGE_BYTES - 1]
@@ -39,6 +39,20 @@ def agree(error: BaseException | None) -> list[str | None]:
     out = [torch.empty_like(buf) for _ in range(tp.world_size)]
     torch.distributed.all_gather(out, buf, group=tp.cpu_group)
     return [None if int(b[0]) == 0 else bytes(b[1:].tolist()).rstrip(b"\0").decode(errors="replace") for b in out]
+
+
+def describe(error: BaseException) -> str:
+    """`Type: message`; for an error without a message (a bare `assert`), where it was raised."""
+    text = f"{type(error).__name__}: {error}"
+    if str(error).strip():
+        return text
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return text
+    code = tb.tb_frame.f_code
+    return f"{text}(raised at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
 
 
 def is_last_worker() -> bool:

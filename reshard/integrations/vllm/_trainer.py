@@ -61,6 +61,11 @@ class ReshardTrainerInitInfo(_InitBase):
         verify: check every received box against its sender's checksum.
         delta: after the first update, send only the elements that changed since the last one (the engine gets
             the same); `send_weights(full=True)` sends one update whole.
+        token: the group's job token (default: `RESHARD_TOKEN`); `engine_init_info()` then carries it to the
+            engine workers.
+        prefix: the group's namespace in the store (a fresh one per group when one store serves several).
+        host_store: whether group rank 0 hosts the store (default); False when it is already served elsewhere
+            (`reshard.comm.serve_store`), at `master_address:master_port`.
     """
 
     backend: ClassVar[str] = "reshard"
@@ -74,6 +79,9 @@ class ReshardTrainerInitInfo(_InitBase):
     precision: str = "same"
     verify: bool = False
     delta: bool = False
+    token: str | None = field(default=None, repr=False)
+    prefix: str = "reshard"
+    host_store: bool = True
 
     def __post_init__(self) -> None:
         if self.trainer_ranks not in TRAINER_RANKS:
@@ -97,7 +105,7 @@ class ReshardTrainerInitInfo(_InitBase):
         return {"master_address": self.master_address, "master_port": self.master_port,
                 "trainer_world_size": self.world_size, "trainer_ranks": self.trainer_ranks,
                 "timeout_s": self.timeout_s, "precision": self.precision, "verify": self.verify,
-                "delta": self.delta}
+                "delta": self.delta, "prefix": self.prefix, **({"token": self.token} if self.token else {})}
 
 
 Weights = Mapping[str, Any] | torch.nn.Module
@@ -169,7 +177,9 @@ class ReshardTrainer(_EngineBase):
         sender = init_info.is_sender and client is not None
         call = _Background(client.init_weight_transfer_engine, init_info.engine_init_info()) if sender else None
         group = Group.rendezvous(init_info.master_address, init_info.master_port, init_info.group_rank,
-                                 init_info.world_size + init_info.engine_world_size, timeout=init_info.timeout_s)
+                                 init_info.world_size + init_info.engine_world_size, timeout=init_info.timeout_s,
+                                 prefix=init_info.prefix, token=init_info.token,
+                                 is_master=None if init_info.host_store else False)
         if call is not None:
             call.join()
         refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s,

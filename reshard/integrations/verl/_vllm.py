@@ -1,0 +1,311 @@
+"""verl trainer workers refit verl's vLLM rollout engines in place: each engine worker receives exactly its shards.
+
+verl 0.9.1's rollout workers hand whole Hugging Face tensors to vLLM's `load_weights`, which slices them per TP
+rank: every worker of a TP replica receives the whole model. Here the rollout side is vLLM's weight-transfer API
+with reshard's backend (`reshard.integrations.vllm`), driven by `EngineShardManager` (the driver-side manager,
+`rollout.checkpoint_manager_class`) through each replica's server (`collective_rpc`, which verl's `vLLMHttpServer`
+has), while the trainer workers send from their shards (verl's `mode="delta_sharded"` hands the training engine to
+`ReshardCheckpointEngine.send_weights`, which streams `get_per_tensor_param_shard()`).
+
+One group spans the T trainer ranks (group ranks `0 .. T-1`, trainer rank 0's checkpoint engine serving the store)
+and the engines' workers (replica `r`'s worker `k` at `T + r * W + k`, W the workers of one replica). Each engine
+worker registers its live parameters (fused `qkv_proj` / `gate_up_proj` slices, padded vocabularies: read from the
+engine); each trainer rank registers its shard of every weight. The first sync plans the whole model once; later
+syncs rebind the stream's new tensors (`Refit.update_source`) and move them, each byte once per replica.
+
+`EngineLink` is the trainer rank's side (no verl import); `engine_shard_manager()` builds the manager class (verl
+and Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from reshard.comm import CommError
+from reshard.integrations.verl._names import BACKEND, SHARD_MODE
+from reshard.integrations.verl._stream import SyncStats, _contiguous_stride, _full_mesh, local_of
+from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+from reshard.planner import Layout
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "reshard-vllm"
+"""Store namespace of the engine groups: `reshard-vllm/<generation>`, a new generation for every new group."""
+
+
+class EngineLink:
+    """A trainer rank's side of the engine group: join at the first sync, register the stream, then send each sync.
+
+    Args:
+        rank: this trainer rank (`0 .. T-1`), its group rank.
+        world_size: T, the trainer ranks.
+        engine_world_size: the engine workers of every replica together.
+        master: the store's `host`, `port`, `token` and the group's `prefix`.
+        timeout_s: seconds any wait for a peer may last.
+        verify: check every received box against its sender's checksum.
+    """
+
+    def __init__(self, rank: int, world_size: int, engine_world_size: int, master: dict[str, Any],
+                 timeout_s: float, verify: bool) -> None:
+        self.info = ReshardTrainerInitInfo(rank=rank, world_size=world_size, engine_world_size=engine_world_size,
+                                           master_address=master["host"], master_port=int(master["port"]),
+                                           token=master["token"] or None, prefix=master["prefix"], host_store=False,
+                                           timeout_s=timeout_s, verify=verify)
+        self.trainer: Any = None  # ReshardTrainer, from the first sync's stream
+        self.names: list[str] = []  # the registered names, in the first sync's order
+        self.failed = False
+
+    @property
+    def key(self) -> tuple:
+        """What the manager asked for (a new target means a new group)."""
+        i = self.info
+        return (i.rank, i.world_size, i.engine_world_size, i.master_address, i.master_port, i.prefix)
+
+    def send(self, items: Sequence[tuple[str, Any, Any]], stats: SyncStats) -> None:
+        """Send one sync's stream (`(name, tensor, ShardSpec or None)`, every weight; blocking).
+
+        The first sync joins the group and registers the stream; a later one binds its new tensors to the
+        registered names. A stream that differs from the first one (names, shapes, dtypes, layouts) is refused on
+        every rank of the group, before data moves, naming what changed.
+        """
+        t0 = time.perf_counter()
+        source = {name: _source(name, t, spec, self.info.rank, self.info.world_size) for name, t, spec in items}
+        stats.seconds_stream = time.perf_counter() - t0
+        stats.tensors = len(items)
+        try:
+            if self.trainer is None:
+                held = {n: v for n, v in source.items() if v is not None}
+                self.trainer = ReshardTrainer.trainer_init(self.info, source=held)
+                self.names = [name for name, _, _ in items]
+            else:
+                self._rebind([name for name, _, _ in items], source)
+            stats.seconds_first_send = time.perf_counter() - t0
+            report = self.trainer.send_weights()
+        except BaseException as e:
+            self.failed = True
+            if self.trainer is not None and not isinstance(e, CommError):
+                g = self.trainer.group
+                g.report_fault(g.rank, f"trainer rank {g.rank}: send_weights failed: {type(e).__name__}: {e}")
+            raise
+        ex = report.execution
+        stats.bytes_sent = ex.bytes_sent if ex is not None else 0
+        stats.rounds = 1 if not report.first_run else 2  # the live check (+ the metadata exchange at the first)
+        stats.first_plans = int(report.first_run)
+        stats.seconds_transfer = report.seconds["transfer"]
+
+    def _rebind(self, names: list[str], source: dict[str, Any]) -> None:
+        refit = self.trainer.refit
+        if names != self.names:
+            gone = [n for n in self.names if n not in source]
+            new = [n for n in names if n not in set(self.names)]
+            refit.refuse(f"the trainer's stream changed since the group was built: missing {gone[:5]}, new {new[:5]}"
+                         f"{'' if gone or new else ' (same names, another order)'}; the next sync builds a new group")
+        for name in names:
+            v = source.get(name)
+            if v is None or name not in set(self.names):
+                continue
+            refit.update_source(name, v[0] if isinstance(v, tuple) else v)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+        self.trainer = None
+
+
+def _source(name: str, t: Any, spec: Any, rank: int, T: int) -> Any:
+    """One stream item as a `ReshardTrainer` source: a DTensor, `(row block, Layout)` of a full tensor (each trainer
+    rank registers its `Shard(0)` block, so each sends a distinct part), or None where this rank holds none of it."""
+    if spec is not None or (hasattr(t, "to_local") and hasattr(t, "placements")):
+        if spec is None:
+            return t
+        from torch.distributed.tensor import DTensor
+
+        shape = tuple(int(s) for s in spec.full_shape)
+        return DTensor.from_local(local_of(t, spec), spec.mesh, list(spec.placements), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    shape = tuple(t.shape)
+    mesh, placements = _full_mesh(shape, T)
+    layout = Layout(shape, mesh, placements, t.dtype, name=name)
+    if rank not in mesh.ranks:
+        return None
+    pieces = layout.pieces(rank)
+    start = pieces[0].global_box.offsets[0] if pieces and len(shape) else 0
+    local = t.narrow(0, start, layout.local_shape(rank)[0]) if len(shape) else t
+    return (local, layout)
+
+
+_MANAGER: type | None = None
+
+
+def engine_shard_manager() -> type:
+    """The `EngineShardManager` class (defined on first use: it subclasses verl's manager)."""
+    global _MANAGER
+    if _MANAGER is None:
+        _MANAGER = _define()
+    return _MANAGER
+
+
+def _define() -> type:
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.utils.ray_utils import auto_await
+
+
+    class EngineShardManager(CheckpointEngineManager):
+        """verl's manager refitting vLLM rollout replicas through reshard's vLLM weight-transfer backend: each
+        engine worker receives exactly its shards, from trainer ranks that send from theirs.
+
+        Turned on by configuration (verl 0.9.1):
+
+            actor_rollout_ref.rollout.checkpoint_engine.backend=reshard
+            actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=reshard.integrations.verl
+            actor_rollout_ref.rollout.checkpoint_manager_class=reshard.integrations.verl.EngineShardManager
+            +actor_rollout_ref.rollout.engine_kwargs.vllm.weight_transfer_config.backend=reshard
+
+        A sync: abort and park the replicas' requests, release their KV caches (as verl's manager does), then
+        concurrently the trainer workers' `update_weights(mode="delta_sharded")` (their checkpoint engines send
+        from the training engine's shards) and, on each replica's first server, vLLM's `init_weight_transfer_engine`
+        (first sync, or after a failed one), `start_weight_update`, `update_weights`, `finish_weight_update`; then
+        each server's `clear_kv_cache` (the prefix cache holds the old weights' keys) and `set_global_steps`, the
+        KV caches back and generation resumed. The rollout workers' checkpoint engines are not used.
+
+        A failed sync raises here (every rank's reason); the engines keep their previous weights where the transfer
+        failed (their re-processing only runs after a whole transfer), and the next sync builds a new group.
+        """
+
+        def __init__(self, config: Any, actor_wg: Any, replicas: list) -> None:
+            if config.backend != BACKEND:
+                raise ValueError(f"EngineShardManager drives the {BACKEND!r} checkpoint engine only; "
+                                 f"checkpoint_engine.backend is {config.backend!r}")
+            super().__init__(config, actor_wg, replicas)
+            self.backend = SHARD_MODE  # the trainer workers' `mode`: hand the engine over (its shard export)
+            self._joined = False
+            self._generation = 0
+            self.last_sync: dict[str, Any] = {}
+            for r in replicas:
+                check_replica(r)
+
+        def add_replicas(self, replicas: list) -> None:
+            for r in replicas:
+                check_replica(r)
+            super().add_replicas(replicas)
+            self._joined = False
+
+        def remove_replicas(self, replicas: list) -> None:
+            super().remove_replicas(replicas)
+            self._joined = False
+
+        @auto_await
+        async def update_weights(self, global_steps: int | None = None) -> dict:  # type: ignore[override]
+            leaders = [leader_server(r) for r in self.replicas]
+            await self.abort_replicas()
+            await self.release_kv_cache_replicas()
+            T = self.actor_wg.world_size
+            W = replica_world_size(self.replicas)
+            t0 = time.perf_counter()
+            if not self._joined:
+                meta = ray.get(self.actor_wg.execute_checkpoint_engine(["prepare"] * T))
+                master = meta[0].get("master") if isinstance(meta[0], dict) else None
+                if master is None:
+                    raise ValueError("EngineShardManager: the first trainer worker's checkpoint engine is not the "
+                                     "master (is_master=True on trainer rank 0), so no store serves the group")
+                self._generation += 1
+                address = {"host": master["host"], "port": master["port"], "token": master["token"],
+                           "prefix": f"{PREFIX}/{self._generation}"}
+                ray.get(self.actor_wg.execute_checkpoint_engine(
+                    method=["target_engines"] * T, rank=list(range(T)), world_size=[T] * T,
+                    engine_world_size=[W * len(leaders)] * T, master=[address] * T))
+            version = str(global_steps) if global_steps is not None else None
+            trainers = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
+            started = False
+            try:
+                if not self._joined:
+                    await _all(s.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": {
+                        "master_address": address["host"], "master_port": address["port"],
+                        "trainer_world_size": T, "engines": len(leaders), "engine_index": i,
+                        "prefix": address["prefix"], "timeout_s": engine_timeout(self.config),
+                        **({"token": address["token"]} if address["token"] else {})}}) for i, s in enumerate(leaders))
+                    self._joined = True
+                await _all(s.collective_rpc.remote("start_weight_update") for s in leaders)
+                started = True
+                await _all(s.collective_rpc.remote("update_weights", kwargs={"update_info": {"version": version}})
+                           for s in leaders)
+                results = await _all(trainers)
+                await _all(s.collective_rpc.remote("finish_weight_update") for s in leaders)
+                started = False
+            except BaseException:
+                self._joined = False  # the next sync builds a new group on every side
+                await _settle(trainers)
+                if started:
+                    await _settle(s.collective_rpc.remote("finish_weight_update") for s in leaders)
+                raise
+            await _all(s.clear_kv_cache.remote() for s in leaders)
+            if global_steps is not None:
+                await _all(s.set_global_steps.remote(global_steps) for s in leaders)
+            await self.resume_kv_cache_replicas()
+            await self.resume_generation_replicas()
+            metrics: dict[str, Any] = {}
+            for r in results:
+                if isinstance(r, dict):
+                    metrics.update(r)
+            metrics["reshard/sync_seconds"] = time.perf_counter() - t0
+            self.last_sync = metrics
+            return metrics
+
+    EngineShardManager.__module__ = "reshard.integrations.verl"
+    return EngineShardManager
+
+
+def check_replica(replica: Any) -> None:
+    """Refuse a replica this manager cannot refit: not vLLM, or vLLM without reshard's weight-transfer backend."""
+    config = getattr(replica, "config", None)
+    name = getattr(config, "name", None)
+    if name != "vllm":
+        raise ValueError(f"EngineShardManager refits vLLM rollout replicas; replica "
+                         f"{getattr(replica, 'replica_rank', '?')} is rollout.name={name!r}")
+    kwargs = (getattr(config, "engine_kwargs", None) or {}).get("vllm") or {}
+    wtc = kwargs.get("weight_transfer_config") or {}
+    backend = wtc.get("backend") if hasattr(wtc, "get") else None
+    if backend != "reshard":
+        raise ValueError("EngineShardManager: the vLLM engines must load reshard's weight-transfer backend; set "
+                         "+actor_rollout_ref.rollout.engine_kwargs.vllm.weight_transfer_config.backend=reshard (got "
+                         f"weight_transfer_config={dict(wtc) if hasattr(wtc, 'items') else wtc!r})")
+
+
+def leader_server(replica: Any) -> Any:
+    """The replica's first server: its `collective_rpc` reaches every worker of the replica's engine."""
+    servers = getattr(replica, "servers", None) or []
+    if not servers:
+        raise ValueError(f"EngineShardManager: replica {getattr(replica, 'replica_rank', '?')} has no server "
+                         "(launch the replicas' servers before the first sync)")
+    return servers[0]
+
+
+def replica_world_size(replicas: Sequence[Any]) -> int:
+    """The engine workers of one replica (TP x DP x PP); every replica must have the same."""
+    sizes = sorted({int(r.world_size) for r in replicas})
+    if not replicas or len(sizes) != 1:
+        raise ValueError(f"EngineShardManager: the replicas must all have one world size, got {sizes}")
+    return sizes[0]
+
+
+def engine_timeout(config: Any) -> float:
+    kw = (getattr(config, "engine_kwargs", None) or {}).get(getattr(config, "backend", ""), {}) or {}
+    return float(kw.get("timeout_s", 300.0))
+
+
+async def _all(refs: Any) -> list[Any]:
+    return list(await asyncio.gather(*list(refs)))
+
+
+async def _settle(refs: Any) -> None:
+    """Wait for every call to end (their errors are the first failure's consequences, logged at debug)."""
+    for r in await asyncio.gather(*list(refs), return_exceptions=True):
+        if isinstance(r, BaseException):
+            logger.debug("EngineShardManager: after the failure: %s", r)

@@ -1,0 +1,145 @@
+"""verl's trainer workers refit a real vLLM engine of TP 2 through reshard's vLLM backend (`EngineShardManager`).
+
+Runs in `.venv-vllm` with verl added (`make verl-vllm-env`; `make test-frameworks`): verl's `CheckpointEngineManager`
+subclass loaded from its configuration name, verl's `RayWorkerGroup` of two trainer workers (FSDP2 over gloo, a tiny
+Qwen3, verl 0.9.1's own `ActorRolloutRefWorker.update_weights` handing the training engine to the checkpoint
+engine), verl's `RolloutReplica` with one server actor holding a real vLLM CPU engine of TP 2 (`VLLMServer`, standing
+in for verl's `vLLMHttpServer`, which launches vLLM's API server on the GPUs Ray assigns it and so cannot start on a
+CPU-only cluster; see `reshard.testing.verl.VLLMServer`).
+
+Oracles: after a sync, every tensor each engine worker's forward reads, and each layer's GEMM on a probe input,
+equal bit for bit those of vLLM's own in-place reload (`reload_weights`) of a checkpoint of the trainer's weights
+(the stream's bf16 cast); as a negative control, the values before the sync differ. Bytes: each engine worker
+receives at most the bytes of its own parameters, and the two workers together receive the model's bytes once plus
+each replicated (1-D) tensor once more, computed from the Hugging Face shapes, not from reshard.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is added to .venv-vllm by make verl-vllm-env")
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm (make vllm-env)")
+
+import ray
+import torch
+import vllm_cases as vc
+
+import reshard.testing.verl as tv
+
+pytestmark = pytest.mark.frameworks
+
+TP = 2
+TIMEOUT = 60
+PROMPT = [11, 23, 5, 801, 42, 7]
+CONFIG = dict(tv.CONFIG, hidden_size=128, intermediate_size=256, head_dim=32)
+"""The verl tests' tiny Qwen3 with vLLM CPU attention's smallest head size (32), vocabulary 5000 (padded to 5056)."""
+
+
+def _received_bytes(worker) -> int:
+    """Bytes this engine worker received in the last update."""
+    return worker.weight_transfer_engine.last_report.execution.bytes_received
+
+
+def _own_shard_bytes(full: dict[str, torch.Tensor], rank: int) -> int:
+    """bf16 bytes of TP rank `rank`'s shards of the Hugging Face weights `full`, by vLLM's TP rules: a 1-D weight
+    (a norm) whole; the vocabulary (embedding, lm_head) in blocks of the vocabulary padded to a multiple of 64, only
+    its real rows; every other weight (q/k/v/gate/up by rows, o/down by columns; each divisible by TP here) its
+    1/TP part."""
+    total = 0
+    for name, t in full.items():
+        if t.dim() == 1:
+            n = t.numel()
+        elif "embed_tokens" in name or name.startswith("lm_head"):
+            vocab = t.shape[0]
+            block = -(-vocab // 64) * 64 // TP
+            n = max(0, min(vocab, (rank + 1) * block) - rank * block) * t.shape[1]
+        else:
+            n = t.numel() // TP
+        total += 2 * n
+    return total
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    here = os.path.dirname(os.path.abspath(__file__))
+    tv.ray_init(extra_path=(here,))
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": vc.omp_threads_bind(TP), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    trainer, replicas, manager = tv.setup_engines(num_trainers=2, num_replicas=1, rollout_tp=TP,
+                                                  engine_kwargs={"timeout_s": TIMEOUT}, server_env=env,
+                                                  config=CONFIG, engine_seed=7)
+    yield trainer, replicas, manager
+    ray.shutdown()
+
+
+def test_engine_workers_receive_only_their_shards(cluster) -> None:
+    trainer, replicas, manager = cluster
+    assert type(manager).__name__ == "EngineShardManager"
+    server = replicas[0].servers[0]
+    before = ray.get(server.call.remote(vc.forward_tensors))
+    ray.get(server.taken_calls.remote())
+
+    metrics = tv.sync(manager, 1)
+    assert ray.get(server.taken_calls.remote()) == [
+        "abort_all_requests", "release_kv_cache", "init_weight_transfer_engine", "start_weight_update",
+        "update_weights", "finish_weight_update", "clear_kv_cache", "set_global_steps", "resume_kv_cache",
+        "resume_generation"]
+    assert any(k.startswith("reshard/rank") for k in metrics)
+    full = trainer.full_state()[0]
+    whole = sum(t.numel() * 2 for t in full.values())  # bf16 on the engine
+    received = ray.get(server.call.remote(_received_bytes))
+    assert received == [_own_shard_bytes(full, w) for w in range(TP)]
+    assert max(received) < 0.6 * whole  # a worker given whole tensors would receive `whole`
+
+    trainer.change_weights(2)
+    tv.sync(manager, 2)
+    assert ray.get(server.taken_calls.remote())[2:5] == ["start_weight_update", "update_weights",
+                                                         "finish_weight_update"]  # the group is kept
+    refit = ray.get(server.call.remote(vc.forward_tensors))
+    assert ray.get(server.greedy.remote(PROMPT))  # the engine serves after the syncs
+
+    state = {n: t.to(torch.bfloat16) for n, t in trainer.full_state()[0].items()}
+    with tempfile.TemporaryDirectory() as d:
+        from safetensors.torch import save_file
+
+        save_file(state, os.path.join(d, "model.safetensors"))
+        ray.get(server.collective_rpc.remote("reload_weights", kwargs={"weights_path": d}))  # vLLM's own load
+        reference = ray.get(server.call.remote(vc.forward_tensors))
+    diffs = _differences(refit, reference)
+    assert not diffs, f"{len(diffs)} differences from vLLM's own load:\n" + "\n".join(diffs[:20])
+    assert _differences(before, reference), "the engine held these values before the syncs: the check proves nothing"
+
+
+def test_manager_refuses_engines_without_the_backend(cluster) -> None:
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from reshard.integrations.verl import EngineShardManager
+
+    trainer, replicas, _ = cluster
+    ce = replicas[0].config.checkpoint_engine
+    model_config = HFModelConfig(path=tv.model_dir(), load_tokenizer=False)
+    for kwargs, name, match in (({}, "vllm", "weight_transfer_config.backend=reshard"),
+                                ({"weight_transfer_config": {"backend": "nccl"}}, "vllm", "got weight_transfer"),
+                                ({"weight_transfer_config": {"backend": "reshard"}}, "sglang", "rollout.name")):
+        rc = RolloutConfig(name=name, checkpoint_engine=ce, tensor_model_parallel_size=TP,
+                           engine_kwargs={"vllm": kwargs})
+        with pytest.raises(ValueError, match=match):
+            EngineShardManager(config=ce, actor_wg=trainer, replicas=[tv.Replica(replica_rank=0, config=rc,
+                                                                                  model_config=model_config)])
+
+
+def _differences(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> list[str]:
+    diffs = []
+    for w, (a, b) in enumerate(zip(got, want)):
+        if a.keys() != b.keys():
+            diffs.append(f"worker {w}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
+        for n in sorted(a.keys() & b.keys()):
+            x, y = a[n], b[n]
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(torch.uint8),
+                                                                            y.reshape(-1).view(torch.uint8)):
+                diffs.append(f"worker {w}: {n}")
+    return diffs
