@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from reshard.comm import Group
 from reshard.planner import Layout, Mesh
@@ -86,6 +86,15 @@ def job_live(worker, case: str) -> dict:
             assert model.weight is not before
         elif case == "assign_dtype":
             model.load_state_dict({"weight": dtensor(2, torch.float64)}, assign=True)
+        elif case == "update":  # Refit.update_source: a new DTensor object of the same layout (a stream's export)
+            refit.update_source("weight", dtensor(2))
+        elif case == "update_replicated":  # a new DTensor of another layout: refused on every rank
+            mesh = DeviceMesh("cpu", torch.tensor(TRAIN), _init_backend=False)
+            refit.update_source("weight", distribute_tensor(full(2), mesh, [Replicate()], src_data_rank=None))
+        elif case == "update_unknown" and rank == 1:  # a name never registered, on one rank only
+            refit.update_source("bias", dtensor(2))
+        elif case == "refuse" and rank == 1:  # an integration's check after the first run, on one rank only
+            refit.refuse("the stream changed on this rank")
         else:
             with torch.no_grad():
                 model.weight.to_local().copy_(dtensor(2).to_local())  # in place: the values of seed 2

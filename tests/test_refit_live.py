@@ -87,3 +87,24 @@ def test_destination_replaced_with_another_dtype_raises_on_every_rank(pool) -> N
         assert "dtype torch.float32 -> torch.float64" in o["error"], (r, o["error"])
     for r in ENGINE:
         assert torch.equal(out[r]["old"], engine_slice(full(1), r)), (r, "the old buffer was written")
+
+
+def test_update_source_binds_a_new_dtensor_of_the_same_layout(pool) -> None:
+    out = pool.run_ok(job_live, "update")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    _landed(out, 2)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("update_replicated", "rank 0: update_source: source 'weight' has another layout now"),
+    ("update_unknown", "rank 1: update_source: 'bias' is not a registered source"),
+    ("refuse", "rank 1: the stream changed on this rank"),
+])
+def test_refusals_after_the_first_run_raise_on_every_rank_before_data_moves(pool, case, message) -> None:
+    out = pool.run_ok(job_live, case)
+    from live_cases import engine_slice
+
+    for r, o in enumerate(out):
+        assert o["error"] is not None and message in o["error"], (r, o["error"])
+    for r in ENGINE:  # nothing was moved
+        assert torch.equal(out[r]["runs"][1], engine_slice(full(1), r)), r

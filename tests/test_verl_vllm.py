@@ -7,17 +7,17 @@ engine), verl's `RolloutReplica` with one server actor holding a real vLLM CPU e
 in for verl's `vLLMHttpServer`, which launches vLLM's API server on the GPUs Ray assigns it and so cannot start on a
 CPU-only cluster; see `reshard.testing.verl.VLLMServer`).
 
-Oracles: after a sync, every tensor each engine worker's forward reads, and each layer's GEMM on a probe input,
-equal bit for bit those of vLLM's own in-place reload (`reload_weights`) of a checkpoint of the trainer's weights
-(the stream's bf16 cast); as a negative control, the values before the sync differ. Bytes: each engine worker
-receives at most the bytes of its own parameters, and the two workers together receive the model's bytes once plus
-each replicated (1-D) tensor once more, computed from the Hugging Face shapes, not from reshard.
+Oracles: after the last sync, every tensor each engine worker's forward reads, and each layer's GEMM on a probe
+input, equal bit for bit those of vLLM's own in-place reload (`reload_weights`) of a checkpoint of the trainer's
+weights (the stream's bf16 cast); as negative controls, the values before each sync differ from after it. Bytes:
+each engine worker receives exactly the bytes of its own shards, computed from the Hugging Face shapes by vLLM's TP
+rules in this file, not by reshard. A sync whose stream lost a tensor is refused on every rank and leaves the
+engine's tensors bit for bit as they were; the next sync builds a new group.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 
@@ -76,13 +76,18 @@ def cluster():
     ray.shutdown()
 
 
-def test_engine_workers_receive_only_their_shards(cluster) -> None:
+def test_engine_workers_receive_only_their_shards(cluster, tmp_path) -> None:
+    """Syncs into the TP 2 engine: the first (a new group), a steady one (the stream's new tensors rebound), a
+    refused one (the stream changed), the next (a new group); the engine's weights at the end against vLLM's own
+    load. vLLM's in-place reload is the last step: a reloaded engine's norms carry vLLM's own loader wrappers, which
+    reshard refuses to lay out at a later `init_weight_transfer_engine`."""
     trainer, replicas, manager = cluster
     assert type(manager).__name__ == "EngineShardManager"
     server = replicas[0].servers[0]
-    before = ray.get(server.call.remote(vc.forward_tensors))
+    initial = ray.get(server.call.remote(vc.forward_tensors))
     ray.get(server.taken_calls.remote())
 
+    # the first sync: each engine worker receives exactly its own shards
     metrics = tv.sync(manager, 1)
     assert ray.get(server.taken_calls.remote()) == [
         "abort_all_requests", "release_kv_cache", "init_weight_transfer_engine", "start_weight_update",
@@ -94,24 +99,41 @@ def test_engine_workers_receive_only_their_shards(cluster) -> None:
     received = ray.get(server.call.remote(_received_bytes))
     assert received == [_own_shard_bytes(full, w) for w in range(TP)]
     assert max(received) < 0.6 * whole  # a worker given whole tensors would receive `whole`
+    synced = ray.get(server.call.remote(vc.forward_tensors))
+    assert _differences(synced, initial), "the sync left the engine's weights as they were"
 
+    # a steady sync: the same group, the stream's new tensors rebound
     trainer.change_weights(2)
     tv.sync(manager, 2)
     assert ray.get(server.taken_calls.remote())[2:5] == ["start_weight_update", "update_weights",
-                                                         "finish_weight_update"]  # the group is kept
-    refit = ray.get(server.call.remote(vc.forward_tensors))
+                                                         "finish_weight_update"]
+    assert ray.get(server.call.remote(_received_bytes)) == received
+    steady = ray.get(server.call.remote(vc.forward_tensors))
+    assert _differences(steady, synced)
+
+    # a changed stream: refused on every rank before any byte moves; the engine keeps its weights
+    trainer.change_weights(3)
+    trainer.skip_in_export(["lm_head.weight"])
+    with pytest.raises(Exception, match=r"the trainer's stream changed since the group was built: missing "
+                                        r"\['lm_head.weight'\]"):
+        tv.sync(manager, 3)
+    calls = ray.get(server.taken_calls.remote())
+    assert "update_weights" in calls and "clear_kv_cache" not in calls, calls
+    assert not _differences(ray.get(server.call.remote(vc.forward_tensors)), steady), \
+        "a refused sync changed the engine's weights"
+
+    # the next sync builds a new group on every side and lands the trainer's weights
+    trainer.skip_in_export([])
+    tv.sync(manager, 4)
+    assert "init_weight_transfer_engine" in ray.get(server.taken_calls.remote())
+    landed = ray.get(server.call.remote(vc.forward_tensors))
     assert ray.get(server.greedy.remote(PROMPT))  # the engine serves after the syncs
-
-    state = {n: t.to(torch.bfloat16) for n, t in trainer.full_state()[0].items()}
-    with tempfile.TemporaryDirectory() as d:
-        from safetensors.torch import save_file
-
-        save_file(state, os.path.join(d, "model.safetensors"))
-        ray.get(server.collective_rpc.remote("reload_weights", kwargs={"weights_path": d}))  # vLLM's own load
-        reference = ray.get(server.call.remote(vc.forward_tensors))
-    diffs = _differences(refit, reference)
+    _save(trainer, str(tmp_path))
+    ray.get(server.collective_rpc.remote("reload_weights", kwargs={"weights_path": str(tmp_path)}))
+    reference = ray.get(server.call.remote(vc.forward_tensors))  # vLLM's own load of the trainer's weights
+    diffs = _differences(landed, reference)
     assert not diffs, f"{len(diffs)} differences from vLLM's own load:\n" + "\n".join(diffs[:20])
-    assert _differences(before, reference), "the engine held these values before the syncs: the check proves nothing"
+    assert _differences(steady, reference)  # the control: the weights changed since the steady sync
 
 
 def test_manager_refuses_engines_without_the_backend(cluster) -> None:
@@ -130,6 +152,14 @@ def test_manager_refuses_engines_without_the_backend(cluster) -> None:
         with pytest.raises(ValueError, match=match):
             EngineShardManager(config=ce, actor_wg=trainer, replicas=[tv.Replica(replica_rank=0, config=rc,
                                                                                   model_config=model_config)])
+
+
+def _save(trainer, path: str) -> None:
+    """The trainer's weights as a bf16 checkpoint (the stream's cast) in `path`."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.to(torch.bfloat16) for n, t in trainer.full_state()[0].items()},
+              os.path.join(path, "model.safetensors"))
 
 
 def _differences(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> list[str]:

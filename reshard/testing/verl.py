@@ -84,6 +84,7 @@ class TrainerWorker(Worker):
         fully_shard(self.model, mesh=mesh)
         self.stream = stream
         self.exports = {"full": 0, "shard": 0}
+        self.skip: set[str] = set()  # names the exports leave out (`skip_in_export`)
         cfg = checkpoint_engine_config
         self.backend = cfg.backend
         self.engines: dict[str, tuple[str, Any]] = {}
@@ -106,6 +107,8 @@ class TrainerWorker(Worker):
 
         def gen() -> Any:
             for name, p in self.model.named_parameters():
+                if name in self.skip:
+                    continue
                 spec = ShardSpec.from_param(p.data)
                 local = p.data.to_local()
                 if local.is_floating_point():
@@ -140,6 +143,11 @@ class TrainerWorker(Worker):
             else:
                 # as verl's FSDP engine exports it: the local shard flattened, its spec from the parameter
                 yield name, p.to_local().reshape(-1), ShardSpec.from_param(p)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def skip_in_export(self, names: list[str]) -> None:
+        """From now on the shard export leaves out `names` (a stream that changed since the last sync)."""
+        self.skip = set(names)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_stream(self, stream: str) -> None:
