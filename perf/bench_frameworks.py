@@ -25,6 +25,15 @@ with that backend's engines. Backends:
                         (NCCL's ring broadcast).
     naive               verl's colocated `naive` backend: each trainer worker loads the stream into an in-process
                         copy (no network; what a colocated rollout engine would load).
+    reshard-vllm        `checkpoint_manager_class=reshard.integrations.verl.EngineShardManager`: real vLLM CPU
+                        engines (`--rollouts / --rollout-tp` replicas of TP `--rollout-tp`, `reshard.testing.verl.
+                        VLLMServer` actors standing in for verl's `vLLMHttpServer`) refit in place through reshard's
+                        vLLM weight-transfer backend from the trainers' shard stream: each engine worker receives its
+                        own shards only. Its time includes vLLM's weight re-processing; its bytes are the engine
+                        workers' own counters. Needs vLLM: run the bench in `.venv-vllm` with verl on PYTHONPATH
+                        (`make verl-vllm-env`; `PYTHONPATH=.verl-vllm VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python
+                        perf/bench_frameworks.py ...`). Its check is vLLM's own reload of the trainer's last weights
+                        against the engine's tensors, after the last sync (bit for bit).
 After one warm-up sync per backend (group rendezvous, plans), `--syncs` rounds: the weights change (untimed), then
 every backend syncs once, in an order rotated each round (so none always runs first after the change), each
 sync's received tensors checked against the trainer's `full_tensor()` byte for byte (bf16 for `reshard-shard`;
@@ -39,10 +48,12 @@ Writes `bench_frameworks.csv` under `--out` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,7 +74,10 @@ BACKENDS = {
     "reshard-dtensor": ("reshard", "reshard.integrations.verl", None, "dtensor"),
     "gloo-single-sender": ("gloo-single-sender", "verl_gloo_baseline", None, "full"),
     "naive": ("naive", None, None, "full"),
+    "reshard-vllm": ("reshard", "reshard.integrations.verl", "reshard.integrations.verl.EngineShardManager", "full"),
 }
+ENGINES = ("reshard-vllm",)
+"""Backends that refit real vLLM engines (`VLLMServer` replicas of `--rollout-tp`) instead of the rollout workers."""
 
 
 def own_shard_bytes(model: torch.nn.Module, num_rollout: int, tp: int, dtype: torch.dtype) -> list[int]:
@@ -79,6 +93,8 @@ def own_shard_bytes(model: torch.nn.Module, num_rollout: int, tp: int, dtype: to
 
 
 def check(label: str, trainer, rollout, full: dict[str, torch.Tensor]) -> None:
+    if label in ENGINES:
+        return  # checked after the last sync (check_engines)
     if label == "naive":
         got = [c for c in trainer.colocated_weights()]
     else:
@@ -89,14 +105,57 @@ def check(label: str, trainer, rollout, full: dict[str, torch.Tensor]) -> None:
             torch.equal(rec[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want), label
 
 
-def observe(label: str, trainer, rollout, metrics: dict, T: int) -> dict[str, float]:
+def check_engines(replicas: list, full: dict[str, torch.Tensor], tmp: str) -> None:
+    """Every tensor each engine worker's forward reads equals vLLM's own reload of `full` (bf16), bit for bit."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.to(torch.bfloat16) for n, t in full.items()}, os.path.join(tmp, "model.safetensors"))
+    for r in replicas:
+        server = r.servers[0]
+        got = ray.get(server.call.remote(_forward_tensors))
+        ray.get(server.collective_rpc.remote("reload_weights", kwargs={"weights_path": tmp}))
+        want = ray.get(server.call.remote(_forward_tensors))
+        for a, b in zip(got, want):
+            same = a.keys() == b.keys() and all(torch.equal(a[k].reshape(-1).view(torch.uint8),
+                                                            b[k].reshape(-1).view(torch.uint8)) for k in a)
+            assert same, "reshard-vllm: the engine differs from vLLM's own load"
+
+
+def _forward_tensors(worker) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the engine worker's model (CPU copies), and each Linear layer's output on a
+    fixed input (the CPU backend may hold a weight where no tensor shows it)."""
+    model = worker.model_runner.get_model()
+    out = {n: t.detach().cpu().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            width = getattr(m, "input_size_per_partition", None) or m.input_size
+            x = torch.linspace(-1, 1, 3 * width).reshape(3, -1).to(torch.bfloat16)
+            out[f"{name}|probe"] = m.quant_method.apply(m, x).detach().clone()
+    return out
+
+
+def _engine_bytes(worker) -> tuple[int, int]:
+    """(received, sent) bytes of an engine worker's last update (run in the vLLM worker)."""
+    ex = worker.weight_transfer_engine.last_report.execution
+    return ex.bytes_received, ex.bytes_sent
+
+
+def observe(label: str, trainer, rollout, replicas: list, metrics: dict, T: int) -> dict[str, float]:
     """What one sync of `label` did, from its engines' own counters."""
     per_rank = [float(v) for k, v in sorted(metrics.items()) if k.endswith("bytes_sent")]
     row = {"busiest": max(per_rank or [0.0]), "total": sum(per_rank), "received": 0.0, "forwarded": 0.0,
            "stream_s": float("nan"), "first_send_s": float("nan"), "rounds": 0.0}
     if label == "naive":
         return row
-    if label.startswith("reshard"):
+    if label in ENGINES:
+        mine = trainer.engine_attr("last_sync")
+        got = [ray.get(r.servers[0].call.remote(_engine_bytes)) for r in replicas]
+        row.update(received=max(b[0] for g in got for b in g), forwarded=sum(b[1] for g in got for b in g),
+                   stream_s=max(s.seconds_stream for s in mine), first_send_s=max(s.seconds_first_send for s in mine),
+                   rounds=max(s.rounds for s in mine))
+    elif label.startswith("reshard"):
         mine, theirs = trainer.engine_attr("last_sync"), rollout.engine_attr("last_sync")
         row.update(received=max(s.bytes_received for s in theirs), forwarded=sum(s.bytes_sent for s in theirs),
                    stream_s=max(s.seconds_stream for s in mine), first_send_s=max(s.seconds_first_send for s in mine),
@@ -109,6 +168,35 @@ def observe(label: str, trainer, rollout, metrics: dict, T: int) -> dict[str, fl
     return row
 
 
+def engine_replicas(replicas: list, config: dict, tp: int) -> list:
+    """One vLLM engine replica (TP `tp`, reshard's weight-transfer backend) per rollout replica, loading a
+    checkpoint (vLLM reloads in place only from one: the final check)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+    from verl.workers.config import HFModelConfig
+
+    path = vc.model_dir(config)
+    save_file({n: t.detach().to(torch.bfloat16).contiguous() for n, t in vc.build_model(config, 7).state_dict()
+               .items()}, os.path.join(path, "model.safetensors"))
+    rc = dataclasses.replace(replicas[0].config, engine_kwargs={"vllm": {"weight_transfer_config": {
+        "backend": "reshard"}}})
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": threads_bind(tp)}
+    return vc.engine_replicas(rc, HFModelConfig(path=path, load_tokenizer=False), len(replicas), env, "auto")
+
+
+def threads_bind(tp: int) -> str:
+    """vLLM CPU's `VLLM_CPU_OMP_THREADS_BIND` for `tp` workers: this process's CPUs split among them (shared when
+    there are fewer CPUs than workers)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        return "|".join([",".join(map(str, cpus))] * tp)
+    per = len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trainers", type=int, default=2)
@@ -119,7 +207,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--bucket-mb", type=int, default=4)
     ap.add_argument("--syncs", type=int, default=5)
-    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "reshard-dtensor"))
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "reshard-dtensor"
+                                                   and (has_vllm or b not in ENGINES)))
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args()
     labels = args.backends.split(",")
@@ -137,6 +227,9 @@ def main() -> None:
         trainer, rollout, replicas, _ = vc.setup(first[0], num_trainers=args.trainers, num_rollout=args.rollouts,
                                                  rollout_tp=args.rollout_tp, bucket_mb=args.bucket_mb,
                                                  config=config, custom_module=first[1])
+        engines: list = []
+        if any(label in ENGINES for label in labels):
+            engines = engine_replicas(replicas, config, args.rollout_tp)
         managers = {}
         for label in labels:
             backend, module, manager_class, _ = BACKENDS[label]
@@ -145,7 +238,7 @@ def main() -> None:
                                         engine_kwargs={backend: kwargs}, custom_backend_module=module)
             trainer.add_engine(label, ce)
             rollout.add_engine(label, ce)
-            managers[label] = vc.make_manager(ce, trainer, replicas, manager_class)
+            managers[label] = vc.make_manager(ce, trainer, engines if label in ENGINES else replicas, manager_class)
 
         def run(label: str, step: int) -> tuple[float, dict]:
             trainer.use_engine(label)
@@ -165,10 +258,13 @@ def main() -> None:
             for label in order:
                 seconds, metrics = run(label, step)
                 check(label, trainer, rollout, full)
-                samples[label].append(dict(observe(label, trainer, rollout, metrics, args.trainers),
+                samples[label].append(dict(observe(label, trainer, rollout, engines, metrics, args.trainers),
                                            seconds=seconds))
         full = trainer.full_state()[0]
         model = vc.build_model(config, 0)
+        if engines:
+            with tempfile.TemporaryDirectory() as tmp:
+                check_engines(engines, full, tmp)
     finally:
         ray.shutdown()
     model_bytes = sum(t.nbytes for t in full.values())
@@ -176,7 +272,7 @@ def main() -> None:
     for label in labels:
         s = samples[label]
         med, lo, hi = spread([x["seconds"] for x in s])
-        dtype = torch.bfloat16 if label == "reshard-shard" else torch.float32
+        dtype = torch.bfloat16 if label in ("reshard-shard", *ENGINES) else torch.float32
         need = max(own_shard_bytes(model, args.rollouts, args.rollout_tp, dtype)) if label != "naive" else 0
         row = {"backend": label, "trainers": args.trainers, "rollouts": args.rollouts, "rollout_tp": args.rollout_tp,
                "model_bytes": model_bytes, "tensors": len(full), "bucket_bytes": args.bucket_mb << 20,

@@ -406,14 +406,15 @@ class ReshardCheckpointEngine:
             stream, _ = weights.get_per_tensor_param_shard()
         elif hasattr(weights, "get_per_tensor_param"):
             stream, _ = weights.get_per_tensor_param()
-        items = [_normalise(item) async for item in _aiter(stream)]
+        items = [_normalise(item) async for item in _aiter(stream)]  # the engine's export, every weight
+        stats.seconds_stream = time.perf_counter() - t0
         try:
             await asyncio.to_thread(link.send, items, stats)
         except BaseException:
             self._close_link()  # the next sync (EngineShardManager joins anew) builds a new group
             raise
         stats.seconds = time.perf_counter() - t0
-        stats.seconds_first_send += stats.seconds_stream
+        stats.seconds_first_send -= t0
         rank = link.info.rank
         logger.info("reshard send_weights (engines): rank %d, step %s: %d tensors, %d bytes sent, %.3f s", rank,
                     global_steps, stats.tensors, stats.bytes_sent, stats.seconds)

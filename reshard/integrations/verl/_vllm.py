@@ -35,6 +35,10 @@ from reshard.planner import Layout
 
 logger = logging.getLogger(__name__)
 
+ROUNDS = 3
+"""All-rank rounds of a sync into the engines: `Refit.run`'s metadata exchange (first sync) or live check (later
+ones), the plan agreement and the completion round."""
+
 PREFIX = "reshard-vllm"
 """Store namespace of the engine groups: `reshard-vllm/<generation>`, a new generation for every new group."""
 
@@ -76,7 +80,7 @@ class EngineLink:
         """
         t0 = time.perf_counter()
         source = {name: _source(name, t, spec, self.info.rank, self.info.world_size) for name, t, spec in items}
-        stats.seconds_stream = time.perf_counter() - t0
+        stats.seconds_stream += time.perf_counter() - t0
         stats.tensors = len(items)
         try:
             if self.trainer is None:
@@ -85,7 +89,7 @@ class EngineLink:
                 self.names = [name for name, _, _ in items]
             else:
                 self._rebind([name for name, _, _ in items], source)
-            stats.seconds_first_send = time.perf_counter() - t0
+            stats.seconds_first_send = time.perf_counter()  # the transfer starts (`send_weights` makes it relative)
             report = self.trainer.send_weights()
         except BaseException as e:
             self.failed = True
@@ -95,7 +99,7 @@ class EngineLink:
             raise
         ex = report.execution
         stats.bytes_sent = ex.bytes_sent if ex is not None else 0
-        stats.rounds = 1 if not report.first_run else 2  # the live check (+ the metadata exchange at the first)
+        stats.rounds = ROUNDS
         stats.first_plans = int(report.first_run)
         stats.seconds_transfer = report.seconds["transfer"]
 
