@@ -295,9 +295,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['seconds_median']:.3f} [{r['seconds_min']:.3f}, {r['seconds_max']:.3f}] | "
-              f"{r['rounds']:.0f} | {r['stream_s']:.3f}, {r['first_send_s']:.3f} | {r['busiest'] / 1e6:.2f} MB | "
+              f"{r['rounds']:.0f} | {_secs(r['stream_s'], r['first_send_s'])} | {r['busiest'] / 1e6:.2f} MB | "
               f"{r['total'] / 1e6:.2f} MB | {r['received'] / 1e6:.2f} MB ({r['rollout_rank_needs_bytes'] / 1e6:.2f}) "
               f"| {r['forwarded'] / 1e6:.2f} MB |")
+
+
+def _secs(stream_s: float, first_send_s: float) -> str:
+    """The assembly column: blank where the backend has no trainer-side stream to wait for (`naive`)."""
+    return "" if math.isnan(stream_s) else f"{stream_s:.3f}, {first_send_s:.3f}"
 
 
 if __name__ == "__main__":
