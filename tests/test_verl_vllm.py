@@ -1,11 +1,11 @@
-"""verl's trainer workers refit a real vLLM engine of TP 2 through reshard's vLLM backend (`EngineShardManager`).
+"""verl's trainer workers refit real vLLM engines of TP 2 through reshard's vLLM backend (`EngineShardManager`).
 
 Runs in `.venv-vllm` with verl added (`make verl-vllm-env`; `make test-frameworks`): verl's `CheckpointEngineManager`
 subclass loaded from its configuration name, verl's `RayWorkerGroup` of two trainer workers (FSDP2 over gloo, a tiny
 Qwen3, verl 0.9.1's own `ActorRolloutRefWorker.update_weights` handing the training engine to the checkpoint
-engine), verl's `RolloutReplica` with one server actor holding a real vLLM CPU engine of TP 2 (`VLLMServer`, standing
-in for verl's `vLLMHttpServer`, which launches vLLM's API server on the GPUs Ray assigns it and so cannot start on a
-CPU-only cluster; see `reshard.testing.verl.VLLMServer`).
+engine), two verl `RolloutReplica`s, each with a server actor holding a real vLLM CPU engine of TP 2
+(`VLLMServer`, standing in for verl's `vLLMHttpServer`, which launches vLLM's API server on the GPUs Ray assigns it
+and so cannot start on a CPU-only cluster; see `reshard.testing.verl.VLLMServer`).
 
 Oracles: after the last sync, every tensor each engine worker's forward reads, and each layer's GEMM on a probe
 input, equal bit for bit those of vLLM's own in-place reload (`reload_weights`) of a checkpoint of the trainer's
@@ -33,6 +33,7 @@ import reshard.testing.verl as tv
 pytestmark = pytest.mark.frameworks
 
 TP = 2
+REPLICAS = 2
 TIMEOUT = 60
 PROMPT = [11, 23, 5, 801, 42, 7]
 CONFIG = dict(tv.CONFIG, hidden_size=128, intermediate_size=256, head_dim=32)
@@ -69,7 +70,7 @@ def cluster():
     tv.ray_init(extra_path=(here,))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
            "VLLM_CPU_OMP_THREADS_BIND": vc.omp_threads_bind(TP), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    trainer, replicas, manager = tv.setup_engines(num_trainers=2, num_replicas=1, rollout_tp=TP,
+    trainer, replicas, manager = tv.setup_engines(num_trainers=2, num_replicas=REPLICAS, rollout_tp=TP,
                                                   engine_kwargs={"timeout_s": TIMEOUT}, server_env=env,
                                                   config=CONFIG, engine_seed=7)
     yield trainer, replicas, manager
@@ -77,63 +78,71 @@ def cluster():
 
 
 def test_engine_workers_receive_only_their_shards(cluster, tmp_path) -> None:
-    """Syncs into the TP 2 engine: the first (a new group), a steady one (the stream's new tensors rebound), a
-    refused one (the stream changed), the next (a new group); the engine's weights at the end against vLLM's own
+    """Syncs into two TP 2 engines: the first (a new group), a steady one (the stream's new tensors rebound), a
+    refused one (the stream changed), the next (a new group); the engines' weights at the end against vLLM's own
     load. vLLM's in-place reload is the last step: a reloaded engine's norms carry vLLM's own loader wrappers, which
     reshard refuses to lay out at a later `init_weight_transfer_engine`."""
     trainer, replicas, manager = cluster
     assert type(manager).__name__ == "EngineShardManager"
-    server = replicas[0].servers[0]
-    initial = ray.get(server.call.remote(vc.forward_tensors))
-    ray.get(server.taken_calls.remote())
+    servers = [r.servers[0] for r in replicas]
+
+    def each(method: str, *args) -> list:
+        return ray.get([getattr(s, method).remote(*args) for s in servers])
+
+    initial = each("call", vc.forward_tensors)
+    each("taken_calls")
 
     # the first sync: each engine worker receives exactly its own shards
     metrics = tv.sync(manager, 1)
-    assert ray.get(server.taken_calls.remote()) == [
+    assert each("taken_calls") == [[
         "abort_all_requests", "release_kv_cache", "init_weight_transfer_engine", "start_weight_update",
         "update_weights", "finish_weight_update", "clear_kv_cache", "set_global_steps", "resume_kv_cache",
-        "resume_generation"]
+        "resume_generation"]] * REPLICAS
+    assert each("global_steps_now") == [1] * REPLICAS
     assert any(k.startswith("reshard/rank") for k in metrics)
     full = trainer.full_state()[0]
     whole = sum(t.numel() * 2 for t in full.values())  # bf16 on the engine
-    received = ray.get(server.call.remote(_received_bytes))
-    assert received == [_own_shard_bytes(full, w) for w in range(TP)]
-    assert max(received) < 0.6 * whole  # a worker given whole tensors would receive `whole`
-    synced = ray.get(server.call.remote(vc.forward_tensors))
-    assert _differences(synced, initial), "the sync left the engine's weights as they were"
+    received = each("call", _received_bytes)
+    assert received == [[_own_shard_bytes(full, w) for w in range(TP)]] * REPLICAS
+    assert max(max(r) for r in received) < 0.6 * whole  # a worker given whole tensors would receive `whole`
+    synced = each("call", vc.forward_tensors)
+    for e in range(REPLICAS):
+        assert _differences(synced[e], initial[e]), "the sync left the engine's weights as they were"
 
     # a steady sync: the same group, the stream's new tensors rebound
     trainer.change_weights(2)
     tv.sync(manager, 2)
-    assert ray.get(server.taken_calls.remote())[2:5] == ["start_weight_update", "update_weights",
-                                                         "finish_weight_update"]
-    assert ray.get(server.call.remote(_received_bytes)) == received
-    steady = ray.get(server.call.remote(vc.forward_tensors))
-    assert _differences(steady, synced)
+    assert [c[2:5] for c in each("taken_calls")] == [["start_weight_update", "update_weights",
+                                                      "finish_weight_update"]] * REPLICAS
+    assert each("call", _received_bytes) == received
+    steady = each("call", vc.forward_tensors)
+    assert all(_differences(steady[e], synced[e]) for e in range(REPLICAS))
 
-    # a changed stream: refused on every rank before any byte moves; the engine keeps its weights
+    # a changed stream: refused on every rank before any byte moves; the engines keep their weights
     trainer.change_weights(3)
     trainer.skip_in_export(["lm_head.weight"])
     with pytest.raises(Exception, match=r"the trainer's stream changed since the group was built: missing "
                                         r"\['lm_head.weight'\]"):
         tv.sync(manager, 3)
-    calls = ray.get(server.taken_calls.remote())
-    assert "update_weights" in calls and "clear_kv_cache" not in calls, calls
-    assert not _differences(ray.get(server.call.remote(vc.forward_tensors)), steady), \
-        "a refused sync changed the engine's weights"
+    for calls in each("taken_calls"):
+        assert "update_weights" in calls and "clear_kv_cache" not in calls, calls
+    kept = each("call", vc.forward_tensors)
+    for e in range(REPLICAS):
+        assert not _differences(kept[e], steady[e]), "a refused sync changed the engine's weights"
 
     # the next sync builds a new group on every side and lands the trainer's weights
     trainer.skip_in_export([])
     tv.sync(manager, 4)
-    assert "init_weight_transfer_engine" in ray.get(server.taken_calls.remote())
-    landed = ray.get(server.call.remote(vc.forward_tensors))
-    assert ray.get(server.greedy.remote(PROMPT))  # the engine serves after the syncs
+    assert all("init_weight_transfer_engine" in c for c in each("taken_calls"))
+    landed = each("call", vc.forward_tensors)
+    assert all(each("greedy", PROMPT))  # the engines serve after the syncs
     _save(trainer, str(tmp_path))
-    ray.get(server.collective_rpc.remote("reload_weights", kwargs={"weights_path": str(tmp_path)}))
-    reference = ray.get(server.call.remote(vc.forward_tensors))  # vLLM's own load of the trainer's weights
-    diffs = _differences(landed, reference)
-    assert not diffs, f"{len(diffs)} differences from vLLM's own load:\n" + "\n".join(diffs[:20])
-    assert _differences(steady, reference)  # the control: the weights changed since the steady sync
+    ray.get([s.collective_rpc.remote("reload_weights", kwargs={"weights_path": str(tmp_path)}) for s in servers])
+    reference = each("call", vc.forward_tensors)  # vLLM's own load of the trainer's weights
+    for e in range(REPLICAS):
+        diffs = _differences(landed[e], reference[e])
+        assert not diffs, f"engine {e}: {len(diffs)} differences from vLLM's own load:\n" + "\n".join(diffs[:20])
+        assert _differences(steady[e], reference[e])  # the control: the weights changed since the steady sync
 
 
 def test_manager_refuses_engines_without_the_backend(cluster) -> None:

@@ -340,6 +340,18 @@ def test_init_info_ranks_and_bad_values() -> None:
         ReshardTrainerInitInfo(rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank_offset 3 disagrees"):
         ReshardInitInfo(master_address="h", master_port=1, trainer_world_size=2, rank_offset=3)
+    # several engines in one group (verl's replicas), the token and the store prefix
+    keyed = ReshardTrainerInitInfo(rank=0, world_size=2, engine_world_size=4, token="s3cret", prefix="p/2")
+    info = keyed.engine_init_info()
+    assert info["token"] == "s3cret" and info["prefix"] == "p/2"
+    engine = ReshardInitInfo(**info, engines=2, engine_index=1)
+    assert "s3cret" not in repr(engine) and "s3cret" not in repr(keyed)
+    assert "token" not in ReshardTrainerInitInfo(rank=0).engine_init_info()  # from RESHARD_TOKEN on each side
+    for bad, match in (({"engines": 0}, "engines must be an integer >= 1"),
+                       ({"engines": 2, "engine_index": 2}, r"engine_index must be an integer in \[0, 2\)"),
+                       ({"prefix": ""}, "prefix must be a non-empty string")):
+        with pytest.raises(ValueError, match=match):
+            ReshardInitInfo(master_address="h", master_port=1, trainer_world_size=2, **bad)
 
 
 def _stage(llm, version: str) -> None:

@@ -356,6 +356,9 @@ class VLLMServer:
         self.global_steps = global_steps
 
     # for the tests
+    def global_steps_now(self) -> int | None:
+        return self.global_steps
+
     def call(self, fn: Any) -> list[Any]:
         """`fn(worker)` on every worker of the engine, with the results (verl's `collective_rpc` returns none)."""
         return self.llm.collective_rpc(fn)
