@@ -238,19 +238,25 @@ class ReshardCheckpointEngine:
         if self.rebuild_group:
             self._close_group()
 
-    def target_engines(self, rank: int, world_size: int, engine_world_size: int, master: dict[str, Any]) -> None:
+    def target_engines(self, rank: int, world_size: int, engine_world_size: int,
+                       master: dict[str, Any]) -> dict[str, Any]:
         """Send the next syncs into vLLM engine workers with reshard's weight-transfer backend instead of the rollout
         workers (`EngineShardManager` calls it on every trainer worker; the group is joined at the next
-        `send_weights`). A target other than the current one closes the current engine group."""
+        `send_weights`). A target other than the current one closes the current engine group.
+
+        Returns:
+            the `init_info` of vLLM's `init_weight_transfer_engine` that matches this side (address, prefix,
+            token, timeout, verify); the manager adds each engine's `engines` / `engine_index`.
+        """
         if not (_is_int(world_size) and world_size >= 1 and _is_int(rank) and 0 <= rank < world_size
                 and _is_int(engine_world_size) and engine_world_size >= 1):
             raise ValueError(f"reshard target_engines: inconsistent topology: rank={rank!r}, world_size="
                              f"{world_size!r}, engine_world_size={engine_world_size!r}")
         link = EngineLink(rank, world_size, engine_world_size, master, self.timeout_s, self.verify)
-        if self._link is not None and self._link.key == link.key and not self._link.failed:
-            return
-        self._close_link()
-        self._link = link
+        if self._link is None or self._link.key != link.key or self._link.failed:
+            self._close_link()
+            self._link = link
+        return self._link.info.engine_init_info()
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
         """Send the weights (every trainer worker calls it with its own stream).

@@ -222,19 +222,16 @@ def _define() -> type:
                 self._generation += 1
                 address = {"host": master["host"], "port": master["port"], "token": master["token"],
                            "prefix": f"{PREFIX}/{self._generation}"}
-                ray.get(self.actor_wg.execute_checkpoint_engine(
+                init_info = ray.get(self.actor_wg.execute_checkpoint_engine(
                     method=["target_engines"] * T, rank=list(range(T)), world_size=[T] * T,
-                    engine_world_size=[W * len(leaders)] * T, master=[address] * T))
+                    engine_world_size=[W * len(leaders)] * T, master=[address] * T))[0]
             version = str(global_steps) if global_steps is not None else None
             trainers = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
             started = False
             try:
                 if not self._joined:
-                    await _all(s.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": {
-                        "master_address": address["host"], "master_port": address["port"],
-                        "trainer_world_size": T, "engines": len(leaders), "engine_index": i,
-                        "prefix": address["prefix"], "timeout_s": engine_timeout(self.config),
-                        **({"token": address["token"]} if address["token"] else {})}}) for i, s in enumerate(leaders))
+                    await _all(s.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": dict(
+                        init_info, engines=len(leaders), engine_index=i)}) for i, s in enumerate(leaders))
                     self._joined = True
                 await _all(s.collective_rpc.remote("start_weight_update") for s in leaders)
                 started = True
@@ -297,11 +294,6 @@ def replica_world_size(replicas: Sequence[Any]) -> int:
     if not replicas or len(sizes) != 1:
         raise ValueError(f"EngineShardManager: the replicas must all have one world size, got {sizes}")
     return sizes[0]
-
-
-def engine_timeout(config: Any) -> float:
-    kw = (getattr(config, "engine_kwargs", None) or {}).get(getattr(config, "backend", ""), {}) or {}
-    return float(kw.get("timeout_s", 300.0))
 
 
 async def _all(refs: Any) -> list[Any]:
