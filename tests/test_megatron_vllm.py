@@ -20,7 +20,6 @@ import cloudpickle  # noqa: E402  (ships with vLLM)
 import megatron_cases as mc  # noqa: E402
 import torch  # noqa: E402
 import vllm_cases as vc  # noqa: E402
-from test_vllm_engine import _close, _differences, _engine, _observe  # noqa: E402
 
 from reshard.testing import RankPool  # noqa: E402
 
@@ -62,11 +61,11 @@ def test_megatron_tp2_pp2_refits_a_vllm_tp2_engine_exactly(tmp_path, monkeypatch
         g = torch.Generator().manual_seed(5)
         mc.write_checkpoint(str(tmp_path / "other"), CASE, {n: torch.randn(t.shape, generator=g) * 0.05
                                                             for n, t in hf.items()})
-        ref = _engine(str(tmp_path / "oracle"), TP, monkeypatch)
-        want = _observe(ref)
-        _close(ref)
-        llm = _engine(str(tmp_path / "other"), TP, monkeypatch)
-        assert _differences(_observe(llm), want), "the starting weights must differ, or the test could not fail"
+        ref = vc.start_engine(str(tmp_path / "oracle"), TP, monkeypatch)
+        want = vc.observe(ref)
+        vc.close_engine(ref)
+        llm = vc.start_engine(str(tmp_path / "other"), TP, monkeypatch)
+        assert vc.differences(vc.observe(llm), want), "the starting weights must differ, or the test could not fail"
 
         port = vc.free_port()
         job = _Job(pool, mc.job_trainer_init, CASE, port, TP)
@@ -79,13 +78,13 @@ def test_megatron_tp2_pp2_refits_a_vllm_tp2_engine_exactly(tmp_path, monkeypatch
         llm.update_weights({"update_info": {"version": "1"}})
         llm.finish_weight_update()
         assert all(b > 0 for b in job.join())
-        got = _observe(llm)
-        diffs = _differences(got, want)
+        got = vc.observe(llm)
+        diffs = vc.differences(got, want)
         assert not diffs, f"{len(diffs)} differences from the engine loaded from the oracle:\n" + "\n".join(
             d[:300] for d in diffs)
         pool.run_ok(mc.job_trainer_close)
         llm.shutdown_weight_transfer_engine()
     finally:
         if llm is not None:
-            _close(llm)
+            vc.close_engine(llm)
         pool.close()

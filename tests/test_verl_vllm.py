@@ -172,13 +172,5 @@ def _save(trainer, path: str) -> None:
 
 
 def _differences(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> list[str]:
-    diffs = []
-    for w, (a, b) in enumerate(zip(got, want)):
-        if a.keys() != b.keys():
-            diffs.append(f"worker {w}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
-        for n in sorted(a.keys() & b.keys()):
-            x, y = a[n], b[n]
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(torch.uint8),
-                                                                            y.reshape(-1).view(torch.uint8)):
-                diffs.append(f"worker {w}: {n}")
-    return diffs
+    """What differs between two engines' forward tensors (per worker; empty when equal bit for bit)."""
+    return vc.differences(([], got), ([], want))

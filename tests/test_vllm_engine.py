@@ -21,13 +21,11 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; `make test-vllm` runs these in .venv-vllm")
 
 import cloudpickle  # noqa: E402  (ships with vLLM)
-import torch  # noqa: E402
 import vllm_cases as vc  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 cloudpickle.register_pickle_by_value(vc)
 
-PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 17, 42]]
 V1, V2 = 11, 22  # weight versions (seeds)
 
 
@@ -36,74 +34,6 @@ def trainers():
     t = vc.Trainers(2)
     yield t
     t.close()
-
-
-def _engine(path: str, tp: int, monkeypatch: pytest.MonkeyPatch, *, in_process: bool = False):
-    """A vLLM CPU engine of the checkpoint at `path`. `in_process` (TP 1): the engine core and its worker run in
-    this process (vLLM's `uni` executor without engine-core multiprocessing), which starts in ~3 s instead of ~20 s
-    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor."""
-    from vllm import LLM
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the test's own functions
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", vc.omp_threads_bind(tp))
-    extra = {}
-    if in_process:
-        assert tp == 1
-        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        extra["distributed_executor_backend"] = "uni"
-    else:
-        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    return LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
-
-
-def _close(llm) -> None:
-    """Stop the engine now, so no two engines share the 2 CPUs. vLLM does this when the `LLM` is collected (not
-    always promptly), granting 5 s before it kills its processes; its CPU workers never exit in that time. An
-    in-process engine's distributed state is torn down too, so the next engine can build its own."""
-    llm.llm_engine.engine_core.shutdown(timeout=1.0)
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-    destroy_model_parallel()
-    destroy_distributed_environment()
-
-
-def _reload(llm, path: str) -> None:
-    """vLLM's own in-place reload of the checkpoint at `path` (its loader, then its weight post-processing)."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-
-
-def _observe(llm) -> tuple[list, list[dict[str, torch.Tensor]]]:
-    """Greedy tokens with their log-probs, and every worker's forward tensors."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)
-    tokens = [(list(o.outputs[0].token_ids),
-               [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
-    return tokens, llm.collective_rpc(vc.forward_tensors)
-
-
-def _differences(got, want) -> list[str]:
-    """What differs between two observations (empty when equal bit for bit)."""
-    (gt, gtens), (wt, wtens) = got, want
-    diffs = [] if gt == wt else [f"tokens/logprobs {gt} != {wt}"]
-    for w, (a, b) in enumerate(zip(gtens, wtens)):
-        if a.keys() != b.keys():
-            diffs.append(f"worker {w}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
-        for n in sorted(a.keys() & b.keys()):
-            x, y = a[n], b[n]
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.view(-1).view(torch.uint8),
-                                                                            y.view(-1).view(torch.uint8)):
-                diffs.append(f"worker {w}: {n}")
-    return diffs
-
-
-def _assert_same(got, want) -> None:
-    diffs = _differences(got, want)
-    assert not diffs, f"{len(diffs)} differences from the reference engine:\n" + "\n".join(d[:300] for d in diffs)
 
 
 def _update(llm, trainers: vc.Trainers, seed: int) -> list:
@@ -147,11 +77,11 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
     # vLLM's reload is no oracle for MoE (it leaves the experts' prepacked kernels on the old weights) nor for a tied
     # embedding (a second reload left the tied lm_head's GEMM unlike a fresh load's): V2 gets an engine of its own
     if moe or cfg.get("tie_word_embeddings"):
-        ref = _engine(ck2, tp, monkeypatch, in_process=tp == 1)
-        want_v2 = _observe(ref)  # a fresh load of V2: the oracle for V2
-        _close(ref)
-    llm = _engine(ck1, tp, monkeypatch, in_process=tp == 1)
-    want_v1 = _observe(llm)  # a fresh load of V1: the oracle for V1, and the state the refit starts from
+        ref = vc.start_engine(ck2, tp, monkeypatch, in_process=tp == 1)
+        want_v2 = vc.observe(ref)  # a fresh load of V2: the oracle for V2
+        vc.close_engine(ref)
+    llm = vc.start_engine(ck1, tp, monkeypatch, in_process=tp == 1)
+    want_v1 = vc.observe(llm)  # a fresh load of V1: the oracle for V1, and the state the refit starts from
     branches = {b for worker in llm.collective_rpc(vc.gemm_branches) for b in worker.values()}
     if record_property is not None:
         record_property(vc.NOTE, f"GEMM branches taken: {sorted(branches)}")
@@ -171,23 +101,23 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
 
         first = _update(llm, trainers, V2)
         assert all(r[0] for r in first)
-        got_v2 = _observe(llm)  # compared with V2's oracle: at once (MoE) or after the refits (vLLM's reload)
+        got_v2 = vc.observe(llm)  # compared with V2's oracle: at once (MoE) or after the refits (vLLM's reload)
         if want_v2 is not None:
-            assert _differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
-            _assert_same(got_v2, want_v2)
+            assert vc.differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
+            vc.assert_same(got_v2, want_v2)
         report = llm.collective_rpc(vc.last_report)[0]
         assert report.first_run and report.seconds["process"] > 0 and report.network_bytes > 0
 
         second = _update(llm, trainers, V1)
         assert not any(r[0] for r in second)  # the plan is cached
-        got_v1 = _observe(llm)
-        _assert_same(got_v1, want_v1)
+        got_v1 = vc.observe(llm)
+        vc.assert_same(got_v1, want_v1)
 
         if negative:
             # an update whose commit (re-processing, the norms' copy) never runs reaches no tensor the forward reads
             llm.collective_rpc(vc.skip_reprocessing, args=(True,))
             _update(llm, trainers, V2)
-            stale = _differences(_observe(llm), got_v2)
+            stale = vc.differences(vc.observe(llm), got_v2)
             # exactly the layers the live engine says its commit writes are stale (the re-processed ones by their
             # GEMM probes at least, on any processor), and no other
             asked = llm.collective_rpc(vc.reprocessed_layers)
@@ -198,7 +128,7 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
             assert stale_layers == layers and any(d.startswith("tokens") for d in stale), (sorted(layers), stale)
             llm.collective_rpc(vc.skip_reprocessing, args=(False,))
             _update(llm, trainers, V2)
-            _assert_same(_observe(llm), got_v2)
+            vc.assert_same(vc.observe(llm), got_v2)
             # a parameter no layout rule covers is an error that names it, never a silent no-op
             errors = llm.collective_rpc(vc.unreachable_error)
             assert all("model.layers.0.mlp.router_bias" in e for e in errors), errors
@@ -213,14 +143,14 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
             # V2's oracle: vLLM's own in-place reload of the V2 checkpoint, into this engine after the refits; then
             # its reload of V1 must give back the fresh V1 state bit for bit, so the reload is as good as a fresh
             # load (and no refit left a tensor the reload does not write changed)
-            _reload(llm, ck2)
-            want_v2 = _observe(llm)
-            assert _differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
-            _assert_same(got_v2, want_v2)
-            _reload(llm, ck1)
-            _assert_same(_observe(llm), want_v1)
+            vc.reload(llm, ck2)
+            want_v2 = vc.observe(llm)
+            assert vc.differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
+            vc.assert_same(got_v2, want_v2)
+            vc.reload(llm, ck1)
+            vc.assert_same(vc.observe(llm), want_v1)
     finally:
-        _close(llm)
+        vc.close_engine(llm)
 
 
 def test_refit_tp1_4_kv_heads_uneven_vocab(tmp_path, monkeypatch, trainers, record_property) -> None:
@@ -249,12 +179,12 @@ def _faults(llm, trainers: vc.Trainers, cfg: dict, tp: int, got_v2, want_v1) -> 
         trainers.wait()
     errors = llm.collective_rpc(vc.last_error)  # every worker's reply, in order: the RPCs are in step
     assert len(errors) == tp and all("model.norm.weight" in e for e in errors), errors
-    _assert_same(_observe(llm), want_v1)  # nothing was moved
+    vc.assert_same(vc.observe(llm), want_v1)  # nothing was moved
     trainers.post("retype", name, "bfloat16")
     trainers.wait()
     _update(llm, trainers, V2)  # the next update is accepted by every worker and lands
     assert llm.collective_rpc(vc.last_error) == [None] * tp
-    _assert_same(_observe(llm), got_v2)
+    vc.assert_same(vc.observe(llm), got_v2)
     _update(llm, trainers, V1)
     trainers.post("close")
     trainers.wait()
@@ -379,7 +309,7 @@ def _served_by(llm) -> list:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], SamplingParams(max_tokens=4, temperature=0.0),
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=vc.PROMPTS[0])], SamplingParams(max_tokens=4, temperature=0.0),
                           use_tqdm=False)
     return [span.version for span in out.outputs[0].weight_versions or []]
 
@@ -396,12 +326,12 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
     for name, version in (("v1", v1), ("v2", v2), ("v3", v3)):
         vc.write_checkpoint(str(tmp_path / name), cfg, version)
         if name != "v1":  # fresh loads of v2 and v3: their oracles
-            ref = _engine(str(tmp_path / name), 1, monkeypatch, in_process=True)
-            want[name] = _observe(ref)
-            _close(ref)
-    llm = _engine(str(tmp_path / "v1"), 1, monkeypatch, in_process=True)
-    want["v1"] = _observe(llm)
-    assert _differences(want["v2"], want["v3"]) and _differences(want["v1"], want["v2"])
+            ref = vc.start_engine(str(tmp_path / name), 1, monkeypatch, in_process=True)
+            want[name] = vc.observe(ref)
+            vc.close_engine(ref)
+    llm = vc.start_engine(str(tmp_path / "v1"), 1, monkeypatch, in_process=True)
+    want["v1"] = vc.observe(llm)
+    assert vc.differences(want["v2"], want["v3"]) and vc.differences(want["v1"], want["v2"])
     trainers = vc.Trainers(2)
     try:
         port = vc.free_port()
@@ -413,20 +343,20 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         # stage v2 while serving v1: before the trainer sends, while it sends, after it landed: still v1
         _stage(llm, "2")
         assert llm.collective_rpc(vc.versions) == [(None, "2")]
-        _assert_same(_observe(llm), want["v1"])
+        vc.assert_same(vc.observe(llm), want["v1"])
         trainers.post("send", v2)
-        _assert_same(_observe(llm), want["v1"])
+        vc.assert_same(vc.observe(llm), want["v1"])
         first = trainers.wait()
-        _assert_same(_observe(llm), want["v1"])  # landed in the loader buffers, not yet committed
+        vc.assert_same(vc.observe(llm), want["v1"])  # landed in the loader buffers, not yet committed
         assert _served_by(llm) == ["default"]  # vLLM's name for the version it loaded
         _commit(llm, "2")
-        _assert_same(_observe(llm), want["v2"])
+        vc.assert_same(vc.observe(llm), want["v2"])
         assert _served_by(llm) == ["2"]
         assert llm.collective_rpc(vc.versions) == [("2", None)]
 
         # a delta update: the small step v2 -> v3 sends a fraction of the bytes and lands exactly v3
         delta = _staged_update(llm, trainers, "3", v3)
-        _assert_same(_observe(llm), want["v3"])
+        vc.assert_same(vc.observe(llm), want["v3"])
         full_bytes = first[0][1]  # the whole plan's network bytes
         sent = sum(r[2] for r in delta)
         assert not any(r[0] for r in delta) and 0 < sent < full_bytes / 4, (sent, full_bytes)
@@ -440,12 +370,12 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
             trainers.wait()
         with pytest.raises(Exception, match=r"update_weights failed(.|\n)*model\.norm\.weight"):
             _commit(llm, "bad")
-        _assert_same(_observe(llm), want["v3"])
+        vc.assert_same(vc.observe(llm), want["v3"])
         trainers.post("retype", "model.norm.weight", "bfloat16")
         trainers.wait()
         # the next update is full: the engine's buffers are of unknown version after a failed one
         after = _staged_update(llm, trainers, "1", v1)
-        _assert_same(_observe(llm), want["v1"])
+        vc.assert_same(vc.observe(llm), want["v1"])
         assert sum(r[2] for r in after) >= sum(r[3] for r in after) > 0, after  # every box whole
 
         # a trainer rank that dies during a stage: the engine keeps serving v1, the commit refuses
@@ -453,13 +383,13 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         trainers.post("die", 1, v2)
         survivor = trainers.results.get(timeout=120)
         assert "Error" in str(survivor[2]), survivor
-        _assert_same(_observe(llm), want["v1"])
+        vc.assert_same(vc.observe(llm), want["v1"])
         with pytest.raises(Exception, match=r"update_weights failed"):
             _commit(llm, "2")
-        _assert_same(_observe(llm), want["v1"])
+        vc.assert_same(vc.observe(llm), want["v1"])
         assert llm.collective_rpc(vc.versions) == [("1", None)]
         llm.shutdown_weight_transfer_engine()
     finally:
         for p in trainers.procs:
             p.kill()
-        _close(llm)
+        vc.close_engine(llm)

@@ -20,7 +20,6 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; `make tes
 
 import cloudpickle  # noqa: E402  (ships with vLLM)
 import vllm_cases as vc  # noqa: E402
-from test_vllm_engine import _assert_same, _close, _differences, _engine, _observe, _reload  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 cloudpickle.register_pickle_by_value(vc)
@@ -56,13 +55,13 @@ def engine(request, tmp_path_factory, trainers):
     vc.write_checkpoint(ck1, cfg, V1)
     vc.write_checkpoint(ck2, cfg, V2)
     with pytest.MonkeyPatch.context() as mp:
-        llm = _engine(ck1, tp, mp, in_process=tp == 1)
+        llm = vc.start_engine(ck1, tp, mp, in_process=tp == 1)
         try:
-            state = {"llm": llm, "tp": tp, "cfg": cfg, "ck2": ck2, "v1": _observe(llm)}
+            state = {"llm": llm, "tp": tp, "cfg": cfg, "ck2": ck2, "v1": vc.observe(llm)}
             _join(state, trainers)
             yield state
         finally:
-            _close(llm)
+            vc.close_engine(llm)
 
 
 def _join(state: dict, trainers: vc.Trainers) -> None:
@@ -113,7 +112,7 @@ def test_reinit_over_a_landed_stage_drops_it(engine, trainers) -> None:
         refusal = None
     except Exception as e:  # noqa: BLE001 - checked below, after the engine
         refusal = str(e)
-    _assert_same(_observe(llm), engine["v1"])  # never committed into the new group's (empty) buffers
+    vc.assert_same(vc.observe(llm), engine["v1"])  # never committed into the new group's (empty) buffers
     dropped = r"'commit' is refused in state 'failed': nothing is staged \(the stage of version '2' was dropped"
     assert refusal is not None and re.search(dropped + r"(.|\n)*start_weight_update\(\)", refusal), refusal
     assert llm.collective_rpc(vc.versions) == [(None, None)] * tp  # the dropped stage is no longer named
@@ -122,8 +121,8 @@ def test_reinit_over_a_landed_stage_drops_it(engine, trainers) -> None:
     trainers.post("send", V2)
     trainers.wait()
     _commit(llm, "2")
-    engine["v2"] = _observe(llm)  # checked against vLLM's own reload of V2 at the end
-    assert _differences(engine["v2"], engine["v1"]), "V2 must differ from V1, or the test could not fail"
+    engine["v2"] = vc.observe(llm)  # checked against vLLM's own reload of V2 at the end
+    assert vc.differences(engine["v2"], engine["v1"]), "V2 must differ from V1, or the test could not fail"
     assert llm.collective_rpc(vc.versions) == [("2", None)] * tp
     assert llm.collective_rpc(update_state) == ["idle"] * tp
 
@@ -155,7 +154,7 @@ def test_refusals_keep_replies_in_step_and_name_the_next_call(engine, trainers) 
     assert llm.collective_rpc(update_state) == ["staged"] * tp
     llm.start_weight_update()  # the named next step
     _commit(llm, "3")
-    _assert_same(_observe(llm), engine["v1"])  # version "3" holds V1's weights
+    vc.assert_same(vc.observe(llm), engine["v1"])  # version "3" holds V1's weights
     assert llm.collective_rpc(vc.versions) == [("3", None)] * tp
     with pytest.raises(Exception, match=r"'commit' is refused in state 'idle'"):
         llm.start_weight_update()
@@ -178,15 +177,15 @@ def test_update_without_a_version_is_named(engine, trainers) -> None:
     assert len(live) == tp and all(v[0] is not None and v[0].startswith("update-") and v[1] is None
                                    for v in live), live
     assert len({v[0] for v in live}) == 1, live
-    engine.setdefault("v2", _observe(llm))
-    _assert_same(_observe(llm), engine["v2"])
+    engine.setdefault("v2", vc.observe(llm))
+    vc.assert_same(vc.observe(llm), engine["v2"])
 
 
 def test_shutdown_during_a_stage_ends_at_once(engine, trainers) -> None:
     """A stage the trainer never sends, then `shutdown_weight_transfer_engine`: it returns within seconds, the stage
     thread is gone on every worker, nothing is staged, and the engine still serves what it served."""
     llm, tp = engine["llm"], engine["tp"]
-    before, served = _observe(llm), llm.collective_rpc(vc.versions)
+    before, served = vc.observe(llm), llm.collective_rpc(vc.versions)
     _stage(llm, "5")
     assert llm.collective_rpc(vc.versions)[0][1] == "5"
     llm.finish_weight_update()
@@ -196,7 +195,7 @@ def test_shutdown_during_a_stage_ends_at_once(engine, trainers) -> None:
     assert took < 20, f"shutdown during a stage took {took:.1f} s"
     assert llm.collective_rpc(stage_threads) == [[]] * tp
     assert llm.collective_rpc(vc.versions) == [(served[0][0], None)] * tp
-    _assert_same(_observe(llm), before)
+    vc.assert_same(vc.observe(llm), before)
     trainers.post("close")
     trainers.wait()
 
@@ -207,5 +206,5 @@ def test_the_v2_landed_equals_vllms_own_reload(engine) -> None:
     if "v2" not in engine:
         pytest.skip("runs after the cases that land V2")
     llm = engine["llm"]
-    _reload(llm, engine["ck2"])
-    _assert_same(_observe(llm), engine["v2"])
+    vc.reload(llm, engine["ck2"])
+    vc.assert_same(vc.observe(llm), engine["v2"])

@@ -498,3 +498,77 @@ def unreachable_error(worker: Any) -> str:
 
 def last_report(worker: Any) -> Any:
     return worker.weight_transfer_engine.last_report
+
+
+# ---- engines for the vLLM test modules -------------------------------------------------------------------
+
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 17, 42]]
+"""The prompts `observe` generates from."""
+
+
+def start_engine(path: str, tp: int, monkeypatch: Any, *, in_process: bool = False):
+    """A vLLM CPU engine of the checkpoint at `path`. `in_process` (TP 1): the engine core and its worker run in
+    this process (vLLM's `uni` executor without engine-core multiprocessing), which starts in ~3 s instead of ~20 s
+    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor."""
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the test's own functions
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(tp))
+    extra = {}
+    if in_process:
+        assert tp == 1
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        extra["distributed_executor_backend"] = "uni"
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    return LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
+
+
+def close_engine(llm) -> None:
+    """Stop the engine now, so no two engines share the 2 CPUs. vLLM does this when the `LLM` is collected (not
+    always promptly), granting 5 s before it kills its processes; its CPU workers never exit in that time. An
+    in-process engine's distributed state is torn down too, so the next engine can build its own."""
+    llm.llm_engine.engine_core.shutdown(timeout=1.0)
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def reload(llm, path: str) -> None:
+    """vLLM's own in-place reload of the checkpoint at `path` (its loader, then its weight post-processing)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+
+def observe(llm) -> tuple[list, list[dict[str, torch.Tensor]]]:
+    """Greedy tokens with their log-probs, and every worker's forward tensors."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)
+    tokens = [(list(o.outputs[0].token_ids),
+               [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
+    return tokens, llm.collective_rpc(forward_tensors)
+
+
+def differences(got, want) -> list[str]:
+    """What differs between two observations (empty when equal bit for bit)."""
+    (gt, gtens), (wt, wtens) = got, want
+    diffs = [] if gt == wt else [f"tokens/logprobs {gt} != {wt}"]
+    for w, (a, b) in enumerate(zip(gtens, wtens)):
+        if a.keys() != b.keys():
+            diffs.append(f"worker {w}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
+        for n in sorted(a.keys() & b.keys()):
+            x, y = a[n], b[n]
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.view(-1).view(torch.uint8),
+                                                                            y.view(-1).view(torch.uint8)):
+                diffs.append(f"worker {w}: {n}")
+    return diffs
+
+
+def assert_same(got, want) -> None:
+    diffs = differences(got, want)
+    assert not diffs, f"{len(diffs)} differences from the reference engine:\n" + "\n".join(d[:300] for d in diffs)
