@@ -26,8 +26,8 @@ with that backend's engines. Backends:
     naive               verl's colocated `naive` backend: each trainer worker loads the stream into an in-process
                         copy (no network; what a colocated rollout engine would load).
     reshard-vllm        `checkpoint_manager_class=reshard.integrations.verl.EngineShardManager`: real vLLM CPU
-                        engines (`--rollouts / --rollout-tp` replicas of TP `--rollout-tp`, `reshard.testing.verl.
-                        VLLMServer` actors standing in for verl's `vLLMHttpServer`) refit in place through reshard's
+                        engines (`--rollouts / --rollout-tp` replicas of TP `--rollout-tp`, each in verl's own
+                        `vLLMHttpServer` actor, `reshard.testing.verl.engine_replicas`) refit in place through reshard's
                         vLLM weight-transfer backend from the trainers' shard stream: each engine worker receives its
                         own shards only. Its time includes vLLM's weight re-processing; its bytes are the engine
                         workers' own counters. Needs vLLM: run the bench in `.venv-vllm` with verl on PYTHONPATH
@@ -77,7 +77,7 @@ BACKENDS = {
     "reshard-vllm": ("reshard", "reshard.integrations.verl", "reshard.integrations.verl.EngineShardManager", "full"),
 }
 ENGINES = ("reshard-vllm",)
-"""Backends that refit real vLLM engines (`VLLMServer` replicas of `--rollout-tp`) instead of the rollout workers."""
+"""Backends that refit real vLLM engines (verl's servers, replicas of `--rollout-tp`) instead of the rollout workers."""
 
 
 def own_shard_bytes(model: torch.nn.Module, num_rollout: int, tp: int, dtype: torch.dtype) -> list[int]:
