@@ -474,11 +474,11 @@ def test_plus_minus_plus_with_verify_raises_on_every_rank(pool) -> None:
     assert linear[6] is False and all(linear[r] for r in range(WORLD) if r != 6)
 
 
-def on_rank_stuck(w, timeout: float) -> float:
+def on_rank_stuck(w, timeout: float, tag: str = "stuck") -> float:
     """Rank 7 stops answering in its third chunk; the others must raise within `timeout` of its silence."""
     import reshard.comm._executor as ex
 
-    group = w.new_group("stuck", timeout=timeout)
+    group = w.new_group(tag, timeout=timeout)
     src, dst = _layouts(shape=(64, 48))
     p = plan(src, dst, staging_bytes=4096, min_split_bytes=256)
     _, s, d = _locals(w.rank, src, dst)
@@ -511,7 +511,13 @@ def test_stuck_peer_makes_every_rank_raise_within_timeout(pool) -> None:
     # is the slow one)
     timeout = 10.0
     pool.run_ok(on_rank_ready)
-    outs = pool.run(on_rank_stuck, timeout)
+    for attempt in range(3):
+        outs = pool.run(on_rank_stuck, timeout, f"stuck-{attempt}")
+        # the group's rendezvous, bounded by the same timeout, can still miss it on 2 cores under another module's
+        # load (a rank's gloo connection took over 10 s in a fresh clone's run): that is not the case under test,
+        # so it runs again on a fresh group; a failure after the rendezvous is judged below
+        if not any(o.error and ("the rendezvous failed" in o.error or "did not join" in o.error) for o in outs):
+            break
     assert outs[7].error_type == "RuntimeError", outs[7].error
     for o in outs[:7]:
         assert o.error_type == "CommError", f"rank {o.rank}: {o.error}"
