@@ -253,7 +253,7 @@ class ReshardCheckpointEngine:
             raise ValueError(f"reshard target_engines: inconsistent topology: rank={rank!r}, world_size="
                              f"{world_size!r}, engine_world_size={engine_world_size!r}")
         link = EngineLink(rank, world_size, engine_world_size, master, self.timeout_s, self.verify)
-        if self._link is None or self._link.key != link.key or self._link.failed:
+        if self._link is None or self._link.key != link.key:  # a failed sync closed the link already
             self._close_link()
             self._link = link
         return self._link.info.engine_init_info()
@@ -279,11 +279,7 @@ class ReshardCheckpointEngine:
         t0 = time.perf_counter()
         stats = SyncStats(step=global_steps)
         self.last_sync = stats
-        stream = weights
-        if hasattr(weights, "get_per_tensor_param_shard"):
-            stream, _ = weights.get_per_tensor_param_shard()
-        elif hasattr(weights, "get_per_tensor_param"):  # an engine without a shard export: its full tensors
-            stream, _ = weights.get_per_tensor_param()
+        stream = _stream_of(weights)
         stream_of.begin()
         pending: list[tuple[str, Any, Any]] = []
         used, index = 0, 0
@@ -407,12 +403,7 @@ class ReshardCheckpointEngine:
         t0 = time.perf_counter()
         stats = SyncStats(step=global_steps)
         self.last_sync = stats
-        stream = weights
-        if hasattr(weights, "get_per_tensor_param_shard"):
-            stream, _ = weights.get_per_tensor_param_shard()
-        elif hasattr(weights, "get_per_tensor_param"):
-            stream, _ = weights.get_per_tensor_param()
-        items = [_normalise(item) async for item in _aiter(stream)]  # the engine's export, every weight
+        items = [_normalise(item) async for item in _aiter(_stream_of(weights))]  # the engine's export, every weight
         stats.seconds_stream = time.perf_counter() - t0
         try:
             await asyncio.to_thread(link.send, items, stats)
@@ -490,6 +481,16 @@ def _domain(trainer: bool, node: str) -> tuple[str, str]:
     """A rank's domain under `domains="node"`: its side and its node (trainer and rollout GPUs of one node are
     kept apart: the rollout side's forwarding is what the domain is for)."""
     return ("trainer" if trainer else "rollout", str(node))
+
+
+def _stream_of(weights: Any) -> Any:
+    """The stream to send: a verl training engine's `get_per_tensor_param_shard()` (its local shards), or, for an
+    engine without a shard export, its `get_per_tensor_param()` (full tensors); any other `weights` is the stream."""
+    if hasattr(weights, "get_per_tensor_param_shard"):
+        return weights.get_per_tensor_param_shard()[0]
+    if hasattr(weights, "get_per_tensor_param"):
+        return weights.get_per_tensor_param()[0]
+    return weights
 
 
 async def _aiter(stream: Any) -> AsyncIterator[Any]:

@@ -63,7 +63,6 @@ class EngineLink:
                                            timeout_s=timeout_s, verify=verify)
         self.trainer: Any = None  # ReshardTrainer, from the first sync's stream
         self.names: list[str] = []  # the registered names, in the first sync's order
-        self.failed = False
 
     @property
     def key(self) -> tuple:
@@ -92,7 +91,6 @@ class EngineLink:
             stats.seconds_first_send = time.perf_counter()  # the transfer starts (`send_weights` makes it relative)
             report = self.trainer.send_weights()
         except BaseException as e:
-            self.failed = True
             if self.trainer is not None and not isinstance(e, CommError):
                 g = self.trainer.group
                 g.report_fault(g.rank, f"trainer rank {g.rank}: send_weights failed: {type(e).__name__}: {e}")
@@ -105,14 +103,15 @@ class EngineLink:
 
     def _rebind(self, names: list[str], source: dict[str, Any]) -> None:
         refit = self.trainer.refit
+        registered = set(self.names)
         if names != self.names:
             gone = [n for n in self.names if n not in source]
-            new = [n for n in names if n not in set(self.names)]
+            new = [n for n in names if n not in registered]
             refit.refuse(f"the trainer's stream changed since the group was built: missing {gone[:5]}, new {new[:5]}"
                          f"{'' if gone or new else ' (same names, another order)'}; the next sync builds a new group")
         for name in names:
             v = source.get(name)
-            if v is None or name not in set(self.names):
+            if v is None or name not in registered:
                 continue
             refit.update_source(name, v[0] if isinstance(v, tuple) else v)
 
