@@ -75,6 +75,7 @@ from reshard.planner import Box, Plan, RankChunk, RankPlan
 logger = logging.getLogger(__name__)
 
 SNAPSHOTS = ("device", "host")
+"""Where a `DeltaSession` may keep its snapshots, the default first."""
 _NO_VERSION = -1
 _ALIGN_SLACK = 7  # an encoded message starts at an 8-aligned address inside the message's planned bytes
 _KEPT_PLANS = 2

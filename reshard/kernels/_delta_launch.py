@@ -25,7 +25,7 @@ from reshard.kernels._delta_format import (
 from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_lanes, tile_table, unpack
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 
 def _device_code(interpret: bool) -> ModuleType:

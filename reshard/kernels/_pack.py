@@ -21,7 +21,7 @@ from reshard.kernels._backend import choose_backend
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
 from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 logger = logging.getLogger(__name__)
 
