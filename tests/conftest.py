@@ -45,10 +45,10 @@ def max_interpreted_block(monkeypatch: pytest.MonkeyPatch):
     larger box is several programs, the last partly masked. By default it makes most test boxes one program
     (`reshard.kernels.launch_config`); GPU tiles do not change."""
 
-    from reshard.kernels import _pack
+    from reshard.kernels import _tiles
 
     def cap(lanes: int) -> None:
-        monkeypatch.setattr(_pack, "INTERPRETED_MAX_BLOCK", lanes)
+        monkeypatch.setattr(_tiles, "INTERPRETED_MAX_BLOCK", lanes)
 
     return cap
 

@@ -24,7 +24,7 @@ For integrations that run their own protocol on a group (e.g. `reshard.integrati
 """
 
 from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
-from reshard.comm._delta import SNAPSHOTS, DeltaLinkStats, DeltaReport, DeltaSession
+from reshard.comm._delta_session import SNAPSHOTS, DeltaLinkStats, DeltaReport, DeltaSession
 from reshard.comm._executor import ZERO_COPY_ENV, ChecksumError, execute
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group, as_timedelta
 from reshard.comm._handshake import agree, all_gather_json

@@ -68,7 +68,6 @@ from reshard.kernels._delta_reference import (
 )
 from reshard.kernels._pack import (
     PreparedCopy,
-    launch_config,
     pack,
     pack_reference,
     prepare_pack,
@@ -78,6 +77,7 @@ from reshard.kernels._pack import (
 )
 from reshard.kernels._quant import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_block_reference
 from reshard.kernels._spec import packed_nbytes, packed_offsets
+from reshard.kernels._tiles import launch_config
 from reshard.planner import Box, block_aligned, scale_box
 
 __all__ = [
