@@ -13,18 +13,13 @@ from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
-from reshard.testing import RankPool
 
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 3.0
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(3)
-    yield p
-    p.close()
+RANK_POOL = {"world_size": 3}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def on_rank_killed(w, victim: int) -> bool:
