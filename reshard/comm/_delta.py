@@ -49,7 +49,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reshard.comm._delta_session import NO_VERSION, DeltaLinkStats, DeltaReport, DeltaSession, RankState
+from reshard.comm._delta_session import (
+    NO_VERSION,
+    SNAPSHOTS,  # noqa: F401  (its home until issue 42; use reshard.comm)
+    DeltaLinkStats,
+    DeltaReport,
+    DeltaSession,
+    RankState,
+)
 from reshard.comm._fingerprint import fingerprint as _fingerprint
 from reshard.comm._group import Group
 from reshard.comm._prepare import Staging, prepare_run
