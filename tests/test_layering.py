@@ -10,6 +10,12 @@ Nothing in `reshard/` imports tests, perf or examples, and no `reshard` import h
 Inside the units too, the modules form no circle: the graph of module imports (those under `TYPE_CHECKING` and in
 functions included) has no cycle, so each module can be read knowing only the ones below it (`planner/_plan` and
 `planner/_format` formed the last one, until `describe` moved to the plan type).
+
+And every room keeps its private parts: a room is a package of `reshard/` or one integration, and no module imports
+another room's private module or name (`reshard.comm._handshake`, `from reshard.kernels import _pieces`): what
+crosses is exported by the room's package, with a docstring (on `70ef1cc` 26 imports crossed). Integrations import
+each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, the trainer side's home -> megatron), plus the shared
+`engine`, `trainer` and `hf` modules.
 """
 
 from __future__ import annotations
