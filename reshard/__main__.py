@@ -12,9 +12,7 @@ import logging
 import sys
 
 from reshard.cost import print_plan_report
-from reshard.planner import Topology
-from reshard.planner._dtypes import dtype_from_name
-from reshard.planner._notation import parse_layout
+from reshard.planner import Topology, dtype_from_name, parse_layout
 from reshard.sim import main as sim_main
 
 

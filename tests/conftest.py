@@ -1,8 +1,8 @@
 """Shared fixtures and test tiers.
 
 Tiers (markers, registered in pyproject.toml; `--strict-markers` refuses others):
-    distributed: starts several processes (the rank pool, torchrun); `pytest -m "not distributed"` is the fast tier.
-    slow: long even for its tier.
+    distributed: starts several processes (the rank pool, torchrun); `pytest -m "not distributed"` runs none.
+    slow: 15 s or more on its own; `make test-fast` (`-m "not slow"`) leaves it out, `make test` runs it.
     gpu: needs a CUDA device (`RESHARD_TEST_DEVICE=cuda`); skipped without one.
     vllm: needs vLLM installed; skipped without it.
     frameworks: needs verl and Ray (`.venv-verl`, `make test-frameworks`); its modules skip themselves without them.
@@ -45,12 +45,44 @@ def max_interpreted_block(monkeypatch: pytest.MonkeyPatch):
     larger box is several programs, the last partly masked. By default it makes most test boxes one program
     (`reshard.kernels.launch_config`); GPU tiles do not change."""
 
-    from reshard.kernels import _pack
+    from reshard.kernels import _tiles
 
     def cap(lanes: int) -> None:
-        monkeypatch.setattr(_pack, "INTERPRETED_MAX_BLOCK", lanes)
+        monkeypatch.setattr(_tiles, "INTERPRETED_MAX_BLOCK", lanes)
 
     return cap
+
+
+@pytest.fixture(scope="module")
+def pool(request: pytest.FixtureRequest):
+    """The module's rank pool (`reshard.testing.RankPool`), as the module's `RANK_POOL` says:
+
+    - `RANK_POOL = n`: this worker's shared pool of `n` gloo ranks (`reshard.testing.shared_pool`), started by the
+      first module that asks and reused by the next ones (one start-up per worker and size);
+    - `RANK_POOL = {"world_size": n, ...}`: a pool of the module's own, built with these `RankPool` arguments and
+      closed after the module: for modules whose cases kill or stall ranks, or need other timeouts.
+    """
+    from reshard.testing import RankPool, shared_pool
+
+    spec = getattr(request.module, "RANK_POOL", None)
+    if isinstance(spec, int):
+        yield shared_pool(spec)
+        return
+    if not isinstance(spec, dict):
+        raise TypeError(f"{request.module.__name__}: the pool fixture needs RANK_POOL = <ranks> or a dict of "
+                        f"RankPool arguments, got {spec!r}")
+    with RankPool(**spec) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """For the module: `reshard.testing.dtensor_local` / `use_fake_rank` may make a fake default process group;
+    it is destroyed after the module (`pytestmark = pytest.mark.usefixtures("fake_world")`)."""
+    from reshard.testing import close_fake_world
+
+    yield
+    close_fake_world()
 
 
 MAX_WORKERS = 4
@@ -85,8 +117,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what collection built (torch, reshard, the test modules and items: ~400k objects per worker) out of the
     garbage collector's reach, and collect the young generations less often. Otherwise every full collection rescans
-    them: a fast-tier worker spent up to 6 s of its ~40 s in collections, 1.5 s after (timed with `gc.callbacks`).
-    Objects made by the tests are collected as before."""
+    them: a worker of the no-process tier spent up to 6 s of its ~40 s in collections, 1.5 s after (timed with
+    `gc.callbacks`). Objects made by the tests are collected as before."""
     import gc
 
     gc.collect()

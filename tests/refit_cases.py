@@ -7,12 +7,12 @@ with vLLM's own rules, written out by hand (TP chunks, K/V head replication, pad
 
 from __future__ import annotations
 
-import re
 import zlib
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from vllm_oracle import vllm_local
 
 from reshard.comm import Group
 from reshard.integrations.engine import engine_tensors
@@ -84,49 +84,19 @@ def setup(model: str, system: str, rank: int, seed: int, *, dtensor_every: int =
     return refit, sources, dests, sysm, config
 
 
-def vllm_expected(name: str, config, seed: int, tp: int, tp_idx: int, ref_local: torch.Tensor) -> torch.Tensor:
-    """The engine's local tensor `name` on TP rank `tp_idx`, cut from full tensors by vLLM's rules."""
+def vllm_expected(name: str, config, seed: int, tp: int, tp_idx: int, padded: torch.Tensor) -> torch.Tensor:
+    """The engine's local tensor `name` on TP rank `tp_idx`, cut from the seeded full tensors by vLLM's rules
+    (`tests/vllm_oracle.py`); `padded`: the engine's tensor before the refit (its vocabulary padding)."""
     specs = {s.name: s for s in param_specs(config, stack_experts=True)}
 
     def full(n: str) -> torch.Tensor:
         return full_tensor(n, specs[n].shape, specs[n].dtype, seed)
 
-    def rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return t.chunk(tp, dim)[tp_idx]
+    def experts(layer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # stacked [E, I, H] / [E, H, I]
+        return tuple(full(f"{layer}.experts.{x}_proj.weight") for x in ("gate", "up", "down"))
 
-    m = re.match(r"^(.*)\.qkv_proj\.weight$", name)
-    if m:
-        q, k, v = (full(f"{m.group(1)}.{x}_proj.weight") for x in "qkv")
-        kv_heads, hd = config.num_key_value_heads, config.attn_head_dim
-        if kv_heads >= tp:
-            k, v = rows(k), rows(v)
-        else:  # each KV head replicated on tp / kv_heads consecutive TP ranks
-            h = tp_idx // (tp // kv_heads)
-            k, v = k[h * hd:(h + 1) * hd], v[h * hd:(h + 1) * hd]
-        return torch.cat([rows(q), k, v])
-    m = re.match(r"^(.*)\.gate_up_proj\.weight$", name)
-    if m:
-        return torch.cat([rows(full(f"{m.group(1)}.gate_proj.weight")), rows(full(f"{m.group(1)}.up_proj.weight"))])
-    m = re.match(r"^(.*)\.experts\.w13_weight$", name)
-    if m:  # stacked [E, I, H], tensor-parallel over I
-        g, u = full(f"{m.group(1)}.experts.gate_proj.weight"), full(f"{m.group(1)}.experts.up_proj.weight")
-        return torch.cat([rows(g, 1), rows(u, 1)], dim=1)
-    m = re.match(r"^(.*)\.experts\.w2_weight$", name)
-    if m:
-        return rows(full(f"{m.group(1)}.experts.down_proj.weight"), 2)
-    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-        t = full(name)
-        per = ref_local.shape[0]  # vocabulary padded to a multiple of 64, split evenly
-        lo, hi = min(tp_idx * per, t.shape[0]), min((tp_idx + 1) * per, t.shape[0])
-        out = ref_local.clone()
-        out[: hi - lo] = t[lo:hi]
-        return out
-    t = full(name)
-    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
-        return rows(t, 1)
-    if re.search(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$", name):
-        return rows(t)
-    return t  # norms, MLA down-projections, routers: replicated
+    return vllm_local(name, full, tp=tp, t=tp_idx, kv_heads=config.num_key_value_heads,
+                      head_dim=config.attn_head_dim, padded=padded, experts=experts)
 
 
 def job_refit(w, model: str, system: str, seed: int, new_seed: int | None = None,

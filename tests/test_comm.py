@@ -10,17 +10,13 @@ import pytest
 import torch
 from comm_cases import build_cases, run_cases
 
-from reshard.testing import shared_pool
-
 pytestmark = pytest.mark.distributed
 
 WORLD = 8
 CASES = build_cases()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(WORLD)
+RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 @pytest.fixture(scope="module", params=["zero_copy", "staged"])

@@ -17,7 +17,6 @@ from torch.distributed.tensor import Replicate, Shard
 from reshard import Layout, Mesh, PlanItem, plan, plan_many
 from reshard.comm import execute, reshard
 from reshard.comm._alias import _overlap, overlap_errors
-from reshard.testing import shared_pool
 
 pytestmark = pytest.mark.distributed
 
@@ -29,13 +28,15 @@ def on_rank_clear_cache(w) -> None:
     w.group.cache.clear()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = shared_pool(WORLD)
-    yield p
+RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clear_staging(pool):
+    yield
     # the staging these tests reserved stays on the shared group otherwise, and later modules measure theirs
-    if not p.broken:
-        p.run_ok(on_rank_clear_cache)
+    if not pool.broken:
+        pool.run_ok(on_rank_clear_cache)
 
 
 def _layouts(name: str = "w") -> tuple[Layout, Layout]:

@@ -18,16 +18,13 @@ from torch.distributed.tensor import Replicate, Shard
 
 from reshard import Layout, Mesh, PlanItem, Topology, plan, plan_many
 from reshard.comm import Group, reshard
-from reshard.testing import shared_pool
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 8
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(WORLD)
+RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def _layouts(dst_pl: tuple = (R, S0), shape=(64, 48), dtype=torch.float32, dst_mesh=B2):
@@ -505,6 +502,7 @@ def on_rank_ready(w) -> int:
     return w.rank
 
 
+@pytest.mark.slow  # waits out a 10 s timeout, twice under load: ~30 s
 def test_stuck_peer_makes_every_rank_raise_within_timeout(pool) -> None:
     # 10 s: the same timeout bounds the 8 ranks' rendezvous, which took over 5 s on a 2-core machine running another
     # module's ranks beside them; and every rank has connected a gloo group once before (the first one in a process

@@ -13,23 +13,19 @@ from comm_cases import Hooked, as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
-from reshard.testing import RankPool
 
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 3.0
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(3)
-    yield p
-    p.close()
+RANK_POOL = {"world_size": 3}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def on_rank_killed(w, victim: int) -> bool:
     """Everyone sends to everyone in many chunks; `victim` exits abruptly when packing its second chunk."""
     import reshard.comm._executor as ex
+    import reshard.comm._paths as paths
     from reshard.comm import reshard
 
     src = Layout((96, 64), Mesh([0, 1, 2]), [Shard(0)], torch.float32)
@@ -47,12 +43,12 @@ def on_rank_killed(w, victim: int) -> bool:
         inner = original(*args, **kw)
         return Hooked(inner, lambda: os._exit(17)) if len(calls) == 2 else inner
 
-    if w.rank == victim:
-        ex.prepare_pack = dying_prepare_pack
+    if w.rank == victim:  # every pack the executor prepares: its own and its send programs' (`_paths`)
+        ex.prepare_pack = paths.prepare_pack = dying_prepare_pack
     try:
         reshard(s, d, p, w.group, timeout=TIMEOUT)
     finally:
-        ex.prepare_pack = original
+        ex.prepare_pack = paths.prepare_pack = original
     return torch.equal(as_bytes(d), as_bytes(dtensor_local(full, dst)))
 
 

@@ -20,18 +20,13 @@ from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
 from reshard.comm import CommError, Group
-from reshard.testing import RankPool
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(WORLD)
-    yield p
-    p.close()
+RANK_POOL = {"world_size": WORLD}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def _all_raise(outs, error_type: str, *fragments: str, ranks=None) -> None:
@@ -231,6 +226,7 @@ def on_rank_two_threads_unguarded(w, calls: int, attempt: int = 0) -> dict:
         os.environ.pop(ZERO_COPY_ENV)
 
 
+@pytest.mark.slow  # races threads until data crosses: ~20 s
 def test_without_the_guard_the_race_crosses_data(pool) -> None:
     """Negative control: the race above really hands one thread's bytes to the other when nothing refuses it.
     A crossing can also garble a message header so that the group times out instead (seen once in a fresh-clone

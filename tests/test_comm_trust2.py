@@ -16,7 +16,6 @@ from comm_cases import as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, plan
-from reshard.testing import RankPool
 
 pytestmark = pytest.mark.distributed
 
@@ -24,11 +23,7 @@ WORLD = 4
 FAULT_S = 20.0  # bound on time-to-error, below the groups' 30 s timeout (10 s was overrun at 10.1 s on 2 loaded cores)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(WORLD)
-    yield p
-    p.close()
+RANK_POOL = {"world_size": WORLD}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def _all_comm_error(outs, *fragments: str, within: float = FAULT_S, ranks=None) -> None:

@@ -70,3 +70,17 @@ def test_verdicts_are_signed_and_forgeries_skipped() -> None:
         flooded.set("abort" if i == 0 else f"abort/{i}", b"junk")
     v = Verdicts(flooded, b"job-token", "s").find()
     assert v["failed"] is None and "not signed with the job token" in v["message"]
+
+
+def test_next_ordinal_counts_users_per_group_and_kind(monkeypatch) -> None:
+    # how a refit without a name is named in errors ("the 2nd Refit made on this group"): counted on the group,
+    # through its public method, per kind, and never shared between two groups
+    monkeypatch.delenv("RESHARD_TOKEN", raising=False)
+    a = Group.rendezvous("127.0.0.1", 0, 0, 1, timeout=10.0, prefix="ordinal-a", token="t")
+    b = Group.rendezvous("127.0.0.1", 0, 0, 1, timeout=10.0, prefix="ordinal-b", token="t")
+    try:
+        assert [a.next_ordinal("refit"), a.next_ordinal("refit"), a.next_ordinal("other")] == [1, 2, 1]
+        assert b.next_ordinal("refit") == 1
+    finally:
+        a.close()
+        b.close()

@@ -16,8 +16,6 @@ import torch
 from comm_cases import B2, S0, S1, A, B, R, as_bytes, dtensor_local, full_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from reshard.testing import shared_pool
-
 pytestmark = pytest.mark.distributed
 
 WORLD = 8
@@ -104,9 +102,7 @@ def on_rank(w, cases: list, check: str) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(WORLD)
+RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from reshard.comm import DeltaSession
-from reshard.comm._fingerprint import CHECKS, cpu_checksum, fingerprint
-from reshard.kernels import checksum
+from reshard.comm._fingerprint import CHECKS, fingerprint
+from reshard.kernels import checksum, cpu_checksum
 
 
 def _base(dtype: torch.dtype) -> torch.Tensor:

@@ -12,8 +12,6 @@ import pytest
 import torch
 from refit_cases import FP8_WEIGHTS, _fp8_layouts, bits
 
-from reshard.testing import shared_pool
-
 pytestmark = pytest.mark.distributed
 
 WORLD = 8
@@ -74,9 +72,7 @@ def job_delta_refit(w) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(WORLD)
+RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def test_delta_refit_equals_full_refit(pool) -> None:

@@ -45,6 +45,10 @@ NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm", "ray_refit
          "megatron_refit.py": "megatron.core"}  # megatron: in `make test-megatron`'s environment (marker megatron)
 FRAMEWORKS = {"ray_refit.py": "ray"}
 ARGS = {"refit_demo.py": ["--layers", "2"]}
+# the examples of 15 s or more in the core environment (seconds measured with -n 1 at load 17-29, docs/testing.md):
+# several interpreters that each import torch (and transformers); `make test-fast` leaves them out, as it does the
+# README's torchrun blocks (README.md:65, 4 ranks: 48 s)
+SLOW = {"fsdp_tp_refit.py": 97, "refit_demo.py": 50, "dtensor_two_groups.py": 32}
 
 
 def run_script(path: Path, cwd: Path, *, nproc: int | None = None, args: tuple[str, ...] = ()) -> str:
@@ -86,6 +90,8 @@ def test_every_example_declares_its_check() -> None:
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name in SLOW:
+        return [pytest.mark.slow]
     if name in FRAMEWORKS:
         return [pytest.mark.frameworks]
     if NEEDS.get(name) == "megatron.core":
@@ -117,7 +123,9 @@ def excerpt_missing(code: str, source: str) -> str | None:
 BLOCKS = readme_blocks()
 
 
-@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
+@pytest.mark.parametrize("line,code", [
+    pytest.param(n, code, marks=[pytest.mark.slow] if TORCHRUN.match(code.splitlines()[0] if code.strip() else "")
+                 else []) for n, code in BLOCKS], ids=[f"README.md:{n}" for n, _ in BLOCKS])
 def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
     first = code.splitlines()[0] if code.strip() else ""
     excerpt = EXCERPT.match(first)

@@ -18,21 +18,14 @@ if importlib.util.find_spec("transformers") is None:  # imported where the jobs 
     pytest.skip("needs transformers", allow_module_level=True)
 
 from hf_cases import SENTINEL, build_model, configs, job_refit  # noqa: E402
-
-from reshard.testing import RankPool  # noqa: E402
+from vllm_oracle import vllm_local  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 TP = 2
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(8)
-    try:
-        yield p
-    finally:
-        p.close()
+RANK_POOL = {"world_size": 8}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -41,53 +34,17 @@ def shapes():
     return {k: {n: tuple(p.shape) for n, p in build_model(k).named_parameters()} for k in configs()}
 
 
-# ---- the test's own slicing rules (vLLM's layouts, written out) ---------------------------------------------------
-
 def expected(name: str, full: dict, cfg: dict, t: int, *, ep: int, e: int, like: torch.Tensor,
              pad: float = SENTINEL) -> torch.Tensor:
-    """Engine tensor `name` on TP rank `t` (EP rank `e`), cut from the trainer's full tensors."""
-    def rows(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        n = x.shape[dim] // TP
-        return x.narrow(dim, t * n, n)
-
-    m = re.match(r"^(.*)\.qkv_proj\.weight$", name)
-    if m:
-        q, k, v = (full[f"{m.group(1)}.{x}_proj.weight"] for x in "qkv")
-        kv, hd = cfg["num_key_value_heads"], cfg["head_dim"]
-        if kv < TP:  # KV head t // (TP / kv) whole on TP rank t
-            h = t // (TP // kv)
-            k, v = k[h * hd:(h + 1) * hd], v[h * hd:(h + 1) * hd]
-        else:
-            k, v = rows(k), rows(v)
-        return torch.cat([rows(q), k, v])
-    m = re.match(r"^(.*)\.gate_up_proj\.weight$", name)
-    if m:
-        return torch.cat([rows(full[f"{m.group(1)}.gate_proj.weight"]), rows(full[f"{m.group(1)}.up_proj.weight"])])
-    m = re.match(r"^(.*)\.experts\.w13_weight$", name)
-    if m:
-        gu = full[f"{m.group(1)}.experts.gate_up_proj"]  # [E, 2I, H], gate rows then up rows
-        if ep > 1:
-            per = gu.shape[0] // ep
-            return gu[e * per:(e + 1) * per]
+    """Engine tensor `name` on TP rank `t` (EP rank `e`), cut from the trainer's full tensors by vLLM's rules
+    (`tests/vllm_oracle.py`)."""
+    def experts(layer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gu = full[f"{layer}.experts.gate_up_proj"]  # [E, 2I, H], gate rows then up rows
         i = gu.shape[1] // 2
-        return torch.cat([rows(gu[:, :i], 1), rows(gu[:, i:], 1)], dim=1)
-    m = re.match(r"^(.*)\.experts\.w2_weight$", name)
-    if m:
-        d = full[f"{m.group(1)}.experts.down_proj"]  # [E, H, I]
-        if ep > 1:
-            per = d.shape[0] // ep
-            return d[e * per:(e + 1) * per]
-        return rows(d, 2)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        x = full[name]
-        per = -(-x.shape[0] // 64) * 64 // TP  # vocabulary padded to 64, split evenly
-        out = like.clone().fill_(pad)
-        part = x[t * per:(t + 1) * per]
-        out[: part.shape[0]] = part
-        return out
-    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
-        return rows(full[name], 1)
-    return full[name]  # norms, router: replicated
+        return gu[:, :i], gu[:, i:], full[f"{layer}.experts.down_proj"]  # down: [E, H, I]
+
+    return vllm_local(name, full.__getitem__, tp=TP, t=t, kv_heads=cfg["num_key_value_heads"],
+                      head_dim=cfg["head_dim"], padded=like.clone().fill_(pad), experts=experts, ep=ep, e=e)
 
 
 def reassemble(engine: dict[int, dict], cfg: dict, *, ep: int) -> dict[str, torch.Tensor]:

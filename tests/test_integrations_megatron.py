@@ -15,7 +15,6 @@ a parameter whose shape disagrees with the config, unsupported features.
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import pytest
 
@@ -24,59 +23,25 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
     pytest.skip("needs megatron-core (make megatron-env; `make test` runs this file there)", allow_module_level=True)
 
 import megatron_cases as mc  # noqa: E402
-
-from reshard.testing import RankPool  # noqa: E402
+from vllm_oracle import vllm_local  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
 ENGINE_TP = {"dense": 4, "moe": 2, "tpdp": 1}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(4)
-    try:
-        yield p
-    finally:
-        p.close()
+RANK_POOL = {"world_size": 4}  # the `pool` fixture's ranks (tests/conftest.py)
 
-
-# ---- the test's own slicing rules (vLLM's engine layouts, written out) --------------------------------------------
 
 def expected(name: str, hf: dict[str, torch.Tensor], tp: int, t: int, like: torch.Tensor) -> torch.Tensor:
-    """Engine tensor `name` on engine TP rank `t` of `tp`, cut from the Hugging Face oracle tensors."""
-    def part(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        n = x.shape[dim] // tp
-        return x.narrow(dim, t * n, n)
+    """Engine tensor `name` on engine TP rank `t` of `tp`, cut from the Hugging Face oracle tensors by vLLM's rules
+    (`tests/vllm_oracle.py`)."""
+    def experts(layer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # per-expert tensors, stacked
+        return tuple(torch.stack([hf[f"{layer}.experts.{e}.{x}_proj.weight"] for e in range(mc.EXPERTS)])
+                     for x in ("gate", "up", "down"))
 
-    m = re.match(r"^(.*)\.qkv_proj\.weight$", name)
-    if m:
-        q, k, v = (hf[f"{m.group(1)}.{x}_proj.weight"] for x in "qkv")
-        if mc.GROUPS < tp:  # KV head t // (tp / groups), whole
-            h = t // (tp // mc.GROUPS)
-            k, v = k[h * mc.HEAD_DIM:(h + 1) * mc.HEAD_DIM], v[h * mc.HEAD_DIM:(h + 1) * mc.HEAD_DIM]
-        else:
-            k, v = part(k), part(v)
-        return torch.cat([part(q), k, v])
-    m = re.match(r"^(.*)\.gate_up_proj\.weight$", name)
-    if m:
-        return torch.cat([part(hf[f"{m.group(1)}.gate_proj.weight"]), part(hf[f"{m.group(1)}.up_proj.weight"])])
-    m = re.match(r"^(.*)\.experts\.(w13|w2)_weight$", name)
-    if m:
-        pre = f"{m.group(1)}.experts."
-        if m.group(2) == "w13":
-            return torch.stack([torch.cat([part(hf[f"{pre}{e}.gate_proj.weight"]),
-                                           part(hf[f"{pre}{e}.up_proj.weight"])]) for e in range(mc.EXPERTS)])
-        return torch.stack([part(hf[f"{pre}{e}.down_proj.weight"], 1) for e in range(mc.EXPERTS)])
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        per = -(-mc.VOCAB // 64) * 64 // tp  # the engine pads the vocabulary to 64 and splits it evenly
-        out = like.clone().fill_(mc.SENTINEL)
-        rows = hf[name][t * per:(t + 1) * per]
-        out[:rows.shape[0]] = rows
-        return out
-    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
-        return part(hf[name], 1)
-    return hf[name]
+    return vllm_local(name, hf.__getitem__, tp=tp, t=t, kv_heads=mc.GROUPS, head_dim=mc.HEAD_DIM,
+                      padded=like.clone().fill_(mc.SENTINEL), experts=experts)
 
 
 def oracle(out: list[dict], case: str, run: int) -> dict[str, torch.Tensor]:

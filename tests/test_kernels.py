@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from reshard.kernels import (
     BACKEND_ENV,
+    _tiles,
     pack,
     pack_reference,
     packed_nbytes,
@@ -417,11 +418,11 @@ def test_interpreter_tiles(max_interpreted_block) -> None:
     # the word size only. The multi_tile geometry is several programs per box with tiles of 4096 (the fixture
     # test_geometry uses), one per box without that cap.
     max_interpreted_block(4096)
-    assert pack_module.launch_config(4, "cpu", 10) == (256, 1)
-    assert pack_module.launch_config(4, "cpu", 257) == (512, 1)
-    assert pack_module.launch_config(4, "cpu", 10**9) == (4096, 1)
-    assert pack_module.launch_config(4, "cuda", 10) == (4096, 8)
-    assert pack_module.launch_config(1, "cuda") == (8192, 8)
+    assert _tiles.launch_config(4, "cpu", 10) == (256, 1)
+    assert _tiles.launch_config(4, "cpu", 257) == (512, 1)
+    assert _tiles.launch_config(4, "cpu", 10**9) == (4096, 1)
+    assert _tiles.launch_config(4, "cuda", 10) == (4096, 8)
+    assert _tiles.launch_config(1, "cuda") == (8192, 8)
     sizes = np.array([[1497, 5], [1, 10], [3, 4096], [3, 4097]], dtype=np.int64)
     assert pack_module.tile_lanes(sizes) == 3 * 8192
     assert pack_module.tile_lanes(sizes[:2]) == 1497 * 8
@@ -443,7 +444,7 @@ def test_interpreter_tiles(max_interpreted_block) -> None:
 def test_merge_dims() -> None:
     sizes = np.array([[4, 3, 2], [4, 3, 2], [1, 1, 1], [2, 1, 3]], dtype=np.int64)
     strides = np.array([[6, 2, 1], [12, 2, 1], [9, 9, 9], [0, 5, 1]], dtype=np.int64)
-    got_sizes, got_strides = pack_module._merge_dims(sizes, strides)
+    got_sizes, got_strides = _tiles.merge_dims(sizes, strides)
     assert got_sizes.tolist() == [[1, 24], [4, 6], [1, 1], [2, 3]]
     assert got_strides.tolist() == [[0, 1], [12, 1], [0, 1], [0, 1]]
 

@@ -10,6 +10,12 @@ Nothing in `reshard/` imports tests, perf or examples, and no `reshard` import h
 Inside the units too, the modules form no circle: the graph of module imports (those under `TYPE_CHECKING` and in
 functions included) has no cycle, so each module can be read knowing only the ones below it (`planner/_plan` and
 `planner/_format` formed the last one, until `describe` moved to the plan type).
+
+And every room keeps its private parts: a room is a package of `reshard/` or one integration, and no module imports
+another room's private module or name (`reshard.comm._handshake`, `from reshard.kernels import _pieces`): what
+crosses is exported by the room's package, with a docstring (on `70ef1cc` 26 imports crossed). Integrations import
+each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, the trainer side's home -> megatron), plus the shared
+`engine`, `trainer` and `hf` modules.
 """
 
 from __future__ import annotations
@@ -312,3 +318,140 @@ def test_integration_imports_lazily_and_only_public_names(package: str) -> None:
             if parts[0] == "reshard" and not target.startswith(own) and any(p.startswith("_") for p in parts):
                 found.append(f"{where}: imports {target}, a private module of another unit (use its public names)")
     assert not found, "\n".join(found)
+
+
+# ---- rooms: no module reaches into another room's private modules or names -------------------------------------------
+
+SHARED_INTEGRATIONS = frozenset({"engine", "trainer", "hf"})
+"""The modules of `reshard/integrations/` every integration may import: the engine side's tensor types
+(`engine.py`), the trainer side's sources (`trainer.py`) and the HF engine layouts (`hf.py`)."""
+
+INTEGRATION_IMPORTS: dict[str, frozenset[str]] = {
+    "verl": frozenset({"vllm"}),  # verl's rollout runs vLLM engines: it drives the vLLM integration
+    "trainer": frozenset({"megatron"}),  # the trainer side's home detects and registers Megatron models
+}
+"""Which other integrations each integration may import, besides `SHARED_INTEGRATIONS`; absent: none."""
+
+PENDING_INTEGRATION_IMPORTS: frozenset[tuple[str, str]] = frozenset({
+    # issue 42 item 1 moves Megatron registration to the trainer side's home (`integrations/trainer.py`); remove
+    # this entry when `integrations/vllm` no longer imports Megatron
+    ("reshard/integrations/vllm/_trainer.py", "megatron"),
+})
+"""`(module path, integration)` imports that break `INTEGRATION_IMPORTS` and are being moved (each with the work
+that removes it)."""
+
+
+def room_of(module: str) -> str:
+    """The room of a `reshard` module: its package of `reshard/` (`reshard.comm._group` -> `comm`), or for
+    integrations the integration (`reshard.integrations.verl._stream` -> `integrations.verl`,
+    `reshard.integrations.hf` -> `integrations.hf`); the modules directly in `reshard/` are the room `top`."""
+    parts = module.split(".")
+    assert parts[0] == "reshard", module
+    if len(parts) == 1 or (PACKAGE / parts[1]).with_suffix(".py").is_file() or parts[1].startswith("_"):
+        return TOP
+    if parts[1] == "integrations" and len(parts) > 2:
+        return f"integrations.{parts[2]}"
+    return parts[1]
+
+
+def private_crossings(source: str, module: str, *, is_package: bool = False, path: str = "<source>") -> list[str]:
+    """Every import of `source` (the text of `reshard` module `module`) of another room's private module (a `_`
+    part in the imported module's name) or private name (`from reshard.comm import _wire`, `... import _x`)."""
+    room = room_of(module)
+    found = []
+    for node, target, names, _ in _imports(ast.parse(source), module, is_package):
+        if target.split(".")[0] != "reshard" or room_of(target) == room:
+            continue
+        private = [p for p in target.split(".")[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+        if private:
+            shown = f"from {target} import {', '.join(names)}" if names else f"import {target}"
+            found.append(f"{path}:{node.lineno}: {module} ({room}) {shown}: {', '.join(private)} is private to "
+                         f"{room_of(target)}; import what its package exports (or export it there, with a docstring)")
+    return found
+
+
+def integration_crossings(source: str, module: str, *, is_package: bool = False, path: str = "<source>") -> list[str]:
+    """Every import by an integration of another integration that `INTEGRATION_IMPORTS` does not allow."""
+    room = room_of(module)
+    if not room.startswith("integrations."):
+        return []
+    own = room.split(".", 1)[1]
+    allowed = SHARED_INTEGRATIONS | INTEGRATION_IMPORTS.get(own, frozenset())
+    found = []
+    for node, target, names, _ in _imports(ast.parse(source), module, is_package):
+        parts = target.split(".")
+        if parts[:2] != ["reshard", "integrations"]:
+            continue
+        others = [parts[2]] if len(parts) > 2 else [n for n in names if n in _integration_names()]
+        for other in others:
+            if other != own and other not in allowed and (path, other) not in PENDING_INTEGRATION_IMPORTS:
+                found.append(f"{path}:{node.lineno}: integration {own} imports integration {other}; {own} may "
+                             f"import {sorted(allowed)} (integrations import each other only as INTEGRATION_IMPORTS "
+                             "says)")
+    return found
+
+
+def _integration_names() -> frozenset[str]:
+    """The integrations: the packages and modules of `reshard/integrations/` (`vllm`, `hf`, ...)."""
+    base = PACKAGE / "integrations"
+    return frozenset(p.stem for p in base.iterdir() if not p.name.startswith("_")
+                     and (p.suffix == ".py" or (p / "__init__.py").is_file())) | SHARED_INTEGRATIONS
+
+
+@pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_keeps_to_public_names_of_other_rooms(path: Path) -> None:
+    kw = dict(is_package=path.name == "__init__.py", path=str(path.relative_to(ROOT)))
+    source, module = path.read_text(), module_name(path)
+    found = private_crossings(source, module, **kw) + integration_crossings(source, module, **kw)
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # the crossings this check was written for (main 70ef1cc)
+        ("reshard.refit._refit", "from reshard.comm._handshake import agree, all_gather_json\n",
+         "(refit) from reshard.comm._handshake import agree, all_gather_json: _handshake is private to comm"),
+        ("reshard.kernels._pack", "from reshard.planner._box import Box\n", "_box is private to planner"),
+        ("reshard.comm._fingerprint", "from reshard.kernels import _checksum\n", "_checksum is private to kernels"),
+        ("reshard.comm._fingerprint", "from reshard.kernels import checksum, _pieces\n", "_pieces is private"),
+        ("reshard.sim._simulate", "import reshard.planner._fp8 as f\n", "import reshard.planner._fp8: _fp8"),
+        ("reshard.integrations.verl._vllm", "from reshard.integrations.vllm._trainer import ReshardTrainer\n",
+         "(integrations.verl) from reshard.integrations.vllm._trainer"),
+        ("reshard.integrations.hf", "from reshard.integrations.verl._stream import local_of\n",
+         "_stream is private to integrations.verl"),
+        ("reshard", "from reshard.planner._dtypes import dtype_from_name\n", "(top) from reshard.planner._dtypes"),
+    ],
+)
+def test_private_check_flags_a_crossing(module: str, source: str, expected: str) -> None:
+    found = private_crossings(source, module)
+    assert any(expected in f for f in found), (expected, found)
+
+
+def test_private_check_passes_own_room_and_public_names() -> None:
+    assert private_crossings("from reshard.comm._group import Group\nfrom . import _wire\n", "reshard.comm._api") == []
+    assert private_crossings("from reshard.comm import Group, agree\nfrom reshard.planner import Box\n",
+                             "reshard.refit._refit") == []
+    # one integration's private modules are its own, not the other integrations'
+    assert private_crossings("from reshard.integrations.verl._stream import _full_mesh\n",
+                             "reshard.integrations.verl._vllm") == []
+    assert private_crossings("from reshard.integrations.engine import EngineTensor\n", "reshard.integrations.hf") == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "flagged"),
+    [
+        ("reshard.integrations.verl._vllm", "from reshard.integrations.vllm import ReshardTrainer\n", False),
+        ("reshard.integrations.verl._x", "from reshard.integrations import engine, hf\n", False),
+        ("reshard.integrations.vllm._x", "from reshard.integrations.trainer import x\n", False),
+        ("reshard.integrations.trainer", "def f():\n    from reshard.integrations.megatron import add_sources\n",
+         False),
+        ("reshard.integrations.vllm._x", "from reshard.integrations.megatron import add_sources\n", True),
+        ("reshard.integrations.vllm._x", "from reshard.integrations.verl import SHARD_MODE\n", True),
+        ("reshard.integrations.vllm._x", "from reshard.integrations import verl\n", True),
+        ("reshard.integrations.megatron._x", "from reshard.integrations.vllm import ReshardTrainer\n", True),
+        ("reshard.integrations.hf", "from reshard.integrations.vllm import ReshardTrainer\n", True),
+    ],
+)
+def test_integration_check(module: str, source: str, flagged: bool) -> None:
+    assert bool(integration_crossings(source, module)) == flagged, integration_crossings(source, module)

@@ -13,14 +13,10 @@ import torch
 from live_cases import ENGINE
 from module_cases import expected, job_module
 
-from reshard.testing import shared_pool
-
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(4)
+RANK_POOL = 4  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def _port() -> int:

@@ -8,13 +8,9 @@ from test_planner_plan import execute_in_process
 
 from reshard import Layout, Mesh, PlanItem, Replicate, Shard, Topology, plan_many
 from reshard.planner import ExplicitLayout, fuse, vocab_parallel_layout
-from reshard.testing import close_fake_world, dtensor_local
+from reshard.testing import dtensor_local
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world():
-    yield
-    close_fake_world()
+pytestmark = pytest.mark.usefixtures("fake_world")  # the fake default group of dtensor_local, closed after
 
 
 def test_fused_qkv_with_replicated_kv_heads() -> None:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard import Layout, Mesh
-from reshard.testing import close_fake_world, dtensor_local, index_tensor, use_fake_rank
+from reshard.testing import dtensor_local, index_tensor, use_fake_rank
 
 
 def rebuild_local(layout: Layout, rank: int, full: torch.Tensor) -> torch.Tensor:
@@ -53,10 +53,7 @@ def layout_cases(draw: st.DrawFn):
     return shape, mesh_shape, ranks, world_size, placements
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world():
-    yield
-    close_fake_world()
+pytestmark = pytest.mark.usefixtures("fake_world")  # the fake default group of dtensor_local, closed after
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,13 +21,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard import Layout, Mesh, Topology, plan
-from reshard.testing import close_fake_world, dtensor_local, index_tensor
+from reshard.testing import dtensor_local, index_tensor
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world():
-    yield
-    close_fake_world()
+pytestmark = pytest.mark.usefixtures("fake_world")  # the fake default group of dtensor_local, closed after
 
 
 @st.composite
@@ -191,6 +187,7 @@ def test_for_rank_messages_agree_between_sender_and_receiver() -> None:
 
 
 @pytest.mark.distributed  # starts several interpreters
+@pytest.mark.slow  # ~17 s
 def test_plans_are_cached_and_deterministic_across_processes() -> None:
     code = textwrap.dedent(
         """

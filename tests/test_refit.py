@@ -6,20 +6,16 @@ from __future__ import annotations
 import pytest
 from refit_cases import job_precision, job_refit, job_refit_error
 
-from reshard.testing import RankPool
-
 pytestmark = pytest.mark.distributed
 
 QWEN_SYSTEM = "train=tp2,dp2 gen=tp2,dp2 domain=4"  # trainer ranks 0-3, inference ranks 4-7
 MOE_SYSTEM = "train=ep2,dp2 gen=tp2,dp2 domain=4"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(8, timeout_s=240) as p:
-        yield p
+RANK_POOL = {"world_size": 8, "timeout_s": 240}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
+@pytest.mark.slow  # a Qwen3-0.6B-shaped refit on 8 ranks, twice: ~45 s
 def test_qwen3_refit_is_bit_exact_and_second_run_reuses_the_plan(pool) -> None:
     out = pool.run_ok(job_refit, "qwen3-0.6b", QWEN_SYSTEM, 1, 2)
     for r, o in enumerate(out):

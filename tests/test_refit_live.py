@@ -8,14 +8,10 @@ import pytest
 import torch
 from live_cases import ENGINE, full, job_live
 
-from reshard.testing import shared_pool
-
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(4)
+RANK_POOL = 4  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def _landed(out: list, seed: int) -> None:

@@ -93,12 +93,7 @@ def job_ties(w, src_tied: bool, dst_tied: bool, map_alias: bool = False) -> dict
     return out
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from reshard.testing import RankPool
-
-    with RankPool(4, timeout_s=120) as p:
-        yield p
+RANK_POOL = {"world_size": 4, "timeout_s": 120}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 @pytest.mark.distributed

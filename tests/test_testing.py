@@ -48,10 +48,7 @@ def on_rank_hang_after_death(w) -> None:
     time.sleep(3600)  # a living peer that never reports
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(3) as p:
-        yield p
+RANK_POOL = {"world_size": 3}  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 def test_one_shot_launch_returns_per_rank_values() -> None:

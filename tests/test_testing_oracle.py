@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from reshard.testing import close_fake_world, dtensor_local, index_tensor, use_fake_rank
+from reshard.testing import dtensor_local, index_tensor, use_fake_rank
 
 CASES = [
     ((7, 5, 3), [[3, 0], [2, 5]], [_StridedShard(0, split_factor=2), Shard(0)]),
@@ -21,10 +21,7 @@ CASES = [
 WORLD = 7  # ranks 6 and some others hold nothing
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fake_world():
-    yield
-    close_fake_world()
+pytestmark = pytest.mark.usefixtures("fake_world")  # the fake default group of dtensor_local, closed after
 
 
 @pytest.mark.parametrize(("shape", "mesh", "placements"), CASES, ids=[str(c[0]) for c in CASES])

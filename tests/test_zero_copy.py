@@ -21,7 +21,6 @@ from torch.distributed.tensor import Shard
 
 from reshard import Layout, Mesh, Topology
 from reshard.planner import PlanItem, plan_many
-from reshard.testing import shared_pool
 
 pytestmark = pytest.mark.distributed
 
@@ -29,9 +28,7 @@ WORLD = 8
 SPLIT, PART = 1024, 512  # bytes: boxes of >= 1 KiB go alone, strided one-box messages are cut into ~512 B parts
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return shared_pool(WORLD)
+RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
 
 
 @contextlib.contextmanager

@@ -10,20 +10,24 @@ Exports:
     DEFAULT_TIMEOUT, NUM_SLOTS: the default wait timeout and the pipeline depth.
     DeltaSession, DeltaReport, DeltaLinkStats: delta runs (`execute(..., delta=session)`): after the first run only
         the changed elements of each box move; the session keeps snapshots and versions, the report what was sent.
+    SNAPSHOTS: where a `DeltaSession` may keep its snapshots (`"device"`, `"host"`), the default first.
     ZERO_COPY_ENV: `RESHARD_ZERO_COPY=0` sends every message through staging (`execute(zero_copy=None)`).
 
 For integrations that run their own protocol on a group (e.g. `reshard.integrations.verl`):
     all_gather_json: every rank gets every rank's JSON-able value (one collective round over the control backend).
+    agree: every rank of a set agrees that all hold the same plan fingerprint and none has an error, else the same
+        error is raised on all (what differs is named).
+    as_timedelta: a timeout in seconds or a `timedelta`, checked, as a `timedelta`.
     serve_store: a TCP store bound to one address, on which `Group.rendezvous(..., is_master=False)` calls meet.
     is_loopback: whether an address is a loopback one (where `Group.rendezvous` accepts no token).
     TOKEN_ENV: `RESHARD_TOKEN`, the environment variable `Group.rendezvous` reads when given no `token=`.
 """
 
 from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
-from reshard.comm._delta import DeltaLinkStats, DeltaReport, DeltaSession
+from reshard.comm._delta_session import SNAPSHOTS, DeltaLinkStats, DeltaReport, DeltaSession
 from reshard.comm._executor import ZERO_COPY_ENV, ChecksumError, execute
-from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group
-from reshard.comm._handshake import all_gather_json
+from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group, as_timedelta
+from reshard.comm._handshake import agree, all_gather_json
 from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging
 from reshard.comm._rendezvous import TOKEN_ENV, is_loopback, serve_store
 from reshard.comm._transfer import TransferHandle, transfer
@@ -31,6 +35,7 @@ from reshard.comm._transfer import TransferHandle, transfer
 __all__ = [
     "DEFAULT_TIMEOUT",
     "NUM_SLOTS",
+    "SNAPSHOTS",
     "TOKEN_ENV",
     "ZERO_COPY_ENV",
     "ChecksumError",
@@ -42,7 +47,9 @@ __all__ = [
     "Group",
     "Staging",
     "TransferHandle",
+    "agree",
     "all_gather_json",
+    "as_timedelta",
     "exchange_layouts",
     "execute",
     "is_loopback",

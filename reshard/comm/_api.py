@@ -11,11 +11,21 @@ import torch
 from reshard.comm._executor import execute
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._handshake import all_gather_digest, all_gather_json
-from reshard.planner import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, Layout, Mesh, Plan, Topology, plan
-from reshard.planner._dtypes import dtype_from_name, dtype_name
-from reshard.planner._layout import placement_str
-from reshard.planner._mesh import flat_index
-from reshard.planner._wire import decode_placements, encode_placements
+from reshard.planner import (
+    DEFAULT_MIN_SPLIT_BYTES,
+    DEFAULT_STAGING_BYTES,
+    Layout,
+    Mesh,
+    Plan,
+    Topology,
+    decode_placements,
+    dtype_from_name,
+    dtype_name,
+    encode_placements,
+    flat_index,
+    placement_str,
+    plan,
+)
 
 
 def reshard(

@@ -43,21 +43,26 @@ import datetime
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from reshard.comm._fingerprint import CHECKS
+from reshard.comm._delta_session import (
+    NO_VERSION,
+    SNAPSHOTS,  # noqa: F401  (its home until issue 42; use reshard.comm)
+    DeltaLinkStats,
+    DeltaReport,
+    DeltaSession,
+    RankState,
+)
 from reshard.comm._fingerprint import fingerprint as _fingerprint
 from reshard.comm._group import Group
-from reshard.comm._handshake import agree
-from reshard.comm._prepare import ExecutionReport, describe_plan, prepare_run
+from reshard.comm._prepare import Staging, prepare_run
+from reshard.comm._run import run_plan
 from reshard.comm._transfer import TAG_CONTROL, TAG_DATA, fault, post
 from reshard.kernels import (
-    DELTA_DENSE_FRACTION,
     ChangeScan,
     DeltaFormat,
     DeltaHeader,
@@ -70,124 +75,11 @@ from reshard.kernels import (
     scan_changes,
     unpack,
 )
-from reshard.planner import Box, Plan, RankChunk, RankPlan
+from reshard.planner import Box, Message, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOTS = ("device", "host")
-_NO_VERSION = -1
 _ALIGN_SLACK = 7  # an encoded message starts at an 8-aligned address inside the message's planned bytes
-_KEPT_PLANS = 2
-
-
-@dataclass
-class DeltaLinkStats:
-    """What one rank sent over one link kind in one delta run.
-
-    Attributes:
-        elements: elements of the boxes sent.
-        changed: elements sent as changed (every element of a DENSE or raw box counts as changed).
-        dense_bytes: the boxes' planned (dense) bytes.
-        encoded_bytes: payload bytes sent (headers included; raw messages count their planned bytes).
-        dense_boxes, sparse_boxes: boxes sent DENSE (or raw) and BITMASK / INDICES.
-    """
-
-    elements: int = 0
-    changed: int = 0
-    dense_bytes: int = 0
-    encoded_bytes: int = 0
-    dense_boxes: int = 0
-    sparse_boxes: int = 0
-
-    @property
-    def changed_fraction(self) -> float:
-        return self.changed / self.elements if self.elements else 0.0
-
-    def add(self, other: DeltaLinkStats) -> None:
-        for k in ("elements", "changed", "dense_bytes", "encoded_bytes", "dense_boxes", "sparse_boxes"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
-@dataclass
-class DeltaReport(ExecutionReport):
-    """`ExecutionReport` of a delta run, plus per link kind (`"nvlink"`, `"network"`) what this rank sent
-    (`links`), the bytes of the state and size messages it sent (`control_bytes`), the messages that went raw
-    (`raw_messages`), the boxes whose receiver was stale (`stale_boxes`, received side), the size of this
-    rank's snapshot (`snapshot_bytes`), the sparse boxes it forwarded as they arrived (`forwarded_boxes`, a
-    relay) and the seconds of each phase of the run (`phases`: `scan`, `state_fingerprint`, `state_round`,
-    `encode`, `size_round`, `data`, `decode`, `decode_fingerprint`, `local`, `completion`)."""
-
-    links: dict[str, DeltaLinkStats] = field(default_factory=dict)
-    control_bytes: int = 0
-    raw_messages: int = 0
-    stale_boxes: int = 0
-    snapshot_bytes: int = 0
-    forwarded_boxes: int = 0
-    phases: dict[str, float] = field(default_factory=dict)
-
-    def _time(self, phase: str, seconds: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
-
-
-class _SendBox:
-    __slots__ = ("forward", "nbytes", "snap_offset", "version")
-
-    def __init__(self, snap_offset: int, nbytes: int, forward: tuple[int, int] | None = None) -> None:
-        self.snap_offset = snap_offset  # -1: a forwarded box, which has no snapshot
-        self.nbytes = nbytes
-        self.forward = forward  # (chunk position in the program, unpack box) of the received box it forwards
-        self.version = _NO_VERSION  # the version the snapshot was last sent as
-
-
-def forwarded_boxes(prog: RankPlan) -> dict[tuple[int, int], tuple[int, int]]:
-    """The relay sends of `prog` that forward, unchanged, a box the rank received in an earlier chunk: per
-    `(chunk position, pack box)` the `(chunk position, unpack box)` it received (same destination tensor, same box,
-    no cast). Such a box is forwarded in the encoded form it arrived in."""
-    received: dict[tuple[int, Box], tuple[int, int]] = {}
-    out: dict[tuple[int, int], tuple[int, int]] = {}
-    for k, step in enumerate(prog.chunks):
-        p = step.pack
-        for b, (from_dst, t, box, wire) in enumerate(zip(p.from_dst, p.tensors, p.boxes, p.wire)):
-            got = received.get((t, box)) if from_dst and wire is None else None
-            if got is not None:
-                out[(k, b)] = got
-        u = step.unpack
-        for b, (t, box) in enumerate(zip(u.tensors, u.boxes)):
-            received.setdefault((t, box), (k, b))
-    return out
-
-
-class _RankState:
-    """One rank's delta state for one plan: snapshot slots of its send boxes, held versions of its receive boxes,
-    and, on a relay, a store per received box it forwards (its encoded bytes, between the chunk it arrives in and
-    the chunk that forwards it; the box's dense bytes, in the snapshot buffer: a forwarded box has no snapshot)."""
-
-    def __init__(self, prog: RankPlan, wire_itemsizes: list[list[int]], device: torch.device, where: str) -> None:
-        forwards = forwarded_boxes(prog)
-        self.send: list[list[_SendBox]] = []
-        self.stores: dict[tuple[int, int], tuple[int, int]] = {}  # received box -> (offset, capacity)
-        pos = 0
-        for k, (step, sizes) in enumerate(zip(prog.chunks, wire_itemsizes)):
-            boxes = []
-            for b, (box, size) in enumerate(zip(step.pack.boxes, sizes)):
-                n = box.numel * size
-                got = forwards.get((k, b))
-                boxes.append(_SendBox(-1 if got is not None else pos, n, got))
-                if got is None or got not in self.stores:
-                    if got is not None:
-                        self.stores[got] = (pos, (n + 7) & -8)
-                    pos += (n + 7) & -8
-            self.send.append(boxes)
-        pin = where == "host" and torch.cuda.is_available()
-        snap_device = device if where == "device" else torch.device("cpu")
-        self.snapshot = torch.empty(pos, dtype=torch.uint8, device=snap_device, pin_memory=pin)
-        self.device = device
-        # per chunk, per unpack box: (version, fingerprint) after the last apply, or None
-        self.held: list[list[tuple[int, tuple] | None]] = [[None] * len(s.unpack.boxes) for s in prog.chunks]
-
-    @property
-    def nbytes(self) -> int:
-        return self.snapshot.numel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +88,24 @@ class _Received:
 
     version: int
     header: DeltaHeader | None = None  # a sparse box's header; None: the box arrived DENSE or raw
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """How one send box of a chunk goes in this run: what `_Run.encode` chose for it, then its header."""
+
+    version: int  # the version it carries (a forwarded box: the one it arrived with)
+    format: DeltaFormat | None = None  # None: sparse or DENSE, chosen by the changed count
+    count: int = 0  # elements changed (an own box) or encoded (a forwarded one)
+    base: int = 0  # the version an own box is encoded against (0: none, DENSE)
+    received: _Received | None = None  # forwarded as it arrived (sparse, from the version the receiver holds)
+    at: int = 0  # byte offset of its encoding in the slot's send area
+    header: DeltaHeader | None = None
+
+
+def _box_ix(m: Message) -> list[int]:
+    """The pack (or unpack) box indices of message `m`."""
+    return list(range(m.first_box, m.first_box + len(m.transfers)))
 
 
 @dataclass
@@ -210,61 +120,6 @@ class _Scanned:
     snap_offsets: list[int]  # of the own boxes, in `snap`
     snap_base: int
     scan: ChangeScan | None
-
-
-class DeltaSession:
-    """What delta runs remember between calls: pass the same session to every `execute(..., delta=session)`.
-
-    Args:
-        snapshot: where senders keep their snapshots: `"device"` (the tensors' device) or `"host"` (CPU memory,
-            pinned when CUDA is available; on CUDA each message's snapshot is copied to the device to compare).
-        check: how a receiver finds that its box changed since it applied it (then it asks for a DENSE box; see
-            `reshard.comm._fingerprint`): `"checksum"` (default; `reshard.kernels.checksum`, non-linear and
-            position-sensitive: any change of the bytes, swaps, permutations and paired ulp moves included),
-            `"sum"` (the wrapping 64-bit sums of the box's words, all and every other one: cheaper, but it misses
-            swaps and permutations within a word parity class and `+d` / `-d` on two words of one parity) or
-            `"none"` (versions only: a reloaded engine or a failed run, not an in-place overwrite).
-        threshold: the fraction of changed elements above which a box goes DENSE (`choose_delta_format`).
-
-    The first run of a plan on a session is full; so is any box whose receiver holds another version. State is kept
-    for the last two plans per rank.
-    """
-
-    def __init__(self, *, snapshot: str = "device", check: str = "checksum",
-                 threshold: float = DELTA_DENSE_FRACTION) -> None:
-        if snapshot not in SNAPSHOTS:
-            raise ValueError(f"DeltaSession: snapshot must be one of {SNAPSHOTS}, got {snapshot!r}")
-        if check not in CHECKS:
-            raise ValueError(f"DeltaSession: check must be one of {CHECKS}, got {check!r}")
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"DeltaSession: threshold must be in [0, 1], got {threshold}")
-        self.snapshot = snapshot
-        self.check = check
-        self.threshold = threshold
-        self._states: OrderedDict[tuple[str, int], _RankState] = OrderedDict()
-
-    @property
-    def snapshot_bytes(self) -> int:
-        """Bytes of every snapshot this session holds."""
-        return sum(s.nbytes for s in self._states.values())
-
-    def reset(self) -> None:
-        """Forget everything: the next run of every plan is full."""
-        self._states.clear()
-
-    def _state(self, plan: Plan, prog: RankPlan, wire: list[list[int]], device: torch.device) -> _RankState:
-        key = (plan.fingerprint, prog.rank)
-        st = self._states.get(key)
-        if st is None or st.device != device or [[b.nbytes for b in c] for c in st.send] != [
-                [box.numel * s for box, s in zip(step.pack.boxes, sizes)] for step, sizes in zip(prog.chunks, wire)]:
-            st = self._states[key] = _RankState(prog, wire, device, self.snapshot)
-        self._states.move_to_end(key)
-        while len(self._states) > _KEPT_PLANS:
-            self._states.popitem(last=False)
-        return st
-
-    def __repr__(self) -> str:
-        return f"DeltaSession(snapshot={self.snapshot!r}, check={self.check!r}, {self.snapshot_bytes} snapshot bytes)"
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -287,7 +142,7 @@ class _Run:
     """One delta `execute` call on one rank (see the module docstring for the order of work)."""
 
     def __init__(self, prog: RankPlan, plan: Plan, group: Group, src: Sequence[torch.Tensor],
-                 dst: Sequence[torch.Tensor], staging, session: DeltaSession, state: _RankState,
+                 dst: Sequence[torch.Tensor], staging, session: DeltaSession, state: RankState,
                  timeout: datetime.timedelta, report: DeltaReport) -> None:
         self.prog, self.plan, self.group = prog, plan, group
         self.src, self.dst = src, dst
@@ -319,7 +174,7 @@ class _Run:
                 for j in range(len(m.transfers)):
                     b = m.first_box + j
                     h = self.state.held[k][b]
-                    v = _NO_VERSION
+                    v = NO_VERSION
                     if h is not None:
                         if _fingerprint(tensors[b][step.unpack.boxes[b].slices()], check) == h[1]:
                             v = h[0]
@@ -392,115 +247,134 @@ class _Run:
         Own boxes are encoded against their snapshot, sparse where the receiver holds the snapshot's version (one
         `delta_encode` call for the chunk). A forwarded box goes as it arrived when it arrived sparse from the
         version the receiver holds (its bytes copied from its store), else DENSE from the destination tensor it
-        landed in (`delta_encode_dense`), with the version it arrived with."""
-        threshold = self.session.threshold
+        landed in (`delta_encode_dense`), with the version it arrived with. A message whose encoding would not fit
+        its planned bytes goes raw, packed as the plan packs it."""
         sc = self.scanned.pop(k, None) or self.scan(k, step)
+        out = [_Outgoing(version=self.version) for _ in self.state.send[k]]
+        raw = self._choose(k, step, sc, area, out)
+        raw_boxes = {b for i in raw for b in _box_ix(step.sends[i])}
+        self._encode_boxes(k, sc, area, out, raw_boxes)
+        sent = [self._raw(k, step, m, sc, area, out) if i in raw else self._encoded(m, area, out)
+                for i, m in enumerate(step.sends)]
         boxes = self.state.send[k]
-        views, bxs = sc.views, sc.boxes
-        own_at = {b: n for n, b in enumerate(sc.own)}
-        formats: list[DeltaFormat | None] = [None] * len(boxes)
-        counts, versions, bases = [0] * len(boxes), [self.version] * len(boxes), [0] * len(boxes)
-        received: list[_Received | None] = [None] * len(boxes)
-        at = [0] * len(boxes)  # byte offset of each encoded box in `area`
-        raw: list[int] = []  # messages sent raw
-        for i, m in enumerate(step.sends):
-            held = self.peer_held[(k, i)]
-            ix = list(range(m.first_box, m.first_box + len(m.transfers)))
-            for j, b in enumerate(ix):
-                sb = boxes[b]
-                if sb.forward is None:
-                    fresh = sb.version != _NO_VERSION and held[j] == sb.version
-                    formats[b] = None if fresh else DeltaFormat.DENSE
-                    counts[b] = sc.scan.counts[own_at[b]]
-                    bases[b] = sb.version if fresh else 0
-                    continue
-                r = self.received.get(sb.forward)
-                h = r.header if r is not None else None
-                if h is not None and h.base_version != _NO_VERSION and held[j] == h.base_version:
-                    formats[b], counts[b], received[b] = h.format, h.count, r
-                else:
-                    formats[b], counts[b] = DeltaFormat.DENSE, bxs[b].numel
-                versions[b] = r.version if r is not None else _NO_VERSION
-            start, room = _aligned(area, m.buffer_offset, m.nbytes)
-            offs, end = delta_offsets([bxs[b] for b in ix], [views[b].dtype for b in ix], [counts[b] for b in ix],
-                                      [formats[b] for b in ix], threshold=threshold)
-            if end <= m.nbytes - _ALIGN_SLACK and end <= room:
-                for b, o in zip(ix, offs):
-                    at[b] = start + o
-            else:
-                raw.append(i)
-        raw_boxes = {b for i in raw for b in range(step.sends[i].first_box,
-                                                   step.sends[i].first_box + len(step.sends[i].transfers))}
-        headers: list[DeltaHeader | None] = [None] * len(boxes)
-        own = [b for b in sc.own if b not in raw_boxes]
-        if own:
-            n = [own_at[b] for b in own]
-            whole = len(own) == len(sc.own)  # the scan describes exactly these boxes: no second comparison
-            got = delta_encode([views[b] for b in own], [bxs[b] for b in own], sc.snap,
-                               [sc.snap_offsets[x] for x in n], area, [at[b] for b in own],
-                               counts=sc.scan if whole else [sc.scan.counts[x] for x in n],
-                               base_version=[bases[b] for b in own], version=self.version,
-                               formats=[formats[b] for b in own], threshold=threshold)
-            for b, h in zip(own, got):
-                headers[b] = h
-        dense = [b for b, sb in enumerate(boxes)
-                 if sb.forward is not None and received[b] is None and b not in raw_boxes]
-        if dense:
-            got = delta_encode_dense([views[b] for b in dense], [bxs[b] for b in dense], area,
-                                     [at[b] for b in dense], version=[versions[b] for b in dense])
-            for b, h in zip(dense, got):
-                headers[b] = h
-        for b, r in enumerate(received):
-            if r is not None and b not in raw_boxes:  # forwarded as it arrived
-                store = self.state.stores[boxes[b].forward][0]
-                area.narrow(0, at[b], r.header.nbytes).copy_(self.state.snapshot.narrow(0, store, r.header.nbytes))
-                headers[b] = r.header
-                self.report.forwarded_boxes += 1
-        out = []
-        link = self.report.links
-        for i, m in enumerate(step.sends):
-            ix = list(range(m.first_box, m.first_box + len(m.transfers)))
-            if i not in raw:
-                sizes = [headers[b].nbytes for b in ix]
-                payload = area.narrow(0, at[ix[0]], sum(sizes))
-                out.append(([sum(sizes), self.version, *sizes], payload))
-                for t, b in zip(m.transfers, ix):
-                    h = headers[b]
-                    st = link.setdefault(t.link, DeltaLinkStats())
-                    st.elements += h.numel
-                    st.changed += h.count
-                    st.dense_bytes += t.nbytes
-                    st.encoded_bytes += h.nbytes
-                    if h.format == DeltaFormat.DENSE:
-                        st.dense_boxes += 1
-                    else:
-                        st.sparse_boxes += 1
-                continue
-            # raw: exactly as the plan packs it; the snapshot takes the packed bytes
-            rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
-            msg = area.narrow(0, m.buffer_offset, m.nbytes)
-            pack([views[b] for b in ix], [bxs[b] for b in ix], msg, rel)
-            for b, r_off in zip(ix, rel):
-                if b in own_at:
-                    n = boxes[b].nbytes
-                    sc.snap.narrow(0, sc.snap_offsets[own_at[b]], n).copy_(msg.narrow(0, r_off, n))
-            out.append(([-1, self.version, *[versions[b] for b in ix]], msg))  # raw: the version of each box
-            self.report.raw_messages += 1
-            for t in m.transfers:
-                st = link.setdefault(t.link, DeltaLinkStats())
-                numel = t.global_box.numel
-                st.elements += numel
-                st.changed += numel
-                st.dense_bytes += t.nbytes
-                st.encoded_bytes += t.nbytes
-                st.dense_boxes += 1
         if sc.own and sc.snap is not self.state.snapshot:  # back to the host: the own slots only (not the stores)
             for b, o in zip(sc.own, sc.snap_offsets):
                 self.state.snapshot.narrow(0, sc.snap_base + o, boxes[b].nbytes).copy_(sc.snap.narrow(0, o,
                                                                                                    boxes[b].nbytes))
         for b in sc.own:
             boxes[b].version = self.version
-        return out
+        return sent
+
+    def _choose(self, k: int, step: RankChunk, sc: _Scanned, area: torch.Tensor, out: list[_Outgoing]) -> list[int]:
+        """Fill each send box's format, count, versions and place in `area` (`out`, per pack box of chunk `k`);
+        return the messages that go raw (their encoding would not fit the message's planned bytes)."""
+        boxes = self.state.send[k]
+        own_at = {b: n for n, b in enumerate(sc.own)}
+        raw: list[int] = []
+        for i, m in enumerate(step.sends):
+            held = self.peer_held[(k, i)]
+            ix = _box_ix(m)
+            for j, b in enumerate(ix):
+                sb, o = boxes[b], out[b]
+                if sb.forward is None:
+                    fresh = sb.version != NO_VERSION and held[j] == sb.version
+                    o.format = None if fresh else DeltaFormat.DENSE
+                    o.count = sc.scan.counts[own_at[b]]
+                    o.base = sb.version if fresh else 0
+                    continue
+                r = self.received.get(sb.forward)
+                h = r.header if r is not None else None
+                if h is not None and h.base_version != NO_VERSION and held[j] == h.base_version:
+                    o.format, o.count, o.received = h.format, h.count, r
+                else:
+                    o.format, o.count = DeltaFormat.DENSE, sc.boxes[b].numel
+                o.version = r.version if r is not None else NO_VERSION
+            start, room = _aligned(area, m.buffer_offset, m.nbytes)
+            offs, end = delta_offsets([sc.boxes[b] for b in ix], [sc.views[b].dtype for b in ix],
+                                      [out[b].count for b in ix], [out[b].format for b in ix],
+                                      threshold=self.session.threshold)
+            if end <= m.nbytes - _ALIGN_SLACK and end <= room:
+                for b, off in zip(ix, offs):
+                    out[b].at = start + off
+            else:
+                raw.append(i)
+        return raw
+
+    def _encode_boxes(self, k: int, sc: _Scanned, area: torch.Tensor, out: list[_Outgoing],
+                      raw_boxes: set[int]) -> None:
+        """Write the encoding of every send box of chunk `k` outside `raw_boxes` at its place in `area` and set its
+        header: own boxes against their snapshot, forwarded ones DENSE or (sparse) as they arrived."""
+        boxes = self.state.send[k]
+        own_at = {b: n for n, b in enumerate(sc.own)}
+        own = [b for b in sc.own if b not in raw_boxes]
+        if own:
+            n = [own_at[b] for b in own]
+            whole = len(own) == len(sc.own)  # the scan describes exactly these boxes: no second comparison
+            got = delta_encode([sc.views[b] for b in own], [sc.boxes[b] for b in own], sc.snap,
+                               [sc.snap_offsets[x] for x in n], area, [out[b].at for b in own],
+                               counts=sc.scan if whole else [sc.scan.counts[x] for x in n],
+                               base_version=[out[b].base for b in own], version=self.version,
+                               formats=[out[b].format for b in own], threshold=self.session.threshold)
+            for b, h in zip(own, got):
+                out[b].header = h
+        dense = [b for b, sb in enumerate(boxes)
+                 if sb.forward is not None and out[b].received is None and b not in raw_boxes]
+        if dense:
+            got = delta_encode_dense([sc.views[b] for b in dense], [sc.boxes[b] for b in dense], area,
+                                     [out[b].at for b in dense], version=[out[b].version for b in dense])
+            for b, h in zip(dense, got):
+                out[b].header = h
+        for b, o in enumerate(out):
+            r = o.received
+            if r is not None and b not in raw_boxes:  # forwarded as it arrived
+                store = self.state.stores[boxes[b].forward][0]
+                area.narrow(0, o.at, r.header.nbytes).copy_(self.state.snapshot.narrow(0, store, r.header.nbytes))
+                o.header = r.header
+                self.report.forwarded_boxes += 1
+
+    def _encoded(self, m: Message, area: torch.Tensor, out: list[_Outgoing]) -> tuple[list[int], torch.Tensor]:
+        """Message `m`'s size words (total, version, per box) and its encoded bytes in `area`; counted per link."""
+        ix = _box_ix(m)
+        sizes = [out[b].header.nbytes for b in ix]
+        for t, b in zip(m.transfers, ix):
+            h = out[b].header
+            self._tally(t.link, elements=h.numel, changed=h.count, dense_bytes=t.nbytes, encoded_bytes=h.nbytes,
+                        dense=h.format == DeltaFormat.DENSE)
+        return [sum(sizes), self.version, *sizes], area.narrow(0, out[ix[0]].at, sum(sizes))
+
+    def _raw(self, k: int, step: RankChunk, m: Message, sc: _Scanned, area: torch.Tensor,
+             out: list[_Outgoing]) -> tuple[list[int], torch.Tensor]:
+        """Message `m` packed exactly as the plan packs it (its size words: -1, the version, each box's version);
+        the snapshot takes the packed bytes."""
+        ix = _box_ix(m)
+        own_at = {b: n for n, b in enumerate(sc.own)}
+        boxes = self.state.send[k]
+        rel = [step.pack.offsets[b] - m.buffer_offset for b in ix]
+        msg = area.narrow(0, m.buffer_offset, m.nbytes)
+        pack([sc.views[b] for b in ix], [sc.boxes[b] for b in ix], msg, rel)
+        for b, r_off in zip(ix, rel):
+            if b in own_at:
+                n = boxes[b].nbytes
+                sc.snap.narrow(0, sc.snap_offsets[own_at[b]], n).copy_(msg.narrow(0, r_off, n))
+        self.report.raw_messages += 1
+        for t in m.transfers:
+            numel = t.global_box.numel
+            self._tally(t.link, elements=numel, changed=numel, dense_bytes=t.nbytes, encoded_bytes=t.nbytes,
+                        dense=True)
+        return [-1, self.version, *[out[b].version for b in ix]], msg
+
+    def _tally(self, link: str, *, elements: int, changed: int, dense_bytes: int, encoded_bytes: int,
+               dense: bool) -> None:
+        """Count one box sent over `link` in the report."""
+        st = self.report.links.setdefault(link, DeltaLinkStats())
+        st.elements += elements
+        st.changed += changed
+        st.dense_bytes += dense_bytes
+        st.encoded_bytes += encoded_bytes
+        if dense:
+            st.dense_boxes += 1
+        else:
+            st.sparse_boxes += 1
 
     def chunk(self, k: int, step: RankChunk, slot: int) -> None:
         st = self.staging
@@ -567,7 +441,7 @@ class _Run:
         applied: list[tuple[int, int, DeltaHeader | None, int]] = []  # (box, version, header, offset in recv_area)
         enc_boxes, enc_offs, enc_versions, enc_peers = [], [], [], []
         for m, p in zip(step.recvs, plans):
-            ix = list(range(m.first_box, m.first_box + len(m.transfers)))
+            ix = _box_ix(m)
             versions = [held[b][0] if held[b] is not None else None for b in ix]
             for b in ix:
                 held[b] = None  # until applied
@@ -657,40 +531,29 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
     """`execute(..., delta=session)`: see the module docstring. Same arguments and errors as `execute`; the
     completion round always runs."""
     report = DeltaReport(rank)
-    ranks = plan.ranks
-    if rank not in ranks:
-        return report
-    if ranks[-1] >= group.size:
-        raise ValueError(f"execute: the plan spans ranks up to {ranks[-1]} but {group} has {group.size} ranks")
-    start = time.perf_counter()
-    with group.exclusive("execute"), torch.no_grad():
-        prog = plan.for_rank(rank)
-        errors: list[str] = []
-        if not isinstance(session, DeltaSession):
-            errors.append(f"rank {rank}: delta must be a reshard.comm.DeltaSession, got {type(session).__name__}")
-        if verify:
-            errors.append(f"rank {rank}: verify=True is not supported with delta (delta boxes carry checked headers "
-                          "and versions; run without delta to verify by checksums)")
-        srcs, dsts = src_tensors or (), dst_tensors or ()
+    errors: list[str] = []
+    if not isinstance(session, DeltaSession):
+        errors.append(f"rank {rank}: delta must be a reshard.comm.DeltaSession, got {type(session).__name__}")
+    if verify:
+        errors.append(f"rank {rank}: verify=True is not supported with delta (delta boxes carry checked headers "
+                      "and versions; run without delta to verify by checksums)")
+    srcs, dsts = src_tensors or (), dst_tensors or ()
+    states: list[RankState] = []
+
+    def prepare(prog: RankPlan) -> Staging | None:
         staging, state = prepare_run(
             plan, prog, rank, group, src_tensors, dst_tensors, timeout, errors=errors, reserving="staging or snapshots",
             reserve=lambda device: session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device))
-        report.seconds_handshake = time.perf_counter() - start
-        run_errors: list[str] = []
-        if staging is not None:
-            report.staging_bytes = staging.nbytes
-            report.snapshot_bytes = state.nbytes
-            run = _Run(prog, plan, group, srcs, dsts, staging, session, state, timeout, report)
-            run.run()
-            run_errors = run.errors
-        if len(ranks) > 1:  # always: a receiver's decode error must raise on every rank
-            t0 = time.perf_counter()
-            agree(group, ranks, plan.fingerprint, run_errors, lambda: describe_plan(plan), timeout=timeout,
-                  what="delta completion", failure="delta refit failed")
-            report.seconds_confirm = time.perf_counter() - t0
-            report._time("completion", report.seconds_confirm)
-        elif run_errors:
-            raise ValueError("delta refit failed:\n  " + "\n  ".join(run_errors))
-    report.seconds = time.perf_counter() - start
-    logger.debug("rank %d: delta-executed plan %s: %s", rank, plan.fingerprint[:12], report)
-    return report
+        states.append(state)
+        return staging
+
+    def run(prog: RankPlan, staging: Staging) -> list[str]:
+        report.snapshot_bytes = states[0].nbytes
+        active = _Run(prog, plan, group, srcs, dsts, staging, session, states[0], timeout, report)
+        active.run()
+        return active.errors
+
+    # the completion round always runs: a receiver's decode error must raise on every rank
+    return run_plan(plan, rank, group, report, timeout=timeout, prepare=prepare, run=run, confirm=True,
+                    what="delta completion", failure="delta refit failed",
+                    confirmed=lambda seconds: report._time("completion", seconds), kind="delta-executed")

@@ -58,11 +58,12 @@ import torch
 
 from reshard.comm._delta import execute_delta
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
-from reshard.comm._handshake import agree
-from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, describe_plan, prepare_run
+from reshard.comm._paths import Paths, SendUnits
+from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, prepare_run
+from reshard.comm._run import run_plan
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
-from reshard.planner import Box, BoxList, Message, Plan, RankChunk, RankPlan
+from reshard.planner import BoxList, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
 
@@ -130,106 +131,6 @@ def _prepared_for(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tenso
     return entry
 
 
-class _Paths:
-    """How the messages of one chunk go on the wire, for one set of tensors: the plan's `Message.direct` where the
-    box's view of the actual tensor is contiguous (a strided tensor takes the staged path instead), and each
-    message's parts (`Message.parts`).
-
-    Attributes:
-        sends, recvs: per message, the `uint8` view of the tensor it is sent from (received into), or None:
-            staged.
-        pack_groups: the chunk's pack groups (`BoxList.groups`) without the direct boxes (one copy per chunk).
-        unpack_boxes: indices of the unpack boxes that are staged.
-        direct_bytes: bytes of the direct messages.
-    """
-
-    def __init__(self, step: RankChunk, send_tensors: list[torch.Tensor], recv_tensors: list[torch.Tensor],
-                 zero_copy: bool) -> None:
-        self.direct_bytes = 0
-        self.sends = self._views(step.sends, step.pack, send_tensors, zero_copy)
-        self.recvs = self._views(step.recvs, step.unpack, recv_tensors, zero_copy)
-        skip = {m.first_box for m, v in zip(step.sends, self.sends) if v is not None}
-        self.pack_groups = [(w, ix) for w, ix in ((w, [i for i in ix if i not in skip]) for w, ix in step.pack.groups)
-                            if ix]
-        skip = {m.first_box for m, v in zip(step.recvs, self.recvs) if v is not None}
-        self.unpack_boxes = [i for i in range(len(step.unpack.boxes)) if i not in skip]
-
-    def _views(self, messages: Sequence[Any], boxes: BoxList, tensors: list[torch.Tensor],
-               zero_copy: bool) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for m in messages:
-            view = None
-            if zero_copy and m.direct:
-                k = m.first_box
-                view = tensors[k][boxes.boxes[k].slices()]
-                if view.is_contiguous():
-                    view = view.reshape(-1).view(torch.uint8)
-                    self.direct_bytes += m.nbytes
-                else:
-                    view = None
-            out.append(view)
-        return out
-
-    @staticmethod
-    def wire(messages: Sequence[Message], views: list[torch.Tensor | None],
-             area: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """`(peer, tensor)` per wire send (or receive) of `messages`, in wire order: each message's parts, cut from
-        its view (direct) or from its range of the slot's staging `area`."""
-        out = []
-        for m, v in zip(messages, views):
-            whole = area.narrow(0, m.buffer_offset, m.nbytes) if v is None else v
-            out.extend((m.peer, whole.narrow(0, off, n)) for off, n in m.parts) if m.cuts else out.append((m.peer,
-                                                                                                         whole))
-        return out
-
-
-def _part_boxes(m: Message, box: Box) -> list[tuple[int, Box]]:
-    """`(byte offset in the message, sub-box)` of each part of a one-box message `m` whose box (in the local
-    tensor) is `box`: the parts cut `box` along its outermost dim of extent > 1 (see `Message.cuts`)."""
-    if not m.cuts:
-        return [(0, box)]
-    d = next(k for k, n in enumerate(box.shape) if n > 1)
-    row_bytes = m.nbytes // box.shape[d]
-    out = []
-    for off, n in m.parts:
-        r0, rows = off // row_bytes, n // row_bytes
-        out.append((off, Box(tuple(o + r0 if k == d else o for k, o in enumerate(box.offsets)),
-                             tuple(rows if k == d else s for k, s in enumerate(box.shape)))))
-    return out
-
-
-class _SendUnits:
-    """The CPU send program of one chunk from one slot: per wire send, the pack copies that fill it (none when
-    direct) and the send itself, so part k+1 is packed while part k is on the wire (gloo sends on its own threads).
-
-    Attributes:
-        units: `(copies, peer, tensor)` per wire send, in wire order.
-    """
-
-    def __init__(self, step: RankChunk, paths: _Paths, tensors: list[torch.Tensor], area: torch.Tensor) -> None:
-        self.units: list[tuple[list[PreparedCopy], int, torch.Tensor]] = []
-        pk = step.pack
-        for m, view in zip(step.sends, paths.sends):
-            whole = area.narrow(0, m.buffer_offset, m.nbytes) if view is None else view
-            ks = range(m.first_box, m.first_box + len(m.transfers))
-            if view is not None:
-                for off, n in m.parts:
-                    self.units.append(([], m.peer, whole.narrow(0, off, n)))
-                continue
-            if m.cuts:  # one box, packed part by part
-                (k,) = ks
-                for (off, box), (_, n) in zip(_part_boxes(m, pk.boxes[k]), m.parts):
-                    copy = prepare_pack([tensors[k]], [box], area, [pk.offsets[k] + off], dtype=pk.wire[k])
-                    self.units.append(([copy], m.peer, whole.narrow(0, off, n)))
-                continue
-            by_wire: dict[Any, list[int]] = {}
-            for k in ks:
-                by_wire.setdefault(pk.wire[k], []).append(k)
-            copies = [prepare_pack([tensors[k] for k in ix], [pk.boxes[k] for k in ix], area,
-                                   [pk.offsets[k] for k in ix], dtype=w) for w, ix in by_wire.items()]
-            self.units.append((copies, m.peer, whole))
-
-
 @dataclass
 class _InFlight:
     step: RankChunk
@@ -263,19 +164,19 @@ class _Run:
         src, dst = self.src, self.dst
         return [dst[i] if d else src[i] for d, i in zip(copies.from_dst, copies.tensors)]
 
-    def _paths(self, step: RankChunk) -> _Paths:
+    def _paths(self, step: RankChunk) -> Paths:
         key = ("paths", step.index, self.zero_copy)
         paths = self.prepared.get(key)
         if paths is None:
-            paths = self.prepared[key] = _Paths(step, self._tensors(step.pack), self._tensors(step.unpack),
+            paths = self.prepared[key] = Paths(step, self._tensors(step.pack), self._tensors(step.unpack),
                                                 self.zero_copy)
         return paths
 
-    def _send_units(self, step: RankChunk, slot: int) -> _SendUnits:
+    def _send_units(self, step: RankChunk, slot: int) -> SendUnits:
         key = ("units", step.index, slot, self.zero_copy)
         units = self.prepared.get(key)
         if units is None:
-            units = self.prepared[key] = _SendUnits(step, self._paths(step), self._tensors(step.pack),
+            units = self.prepared[key] = SendUnits(step, self._paths(step), self._tensors(step.pack),
                                                     self.staging.send(slot, step))
         return units
 
@@ -341,7 +242,7 @@ class _Run:
         for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
             _checksum(t[box.slices()], sums[k], wire)
 
-    def _count(self, step: RankChunk, paths: _Paths) -> None:
+    def _count(self, step: RankChunk, paths: Paths) -> None:
         self.report.bytes_direct += paths.direct_bytes
         if self.debug:
             logger.debug("rank %d chunk %d: send %s, receive %s, %d local copies", self.prog.rank, step.index,
@@ -355,8 +256,8 @@ class _Run:
     def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
         st = self.staging
         paths = self._paths(step)
-        sends = _Paths.wire(step.sends, paths.sends, st.send(slot, step))
-        recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
+        sends = Paths.wire(step.sends, paths.sends, st.send(slot, step))
+        recvs = Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
         num_sends, num_recvs = len(sends), len(recvs)
         self._count(step, paths)
         s = self.streams
@@ -380,7 +281,7 @@ class _Run:
         overlaps the transfer of this one (gloo moves posted messages on its own threads)."""
         st = self.staging
         paths = self._paths(step)
-        recvs = _Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
+        recvs = Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
         self._count(step, paths)
         what = f"chunk {step.index}"
         num_recvs = len(recvs)
@@ -644,47 +545,30 @@ def execute(
         return execute_delta(plan, rank, src_tensors, dst_tensors, group, delta, verify=verify, timeout=td)
     if zero_copy is None:
         zero_copy = os.environ.get(ZERO_COPY_ENV, "1").strip() != "0"
+    srcs, dsts = src_tensors or (), dst_tensors or ()
     report = ExecutionReport(rank)
-    ranks = plan.ranks
-    if rank not in ranks:
-        return report
-    if ranks[-1] >= group.size:
-        raise ValueError(f"execute: the plan spans ranks up to {ranks[-1]} but {group} has {group.size} ranks")
-    start = time.perf_counter()
-    with group.exclusive("execute"), torch.no_grad():  # one call at a time per group (see Group)
-        prog = plan.for_rank(rank)
-        srcs, dsts = src_tensors or (), dst_tensors or ()
-        ahead: list[_Run] = []
+    ahead: list[_Run] = []
 
-        def new_run(staging: Staging) -> _Run:
-            prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
-            return _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
+    def new_run(prog: RankPlan, staging: Staging) -> _Run:
+        prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+        return _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
 
+    def prepare(prog: RankPlan) -> Staging | None:
         def early(staging: Staging) -> None:  # while the handshake is in flight: pack the first send (CPU)
             if staging.streams is None and not verify:
-                run = new_run(staging)
-                run.pack_ahead()
-                ahead.append(run)
+                first = new_run(prog, staging)
+                first.pack_ahead()
+                ahead.append(first)
 
         staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify,
-                                 early=None if agreed else early, ranks=ranks, agreed=agreed)
-        report.seconds_handshake = time.perf_counter() - start
-        verify_errors: list[str] = []
-        if staging is not None:
-            report.staging_bytes = staging.nbytes
-            run = ahead[0] if ahead and ahead[0].staging is staging else new_run(staging)
-            run.run()
-            verify_errors = run.errors
-        if (verify or confirm) and len(ranks) > 1:
-            t_confirm = time.perf_counter()
-            # every rank of the plan, even one without work, takes part, so all return or all raise together
-            agree(group, ranks, plan.fingerprint, verify_errors, lambda: describe_plan(plan), timeout=td,
-                  what="verify" if verify else "completion", error_type=ChecksumError,
-                  failure="received bytes differ from what was sent")
-            report.seconds_confirm = time.perf_counter() - t_confirm
-        elif verify_errors:
-            raise ChecksumError("received bytes differ from what was sent:\n  " + "\n  ".join(verify_errors))
-    report.seconds = time.perf_counter() - start
-    logger.debug("rank %d: executed plan %s: %s", rank, plan.fingerprint[:12], report)
-    return report
+                                 early=None if agreed else early, ranks=plan.ranks, agreed=agreed)
+        return staging
 
+    def run(prog: RankPlan, staging: Staging) -> list[str]:
+        active = ahead[0] if ahead and ahead[0].staging is staging else new_run(prog, staging)
+        active.run()
+        return active.errors
+
+    return run_plan(plan, rank, group, report, timeout=td, prepare=prepare, run=run, confirm=verify or confirm,
+                    what="verify" if verify else "completion", error_type=ChecksumError,
+                    failure="received bytes differ from what was sent")

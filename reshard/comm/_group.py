@@ -135,6 +135,7 @@ class Group:
         self._verdict: dict[str, Any] | None = None
         self._waiter: Any = None  # the job queue of the thread that runs blocking waits (see _transfer.wait_watched)
         self._closed = False
+        self._users: dict[str, int] = {}  # kind -> how many users of that kind were made on this group
         self.store_port: int | None = None
         """The store's port (a rendezvous group; useful when the store was started on port 0)."""
 
@@ -223,86 +224,21 @@ class Group:
             ValueError: bad arguments, or no token for a non-loopback host (before any connection).
             CommError: the rendezvous was refused or did not complete within `timeout` (on every rank that joined).
         """
-        if isinstance(rank, bool) or not isinstance(rank, int) or isinstance(world_size, bool) \
-                or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"Group.rendezvous: need integers 0 <= rank < world_size, got rank={rank!r}, "
-                             f"world_size={world_size!r}")
-        if backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"Group.rendezvous: backend must be None, 'gloo' or 'nccl', got {backend!r}")
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"Group.rendezvous: prefix must be a non-empty str, got {prefix!r}")
+        _check_rendezvous_args(rank, world_size, backend, prefix)
         td = as_timedelta(timeout)
         key = rv.resolve_token(token, host)
         deadline = time.monotonic() + td.total_seconds()
         label = f"rendezvous({prefix})"
         master = rank == 0 if is_master is None else bool(is_master)
-
-        def remaining() -> datetime.timedelta:
-            return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01))
-
-        try:
-            if master:
-                sock = rv.listen(host, port)
-                store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=remaining(),
-                                      wait_for_workers=False, master_listen_fd=sock.detach())
-            else:
-                rv.wait_for_listener(host, port, deadline, f"rank {rank} of {label}")
-                store = dist.TCPStore(host, port, None, False, timeout=remaining())
-        except CommError:
-            raise
-        except Exception as e:  # DistStoreError, DistNetworkError, TimeoutError: torch's store errors
-            raise CommError(f"rank {rank} of {label}: cannot reach the store at {host}:{port} within "
-                            f"{td.total_seconds():.1f} s: {type(e).__name__}: {e}") from e
+        store = _open_store(host, port, rank, master, deadline, td, label)
         base = dist.PrefixStore(f"{prefix}/", store)
-        store_host: int | None = None
-        try:
-            session, store_host = rv.join(base, rank, world_size, key, deadline, label, hosts_store=master)
-            store.set_timeout(remaining())
-            verdicts = Verdicts(base, key, JOIN_SESSION)
-            # gloo's connect blocks in a wait on its store client until every peer's address is there; the
-            # watcher polls the verdicts through a client of its own, or it would queue behind that wait (up to
-            # the whole timeout) and miss a rank that refused the rendezvous meanwhile
-            watch = dist.TCPStore(host, store.port, None, False, timeout=remaining())
-            control = rv.connect(lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td),
-                                 Verdicts(dist.PrefixStore(f"{prefix}/", watch), key, JOIN_SESSION), rank, label)
-            del watch
-            rv.prove_membership(control, verdicts, rank, world_size, key, session, remaining(), label)
-        except CommError:
-            raise
-        except Exception as e:  # torch's store errors while the backend connects
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if store_host is not None and store_host != rank and isinstance(e, dist.DistError):
-                raise CommError(f"rank {rank} of {label}: the rendezvous failed: the store at {host}:{port}, hosted "
-                                f"by rank {store_host}, stopped answering while the group connected: rank "
-                                f"{store_host} failed (it exited or died): {why}") from e
-            raise CommError(f"rank {rank} of {label}: the rendezvous failed: {why}") from e
-        finally:
-            store.set_timeout(td)
-        data: dict[str, Any] = {"cpu": control}
-        want_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
-        if want_nccl:
-            nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
-            if nccl_cls is None or not torch.cuda.is_available():
-                raise ValueError("Group.rendezvous: backend='nccl' needs a CUDA build of torch and a GPU")
-            opts = nccl_cls.Options()
-            opts._timeout = td
-            data["cuda"] = nccl_cls(dist.PrefixStore("nccl", base), rank, world_size, opts)
-        if backend == "nccl":
-            data.pop("cpu")
-
-        def close() -> None:
-            for pg in {id(p): p for p in [control, *data.values()]}.values():
-                shutdown = getattr(pg, "shutdown", None)
-                if shutdown is not None:
-                    try:
-                        shutdown()
-                    except Exception:  # a broken group (dead peer) may refuse a clean shutdown
-                        logger.debug("group %s: shutdown failed", prefix, exc_info=True)
-
+        control, session, store_host = _join(store, base, host, port, rank, world_size, key, master, deadline, td,
+                                             prefix, label)
+        data = _data_backends(control, base, backend, rank, world_size, td)
         logger.debug("rendezvous %s at %s:%d: rank %d of %d", prefix, host, port, rank, world_size)
-        group = cls(rank=rank, size=world_size, control=control, data=data, name=label, timeout=td, closer=close,
-                    keepalive=(store, base), store=base, token=key, session=session, store_host=store_host,
-                    store_address=f"{host}:{port}")
+        group = cls(rank=rank, size=world_size, control=control, data=data, name=label, timeout=td,
+                    closer=_closer([control, *data.values()], prefix), keepalive=(store, base), store=base,
+                    token=key, session=session, store_host=store_host, store_address=f"{host}:{port}")
         group.store_port = store.port
         return group
 
@@ -438,6 +374,12 @@ class Group:
         if verdict is not None:
             raise CommError(self.describe_fault(verdict, what))
 
+    def next_ordinal(self, kind: str) -> int:
+        """Count one more user of `kind` (e.g. `"refit"`) made on this group and return its ordinal: 1 for the
+        first, 2 for the second, ... (per process; how errors name a user that was given no name)."""
+        self._users[kind] = self._users.get(kind, 0) + 1
+        return self._users[kind]
+
     def check_rank(self, rank: int, what: str) -> None:
         if not 0 <= rank < self.size:
             raise ValueError(f"{what}: rank {rank} is outside {self} (ranks 0..{self.size - 1})")
@@ -460,3 +402,113 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank} of {self.size})"
+
+
+# -- the steps of `Group.rendezvous` ---------------------------------------------------------------------------------
+
+def _check_rendezvous_args(rank: Any, world_size: Any, backend: Any, prefix: Any) -> None:
+    """Raise `ValueError` naming the bad argument of `Group.rendezvous` (before any connection)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or isinstance(world_size, bool) \
+            or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"Group.rendezvous: need integers 0 <= rank < world_size, got rank={rank!r}, "
+                         f"world_size={world_size!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"Group.rendezvous: backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"Group.rendezvous: prefix must be a non-empty str, got {prefix!r}")
+
+
+def _remaining(deadline: float) -> datetime.timedelta:
+    """The time left until `deadline` (`time.monotonic()` seconds), at least 10 ms."""
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+
+
+def _open_store(host: str, port: int, rank: int, master: bool, deadline: float, td: datetime.timedelta,
+                label: str) -> Any:
+    """The TCP store at `host:port`: hosted here (listening on `host` only) when `master`, else reached as a client.
+
+    Raises:
+        CommError: the store cannot be reached before `deadline` (`td` is the whole timeout, for the message).
+    """
+    try:
+        if master:
+            sock = rv.listen(host, port)
+            return dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=_remaining(deadline),
+                                 wait_for_workers=False, master_listen_fd=sock.detach())
+        rv.wait_for_listener(host, port, deadline, f"rank {rank} of {label}")
+        return dist.TCPStore(host, port, None, False, timeout=_remaining(deadline))
+    except CommError:
+        raise
+    except Exception as e:  # DistStoreError, DistNetworkError, TimeoutError: torch's store errors
+        raise CommError(f"rank {rank} of {label}: cannot reach the store at {host}:{port} within "
+                        f"{td.total_seconds():.1f} s: {type(e).__name__}: {e}") from e
+
+
+def _join(store: Any, base: Any, host: str, port: int, rank: int, world_size: int, key: bytes, master: bool,
+          deadline: float, td: datetime.timedelta, prefix: str, label: str) -> tuple[Any, str, int | None]:
+    """Claim `rank` on the store, connect the gloo control backend and prove membership: `(control, session,
+    store_host)`, the rank whose process serves the store last (None: outside the group).
+
+    Raises:
+        CommError: the rendezvous was refused, or the store stopped answering (naming the rank that hosts it).
+    """
+    store_host: int | None = None
+    try:
+        session, store_host = rv.join(base, rank, world_size, key, deadline, label, hosts_store=master)
+        store.set_timeout(_remaining(deadline))
+        verdicts = Verdicts(base, key, JOIN_SESSION)
+        # gloo's connect blocks in a wait on its store client until every peer's address is there; the
+        # watcher polls the verdicts through a client of its own, or it would queue behind that wait (up to
+        # the whole timeout) and miss a rank that refused the rendezvous meanwhile
+        watch = dist.TCPStore(host, store.port, None, False, timeout=_remaining(deadline))
+        control = rv.connect(lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo", base), rank, world_size, td),
+                             Verdicts(dist.PrefixStore(f"{prefix}/", watch), key, JOIN_SESSION), rank, label)
+        del watch
+        rv.prove_membership(control, verdicts, rank, world_size, key, session, _remaining(deadline), label)
+    except CommError:
+        raise
+    except Exception as e:  # torch's store errors while the backend connects
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if store_host is not None and store_host != rank and isinstance(e, dist.DistError):
+            raise CommError(f"rank {rank} of {label}: the rendezvous failed: the store at {host}:{port}, hosted "
+                            f"by rank {store_host}, stopped answering while the group connected: rank "
+                            f"{store_host} failed (it exited or died): {why}") from e
+        raise CommError(f"rank {rank} of {label}: the rendezvous failed: {why}") from e
+    finally:
+        store.set_timeout(td)
+    return control, session, store_host
+
+
+def _data_backends(control: Any, base: Any, backend: str | None, rank: int, world_size: int,
+                   td: datetime.timedelta) -> dict[str, Any]:
+    """`device type -> backend` for data: gloo (the control backend) for CPU unless `backend == "nccl"`, NCCL for
+    CUDA when asked for or (`backend=None`) when CUDA is available.
+
+    Raises:
+        ValueError: `backend="nccl"` without a CUDA build of torch and a GPU.
+    """
+    data: dict[str, Any] = {"cpu": control}
+    want_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
+    if want_nccl:
+        nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl_cls is None or not torch.cuda.is_available():
+            raise ValueError("Group.rendezvous: backend='nccl' needs a CUDA build of torch and a GPU")
+        opts = nccl_cls.Options()
+        opts._timeout = td
+        data["cuda"] = nccl_cls(dist.PrefixStore("nccl", base), rank, world_size, opts)
+    if backend == "nccl":
+        data.pop("cpu")
+    return data
+
+
+def _closer(backends: list[Any], prefix: str) -> Callable[[], None]:
+    """A function that shuts each distinct backend of `backends` down, ignoring the refusals of a broken group."""
+    def close() -> None:
+        for pg in {id(p): p for p in backends}.values():
+            shutdown = getattr(pg, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:  # a broken group (dead peer) may refuse a clean shutdown
+                    logger.debug("group %s: shutdown failed", prefix, exc_info=True)
+    return close

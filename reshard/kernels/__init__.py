@@ -13,7 +13,8 @@ Exports:
     BACKEND_ENV: the environment variable (`RESHARD_KERNEL_BACKEND`) that overrides `backend=None`.
     launch_config: the kernels' block size and warp count.
     checksum, CHECKSUM_STEP: a 64-bit position-sensitive, non-linear hash of a tensor's bytes in row-major order
-        (the check of `verify=True`), the same bits on CPU and CUDA, computed in slices of `CHECKSUM_STEP` bytes.
+        (the check of `verify=True`), the same bits on CPU and CUDA, computed in slices of `CHECKSUM_STEP` bytes;
+        `cpu_checksum`: the same bits as a Python int, computed with numpy on CPU (about 5 times faster).
     quantize_fp8_block, quantize_fp8_block_reference: DeepSeek-V3 style blockwise FP8: `[..., M, N]` float32 /
         bfloat16 / float16 -> float8_e4m3fn `q` and one float32 `scale_inv` (amax / 448) per 128 x 128 block; one
         Triton launch per call, or the pure-torch reference (the CPU path), bit for bit the same.
@@ -36,6 +37,7 @@ Exports:
 
 from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels._checksum import CHECKSUM_STEP, checksum
+from reshard.kernels._checksum_numpy import cpu_checksum
 from reshard.kernels._delta import (
     count_changed,
     delta_decode,
@@ -66,7 +68,6 @@ from reshard.kernels._delta_reference import (
 )
 from reshard.kernels._pack import (
     PreparedCopy,
-    launch_config,
     pack,
     pack_reference,
     prepare_pack,
@@ -76,8 +77,8 @@ from reshard.kernels._pack import (
 )
 from reshard.kernels._quant import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_block_reference
 from reshard.kernels._spec import packed_nbytes, packed_offsets
-from reshard.planner import Box
-from reshard.planner._blocks import block_aligned, scale_box
+from reshard.kernels._tiles import launch_config
+from reshard.planner import Box, block_aligned, scale_box
 
 __all__ = [
     "BACKEND_ENV",
@@ -95,6 +96,7 @@ __all__ = [
     "choose_delta_format",
     "count_changed",
     "count_changed_reference",
+    "cpu_checksum",
     "delta_decode",
     "delta_decode_reference",
     "delta_encode",

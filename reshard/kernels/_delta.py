@@ -75,7 +75,7 @@ from reshard.kernels._delta_reference import (
 )
 from reshard.kernels._pack import pack
 from reshard.kernels._spec import OffsetArg, TensorArg
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 
 def _resolve(op: str, backend: str | None, device: torch.device) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg, check_copy_args
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 DELTA_MAGIC = 0x4C44  # "DL", little-endian
 DELTA_HEADER_BYTES = 40  # five int64 words

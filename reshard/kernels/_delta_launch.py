@@ -23,9 +23,10 @@ from reshard.kernels._delta_format import (
     encoded_values_offset,
 )
 from reshard.kernels._loader import launch_in_mode, load_device_module
-from reshard.kernels._pack import _merge_dims, _storage_view, launch_config, pack, tile_lanes, tile_table, unpack
+from reshard.kernels._pack import _storage_view, pack, unpack
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
-from reshard.planner._box import Box
+from reshard.kernels._tiles import launch_config, merge_dims, tile_lanes, tile_table
+from reshard.planner import Box
 
 
 def _device_code(interpret: bool) -> ModuleType:
@@ -98,7 +99,7 @@ def _tile_groups(args, which: list[int]) -> list[_TileGroup]:
         if ((tensor_abs - tensor_storage) % itemsize).any() or tensor_storage % itemsize or snap_storage % itemsize:
             raise NotImplementedError("delta kernels: a tensor's storage is not aligned to its elements; the Triton "
                                       "backend cannot address it, use backend='torch'")
-        sizes, strides = _merge_dims(sizes, strides)
+        sizes, strides = merge_dims(sizes, strides)
         block, num_warps = launch_config(itemsize, device.type, tile_lanes(sizes))
         starts, table, num_tiles, tiles = tile_table(sizes, strides, (tensor_abs - tensor_storage) // itemsize,
                                                      (snap_abs - snap_storage) // itemsize, block, device)

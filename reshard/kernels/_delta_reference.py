@@ -30,7 +30,7 @@ from reshard.kernels._delta_format import (
     _write_headers,
 )
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 
 def _box_view(t: torch.Tensor, box: Box) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """`pack` / `unpack`: many strided boxes <-> one contiguous byte buffer, in one Triton launch or in torch.
 
-Layout of this file: constants, the descriptor-table builder and launcher of the Triton kernels (the kernels
-themselves are in `_triton.py`, which is loaded once compiled and once interpreted), the public functions, then the
-pure-torch references `pack_reference` / `unpack_reference`, which are also the CPU production path.
+Layout of this file: constants, the launcher of the Triton kernels (the kernels themselves are in `_triton.py`,
+which is loaded once compiled and once interpreted; the tile geometry and descriptor tables in `_tiles.py`), the
+public functions, then the pure-torch references `pack_reference` / `unpack_reference`, which are also the CPU
+production path.
 """
 
 from __future__ import annotations
@@ -21,64 +22,12 @@ from reshard.kernels._backend import choose_backend
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
 from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
-from reshard.planner._box import Box
+from reshard.kernels._tiles import launch_config, lowest_bit, merge_dims, tile_lanes, tile_table
+from reshard.planner import Box
 
 logger = logging.getLogger(__name__)
 
 _MAX_WORD_BYTES = 8  # widest int Triton loads natively; a raw copy moves words of 1, 2, 4 or 8 bytes
-_TABLE_HEAD = 5  # columns before the sizes in a descriptor row (see _triton.py)
-
-
-INTERPRETED_MAX_BLOCK = 1 << 16
-"""The largest BLOCK under Triton's interpreter (CPU tensors); a box of up to this many tile lanes is one program."""
-_INTERPRETED_MIN_BLOCK = 256
-
-
-def launch_config(word_bytes: int, device_type: str, lanes: int | None = None) -> tuple[int, int]:
-    """`(BLOCK, num_warps)` for kernels moving `word_bytes`-byte elements: the one place these are chosen.
-
-    On CUDA a program moves about 16 KiB (BLOCK elements), so the grid is large enough to fill the GPU and each
-    thread has several independent loads in flight. Not autotuned: no GPU measurement has been made yet.
-
-    The interpreter (any other device) runs programs one after another in Python, and a program costs about the same
-    (6 to 8 ms on the 2-core dev VM) whatever its tile holds up to about 16,384 lanes; past that numpy's work on the
-    lanes adds up (about +6 ms at 65,536). So there BLOCK is the smallest power of two >= `lanes`, the most lanes one
-    box's tile needs (`tile_lanes`), between 256 and `INTERPRETED_MAX_BLOCK`: most boxes are one program, and a
-    large box is few (measured: 2**20 float32 elements in 1.26 s with BLOCK 1024, 0.33 s with 4096, 0.09 s with
-    2**18). Without `lanes`, `INTERPRETED_MAX_BLOCK`.
-
-    Example: `launch_config(4, "cpu", 10)` is `(256, 1)`; `launch_config(4, "cuda")` is `(4096, 8)`.
-    """
-    if device_type != "cuda":
-        if lanes is None:
-            return INTERPRETED_MAX_BLOCK, 1
-        return min(INTERPRETED_MAX_BLOCK, max(_INTERPRETED_MIN_BLOCK, 1 << max(int(lanes) - 1, 0).bit_length())), 1
-    block = min(8192, max(1024, 16384 // word_bytes))
-    return block, 8 if block >= 4096 else 4
-
-
-def tile_lanes(sizes: np.ndarray) -> int:
-    """The lanes a tile needs to hold the largest of these boxes whole (`sizes`: `[num_boxes, D]` from
-    `_merge_dims`): its rows times the power of two >= its row length, as `tile_table` lays rows out. 0 for none.
-
-    Example: sizes `[[1497, 5], [1, 10]]` -> 1497 rows of 8 columns, 11,976 lanes.
-    """
-    if not sizes.size:
-        return 0
-    return int(((np.int64(1) << _ceil_log2(sizes[:, -1])) * _num_rows(sizes)).max())
-
-
-def _ceil_log2(n: np.ndarray) -> np.ndarray:
-    """Per entry of `n` (int64, each >= 1) the smallest `k` with `2**k >= n`: the bit length of `n - 1`, which
-    `frexp` gives exactly below 2**53 (larger entries give 53)."""
-    return np.frexp(np.minimum(n - 1, 1 << 52).astype(np.float64))[1].astype(np.int64)
-
-
-def _num_rows(sizes: np.ndarray) -> np.ndarray:
-    """Per box of `sizes` (`[num_boxes, D]`) its rows: the product of every size but the last."""
-    return np.prod(sizes[:, :-1], axis=1) if sizes.shape[1] > 1 else np.ones(len(sizes), dtype=np.int64)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,44 +43,6 @@ def _storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     storage = t.untyped_storage()
     out = torch.empty(0, dtype=dtype, device=t.device)
     return out.set_(storage, 0, (storage.nbytes() // dtype.itemsize,), (1,))
-
-
-def _merge_dims(sizes: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Drop size-1 dims and merge each dim into the next inner one where `stride[d] == stride[d+1] * size[d+1]`.
-
-    Args:
-        sizes, strides: `[num_boxes, D]` int64, outermost dim first; every size >= 1.
-
-    Returns:
-        `(sizes, strides)` of shape `[num_boxes, D']`, outermost first, left-padded with size 1 / stride 0. Row-major
-        order of the elements is unchanged, so the buffer side of each box stays contiguous.
-
-    Example: sizes (4, 3, 2), strides (6, 2, 1) -> sizes (24,), strides (1,); with strides (12, 2, 1) -> sizes
-    (4, 6), strides (12, 1).
-    """
-    num, dims = sizes.shape
-    out_sizes = np.ones((num, dims), dtype=np.int64)  # innermost first while building
-    out_strides = np.zeros((num, dims), dtype=np.int64)
-    cur = np.full(num, -1, dtype=np.int64)
-    rows = np.arange(num)
-    for d in range(dims - 1, -1, -1):
-        size, stride = sizes[:, d], strides[:, d]
-        at = np.maximum(cur, 0)
-        merge = (size != 1) & (cur >= 0) & (out_strides[rows, at] * out_sizes[rows, at] == stride)
-        new = (size != 1) & ~merge
-        out_sizes[rows[merge], at[merge]] *= size[merge]
-        cur = cur + new
-        out_sizes[rows[new], cur[new]] = size[new]
-        out_strides[rows[new], cur[new]] = stride[new]
-    out_strides[cur < 0, 0] = 1  # a single element: one dim of size 1
-    used = int(max(cur.max(initial=0), 0)) + 1
-    return out_sizes[:, :used][:, ::-1].copy(), out_strides[:, :used][:, ::-1].copy()
-
-
-def _lowest_bit(values: np.ndarray, cap: int) -> int:
-    """The largest power of two <= cap dividing every value (the OR's lowest set bit)."""
-    acc = int(np.bitwise_or.reduce(values)) if values.size else 0
-    return cap if acc == 0 else min(cap, acc & -acc)
 
 
 @dataclass
@@ -163,45 +74,6 @@ class _Launch:
                       "VEC": self.vec, "BLOCK": self.block, "num_warps": self.num_warps,
                       "enable_fp_fusion": False}  # no fused multiply-adds: casts stay bit-exact
         launch_in_mode(launch, interpret, *params, **constexprs)
-
-
-def tile_table(sizes: np.ndarray, strides: np.ndarray, tensor_base: np.ndarray, buffer_base: np.ndarray, block: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, np.ndarray]:
-    """The tiles of merged boxes and their descriptor table (columns in `_triton.py`), uploaded to `device`.
-
-    Args:
-        sizes, strides: `[num_boxes, D]` int64 from `_merge_dims` (every size >= 1).
-        tensor_base, buffer_base: `[num_boxes]` int64, table columns 0 and 1.
-        block: the kernels' BLOCK.
-
-    Returns:
-        `(starts, table, num_tiles, tiles)`: the first tile of each box and the table as device tensors (one
-        upload), the total number of tiles and the tiles per box (numpy).
-    """
-    num = sizes.shape[0]
-    log_block = block.bit_length() - 1
-    row_len = sizes[:, -1]
-    num_rows = _num_rows(sizes)
-    log2_cols = np.minimum(_ceil_log2(row_len), log_block)  # smallest power of two >= row_len, capped at BLOCK
-    num_col_tiles = -(-row_len // (np.int64(1) << log2_cols))
-    rows_per_tile = np.int64(block) >> log2_cols
-    tiles = num_col_tiles * -(-num_rows // rows_per_tile)
-    starts = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
-
-    num_dims = sizes.shape[1]
-    table = np.empty((num, _TABLE_HEAD + 2 * num_dims), dtype=np.int64)
-    table[:, 0] = tensor_base
-    table[:, 1] = buffer_base
-    table[:, 2] = log2_cols
-    table[:, 3] = num_col_tiles
-    table[:, 4] = num_rows
-    table[:, _TABLE_HEAD: _TABLE_HEAD + num_dims] = sizes
-    table[:, _TABLE_HEAD + num_dims:] = strides
-    # one upload; `starts` padded to an even length keeps the table 16-byte aligned, so the pointer's alignment
-    # never adds a compiled variant
-    pad = num % 2
-    packed = torch.from_numpy(np.concatenate([starts, np.zeros(pad, dtype=np.int64), table.ravel()])).to(device)
-    return packed[:num], packed[num + pad:], int(tiles.sum()), tiles
 
 
 def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launch:
@@ -238,14 +110,14 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         strides[:, :ndim] *= itemsize[:, None]
         sizes[:, ndim] = itemsize
         strides[:, ndim] = 1
-    sizes, strides = _merge_dims(sizes, strides)
+    sizes, strides = merge_dims(sizes, strides)
     buffer_bytes = 0
     if raw:
         # The innermost dim is a run of contiguous bytes, unless 1-byte elements are strided (their byte dim had
         # size 1 and was dropped): then no word wider than a byte fits inside the box.
         contiguous = strides[:, -1] == 1
         outer = strides[:, :-1][sizes[:, :-1] > 1]
-        word = _lowest_bit(np.concatenate([tensor_abs, buffer_abs, outer, sizes[:, -1],
+        word = lowest_bit(np.concatenate([tensor_abs, buffer_abs, outer, sizes[:, -1],
                                            np.array([tensor_storage, buffer_storage], dtype=np.int64)]),
                            _MAX_WORD_BYTES if contiguous.all() else 1)
         tensor_unit = buffer_unit = word
@@ -275,7 +147,7 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         outer = strides[:, :-1][sizes[:, :-1] > 1]
         cap = 16 // max(tensor_unit, buffer_unit)
         if cap > 1:
-            vec = _lowest_bit(np.concatenate([tensor_base, buffer_base, outer, sizes[:, -1]]), cap)
+            vec = lowest_bit(np.concatenate([tensor_base, buffer_base, outer, sizes[:, -1]]), cap)
     starts_t, table_t, num_tiles, _ = tile_table(sizes, strides, (tensor_abs - tensor_storage) // tensor_unit,
                                                  (buffer_abs - buffer_storage) // buffer_unit, block, device)
     num_dims = sizes.shape[1]

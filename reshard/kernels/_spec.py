@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard.planner._box import Box
+from reshard.planner import Box
 
 # Same-width integer dtype per element size: a raw (no-cast) copy moves every dtype as these bits.
 INT_DTYPE_BY_SIZE: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -5,7 +5,7 @@ This module holds only `@triton.jit` functions. `_pack.py` loads it twice, once 
 said when triton was imported. For the same reason the kernels call only core builtins, never the `@jit` helpers of
 `triton.language.standard` (`tl.sum`, `tl.cdiv`, ...), which exist in the one mode triton was imported in.
 
-Descriptor table (built by `_pack._build_table`), one row of int64 per non-empty box:
+Descriptor table (built by `_tiles.tile_table`), one row of int64 per non-empty box:
 
     starts[b]                        first program (tile) of box b; tiles of box b are starts[b] .. starts[b+1]-1
     table[b, 0]  tensor_base         element (or word) offset of the box's first element from the tensor pointer

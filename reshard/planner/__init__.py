@@ -3,11 +3,17 @@
 Exports:
     Box, intersect, split_box, split_to_fit, subtract: n-D index boxes and their arithmetic.
     Mesh, Layout, Piece, placement_str: DTensor-exact layouts and their local pieces; `parse_layout` reads the
-        command-line notation (`"ranks=0-7 mesh=2x4 R,S(0)"`).
+        command-line notation (`"ranks=0-7 mesh=2x4 R,S(0)"`); `flat_index`: a mesh coordinate's row-major
+        position.
     ExplicitLayout, fuse, relabel, vocab_parallel_layout: layouts given piece by piece (fused and padded tensors).
     scale_layout, block_halo_layout, is_block_aligned: the layouts of block-quantized (FP8) weights' scales and
         halos.
-    encode_layout, decode_layout: a layout as JSON values and back (checked).
+    DEFAULT_BLOCK, check_block, block_aligned, scale_box: the FP8 block geometry: the default `(128, 128)` block, a
+        block size checked, whether a box of a weight covers whole blocks, the box of `scale_inv` a box touches.
+    FP8, Fp8Items: the FP8 dtype (`torch.float8_e4m3fn`) and the plan items of one FP8 block-quantized weight (where
+        it is quantized, which layouts move).
+    encode_layout, decode_layout: a layout as JSON values and back (checked); encode_placements,
+        decode_placements: DTensor placements as JSON strings (`"S(0)"`, `"R"`) and back (checked).
     dtype_name, dtype_from_name: torch dtype <-> its name.
     Topology: ranks -> NVLink domains.
     plan, plan_many, PlanItem, Plan, PlanData, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES:
@@ -21,15 +27,24 @@ Exports:
     format_bytes, format_stats: the report formatting.
 """
 
-from reshard.planner._blocks import block_halo_layout, is_block_aligned, scale_layout
+from reshard.planner._blocks import (
+    DEFAULT_BLOCK,
+    block_aligned,
+    block_halo_layout,
+    check_block,
+    is_block_aligned,
+    scale_box,
+    scale_layout,
+)
 from reshard.planner._box import Box, intersect, split_box, split_to_fit, subtract
 from reshard.planner._checks import PlanLimits
 from reshard.planner._chunks import TransferColumns
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
 from reshard.planner._format import format_bytes, format_stats
+from reshard.planner._fp8 import FP8, Fp8Items
 from reshard.planner._layout import Layout, Piece, placement_str
-from reshard.planner._mesh import Mesh
+from reshard.planner._mesh import Mesh, flat_index
 from reshard.planner._notation import parse_layout
 from reshard.planner._plan import (
     DEFAULT_MIN_SPLIT_BYTES,
@@ -54,17 +69,20 @@ from reshard.planner._types import (
     RankPlan,
     Transfer,
 )
-from reshard.planner._wire import decode_layout, encode_layout
+from reshard.planner._wire import decode_layout, decode_placements, encode_layout, encode_placements
 
 __all__ = [
+    "DEFAULT_BLOCK",
     "DEFAULT_MIN_SPLIT_BYTES",
     "DEFAULT_STAGING_BYTES",
+    "FP8",
     "LINKS",
     "PIPELINE_DEPTH",
     "RELAY_CHUNK_LAG",
     "Box",
     "BoxList",
     "ExplicitLayout",
+    "Fp8Items",
     "Layout",
     "Mesh",
     "Message",
@@ -80,12 +98,17 @@ __all__ = [
     "Topology",
     "Transfer",
     "TransferColumns",
+    "block_aligned",
     "block_halo_layout",
+    "check_block",
     "clear_plan_cache",
     "decode_layout",
+    "decode_placements",
     "dtype_from_name",
     "dtype_name",
     "encode_layout",
+    "encode_placements",
+    "flat_index",
     "format_bytes",
     "format_stats",
     "fuse",
@@ -96,6 +119,7 @@ __all__ = [
     "plan",
     "plan_many",
     "relabel",
+    "scale_box",
     "scale_layout",
     "split_box",
     "split_to_fit",

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reshard.cost import get_hardware
-from reshard.planner import Plan, PlanItem, Topology, plan_many
-from reshard.planner._wire import decode_layout
+from reshard.planner import Plan, PlanItem, Topology, decode_layout, plan_many
 from reshard.refit._fp8 import FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._meta import LayoutLike

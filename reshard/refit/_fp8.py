@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from reshard.kernels import quantize_fp8_block
-from reshard.planner import plan_many
-from reshard.planner._blocks import DEFAULT_BLOCK as BLOCK
-from reshard.planner._fp8 import FP8, Fp8Items
+from reshard.planner import DEFAULT_BLOCK as BLOCK
+from reshard.planner import FP8, Fp8Items, plan_many
 
 
 def quantize(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:

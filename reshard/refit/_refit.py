@@ -27,22 +27,19 @@ from typing import Any
 
 import torch
 
-from reshard.comm import CommError, DeltaSession, Group, execute
-from reshard.comm._delta import SNAPSHOTS
-from reshard.comm._group import as_timedelta
-from reshard.comm._handshake import agree, all_gather_json
+from reshard.comm import SNAPSHOTS, CommError, DeltaSession, Group, agree, all_gather_json, as_timedelta, execute
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     ExplicitLayout,
     Layout,
     Plan,
     Topology,
+    encode_layout,
+    flat_index,
     fuse,
     relabel,
+    scale_layout,
 )
-from reshard.planner._blocks import scale_layout
-from reshard.planner._mesh import flat_index
-from reshard.planner._wire import encode_layout
 from reshard.refit._build import Built, build
 from reshard.refit._fp8 import BLOCK, FP8
 from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry

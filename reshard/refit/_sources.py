@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.distributed.tensor import Replicate
 
-from reshard.planner import ExplicitLayout, Layout, Mesh, decode_layout, dtype_name
-from reshard.planner._mesh import flat_index
+from reshard.planner import ExplicitLayout, Layout, Mesh, decode_layout, dtype_name, flat_index
 from reshard.refit._meta import LayoutLike
 
 
