@@ -21,6 +21,7 @@ Those are two whole copies of one tensor, not a disagreement.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -114,9 +115,14 @@ def source_layouts(metas: Sequence[dict]) -> tuple[dict[str, LayoutLike], dict[s
     """
     mapping, errors = dtensor_rank_map(metas)
     regs: dict[str, list[tuple[int, LayoutLike]]] = {}
+    decoded: dict[int, tuple[Any, LayoutLike]] = {}  # ranks of one registration table share its encoded layouts
     for m in sorted(metas, key=lambda m: m["rank"]):
         for n, src in m["sources"].items():
-            lay = decode_layout(src["layout"])
+            enc = src["layout"]
+            hit = decoded.get(id(enc))
+            if hit is None or hit[0] is not enc:
+                hit = decoded[id(enc)] = (enc, decode_layout(enc))
+            lay = hit[1]
             if src.get("coord") is not None and isinstance(lay, Layout):
                 unmapped = sorted(r for r in lay.mesh.ranks if r not in mapping)
                 if unmapped:
@@ -133,7 +139,7 @@ def source_layouts(metas: Sequence[dict]) -> tuple[dict[str, LayoutLike], dict[s
         distinct: list[tuple[LayoutLike, list[int]]] = []
         for r, lay in rs:
             for d, who in distinct:
-                if d == lay:
+                if d is lay or d == lay:
                     who.append(r)
                     break
             else:
