@@ -8,13 +8,15 @@ layouts, DTensor coordinates, aliases and scales. Tampered or malformed parts ar
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.planner import Layout, Mesh, fuse, vocab_parallel_layout
+from reshard.planner import Layout, Mesh, Topology, fuse, vocab_parallel_layout
+from reshard.refit._build import build
 from reshard.refit._metawire import (
     check_record,
     join_registrations,
@@ -22,6 +24,7 @@ from reshard.refit._metawire import (
     split_registration,
     table_owners,
 )
+from reshard.refit._sources import source_layouts
 
 
 def _cluster() -> list[dict]:
@@ -133,3 +136,47 @@ def test_a_rank_with_many_errors_sends_the_first_ones_and_their_count() -> None:
                                 for r in range(3)] + [m])
     errors = join_registrations(records, tables)[3]["errors"]
     assert errors == [f"problem {i}" for i in range(16)] + ["... and 24 more problem(s) on rank 3"]
+
+
+class _Options:
+    """What `build` reads of a `Refit` (`BuildOptions`)."""
+
+    rank = 0
+    name_map = None
+    ignore_sources = frozenset()
+    precision = "same"
+    policy = "reshard"
+    policies: dict = {}
+    topology = Topology(domain_size=2)
+    relay = True
+    staging_bytes = 1 << 20
+    hardware = None
+
+
+def _trainer_and_engine(engine_layouts: list) -> list[dict]:
+    src = Layout((8, 6), Mesh([0, 1]), [Shard(0)], torch.float32, name="w")
+    no_alias = {"sources": {}, "dests": {}}
+    metas = [registration(r, {"w": src}, {}, {}, [], no_alias, [], [None, "n"]) for r in (0, 1)]
+    return metas + [registration(r, {}, {}, {"w": [("w", lay)]}, [], no_alias, [], [None, "n"])
+                    for r, lay in zip((2, 3, 4, 5), engine_layouts)]
+
+
+def test_build_reads_shared_tables_as_it_reads_every_ranks_own_copy() -> None:
+    """Oracle: the same metadata with no object shared between ranks (`copy.deepcopy` per rank), which `build` and
+    `source_layouts` walk rank by rank: the same layouts, the same plan, the same errors in the same order."""
+    engine = Layout((8, 6), Mesh([[2, 3], [4, 5]]), [Replicate(), Shard(1)], torch.float32, name="w")
+    other = Layout((8, 6), Mesh([[2, 3], [4, 5]]), [Replicate(), Shard(0)], torch.float32, name="w")
+    for lays in ([engine] * 4, [engine, other, engine, other]):
+        records, tables, _ = _wire(_trainer_and_engine(lays))
+        shared = join_registrations(records, tables)
+        own = [copy.deepcopy(m) for m in shared]
+        assert source_layouts(shared) == source_layouts(own)
+        outcome = []
+        for metas in (shared, own):
+            try:
+                outcome.append(build(_Options(), metas).plan.fingerprint)
+            except ValueError as e:
+                outcome.append(str(e))
+        assert outcome[0] == outcome[1]
+        if lays[1] is other:  # ranks 3 and 5 registered another layout than ranks 2 and 4
+            assert "rank 3 differs from rank 2" in outcome[0] and "rank 5 differs from rank 2" in outcome[0]

@@ -91,8 +91,9 @@ def _compact(enc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _expand(enc: Any, where: str) -> Any:
-    """`_compact` undone; `ValueError` naming `where` for a malformed range (the layout's own checks follow)."""
+def _expand(enc: Any, where: str, memo: dict[tuple, list[int]] | None = None) -> Any:
+    """`_compact` undone; `ValueError` naming `where` for a malformed range (the layout's own checks follow).
+    `memo`: rank lists already expanded, shared by the layouts of one mesh."""
     if not isinstance(enc, dict) or "ranks_range" not in enc:
         return enc
     rng, shape = enc["ranks_range"], enc.get("mesh_shape")
@@ -101,7 +102,13 @@ def _expand(enc: Any, where: str) -> Any:
         raise ValueError(f"{where}: malformed ranks_range {str(rng)[:80]} (mesh_shape {str(shape)[:80]})")
     out = {k: v for k, v in enc.items() if k != "ranks_range"}
     start, step = rng
-    out["ranks"] = list(range(start, start + step * math.prod(shape), step))
+    key = (start, step, math.prod(shape))
+    ranks = memo.get(key) if memo is not None else None
+    if ranks is None:
+        ranks = list(range(start, start + step * key[2], step))
+        if memo is not None:
+            memo[key] = ranks
+    out["ranks"] = ranks
     return out
 
 
@@ -196,7 +203,8 @@ def join_registrations(records: Sequence[dict[str, Any]], tables: Mapping[str, A
         if not (isinstance(table, dict) and set(table) == _TABLE_FIELDS and isinstance(table["layouts"], list)
                 and isinstance(table["sources"], dict) and isinstance(table["dests"], dict)):
             raise ValueError(f"{where} is malformed: {str(table)[:200]}")
-        layouts = [_expand(enc, where) for enc in table["layouts"]]
+        memo: dict[tuple, list[int]] = {}
+        layouts = [_expand(enc, where, memo) for enc in table["layouts"]]
 
         def lay(k: Any) -> Any:
             if type(k) is not int or not 0 <= k < len(layouts):
