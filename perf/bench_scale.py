@@ -3,6 +3,7 @@
 Usage:
     python perf/bench_scale.py [--models deepseek-v3 kimi-k2] [--gpus 256 1024 2048] [--out perf/out/scale]
                                [--no-plan]
+    python perf/bench_scale.py --control 2 4 8 [--rounds 30]
 
 Layouts come from `reshard.sim.model_layouts` (Megatron-style PP x EP trainer -> vLLM-style TP8 replicas, 72-GPU
 NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model, GPUs per side, method):
@@ -19,7 +20,10 @@ NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model,
   refused; the row then says after how long and at what peak (`plan_refused_after_s`, `plan_error`). The planner
   has no rank-local method yet, so the `local` rows leave the plan columns empty.
 
-Writes `bench_scale.csv` (machine, versions, configuration per row) and `bench_scale.png`.
+Writes `bench_scale.csv` (machine, versions, configuration per row) and `bench_scale.png`. With `--control`, instead
+times the control rounds on a few real gloo ranks of this machine (`control.csv`): the plan agreement (a star at
+the lowest rank), the metadata round's record all-gather and a 100 kB table broadcast, to see how each grows with
+the ranks.
 """
 
 from __future__ import annotations
@@ -151,6 +155,56 @@ def plan_child(model: str, gpus: int) -> None:
                       "network_lower_bound": s.network_lower_bound, "nvlink_bytes": s.nvlink_bytes}))
 
 
+def _control_job(w, rounds: int) -> dict[str, float]:
+    """On every rank of a pool: median seconds of the plan agreement (`agree`, a star rooted at rank 0) and of the
+    metadata round's record all-gather and one table broadcast, over `rounds` rounds each."""
+    import datetime
+    import statistics
+
+    from reshard.comm._handshake import agree, all_gather_json, broadcast_bytes
+
+    group = w.new_group("control", timeout=60)
+    td = datetime.timedelta(seconds=60)
+    ranks = list(range(w.world_size))
+    record = {"rank": w.rank, "table": "0" * 32, "table_bytes": 100_000, "coords": [], "odd_coords": {},
+              "errors": [], "identity": [None, "0" * 32]}
+    table = b"x" * 100_000
+    out: dict[str, list[float]] = {"agree": [], "records": [], "table": []}
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            agree(group, ranks, "f" * 32, [], list, timeout=td, what="plan handshake")
+            t1 = time.perf_counter()
+            all_gather_json(group, record, timeout=td, what=WHAT)
+            t2 = time.perf_counter()
+            broadcast_bytes(group, table if w.rank == 0 else None, root=0, size=len(table), timeout=td, what=WHAT)
+            t3 = time.perf_counter()
+            out["agree"].append(t1 - t0)
+            out["records"].append(t2 - t1)
+            out["table"].append(t3 - t2)
+    finally:
+        group.close()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def control_rows(sizes: list[int], rounds: int) -> list[dict[str, object]]:
+    """The control rounds on `sizes` gloo ranks of this machine: the slowest rank's median per round."""
+    from reshard.testing import RankPool
+
+    rows: list[dict[str, object]] = []
+    for n in sizes:
+        with RankPool(n, timeout_s=120) as pool:
+            res = pool.run_ok(_control_job, rounds, timeout=600)
+        row: dict[str, object] = {"control_ranks": n, "rounds": rounds}
+        for k in ("agree", "records", "table"):
+            row[f"{k}_seconds"] = round(max(r[k] for r in res), 6)
+        rows.append(row)
+        print(f"control rounds on {n} gloo ranks: agree {row['agree_seconds'] * 1e3:.2f} ms, record all-gather "
+              f"{row['records_seconds'] * 1e3:.2f} ms, 100 kB table broadcast {row['table_seconds'] * 1e3:.2f} ms",
+              flush=True)
+    return rows
+
+
 def plot(rows: list[dict[str, object]], path: Path) -> None:
     """Metadata received per rank and plan time against GPUs per side, per model and method (log-log)."""
     import matplotlib
@@ -186,12 +240,21 @@ def main() -> None:
     ap.add_argument("--gpus", nargs="+", type=int, default=[256, 1024, 2048], choices=sorted(SYSTEMS))
     ap.add_argument("--out", default="perf/out/scale")
     ap.add_argument("--no-plan", action="store_true", help="metadata only (the plans take minutes at 2,048)")
+    ap.add_argument("--control", nargs="*", type=int, default=None, metavar="RANKS",
+                    help="instead: time the control rounds (plan agreement, record all-gather, table broadcast) on "
+                         "this many gloo ranks each (e.g. 2 4 8); writes control.csv")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds per control measurement")
     ap.add_argument("--plan-child", nargs=2, metavar=("MODEL", "GPUS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_child:
         plan_child(args.plan_child[0], int(args.plan_child[1]))
         return
     info = {**machine_info(torch.device("cpu")), "python_speed_ms": f"{python_speed_ms():.1f}"}
+    if args.control is not None:
+        rows = [{**r, **info} for r in control_rows(args.control or [2, 4, 8], args.rounds)]
+        write_csv(Path(args.out) / "control.csv", rows)
+        print(f"wrote {Path(args.out) / 'control.csv'}")
+        return
     rows: list[dict[str, object]] = []
     for model in args.models:
         for gpus in args.gpus:
