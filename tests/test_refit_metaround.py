@@ -18,14 +18,11 @@ from reshard.testing import RankPool
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 4
-
 
 @pytest.fixture(scope="module")
 def pool():
-    p = RankPool(WORLD)
-    yield p
-    p.close()
+    with RankPool(4) as ranks:  # trainer 0, 1; engine 2, 3
+        yield ranks
 
 
 def on_rank_refit(w, tamper: bool) -> dict:
