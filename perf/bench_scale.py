@@ -4,6 +4,7 @@ Usage:
     python perf/bench_scale.py [--models deepseek-v3 kimi-k2] [--gpus 256 1024 2048] [--out perf/out/scale]
                                [--no-plan]
     python perf/bench_scale.py --control 2 4 8 [--rounds 30]
+    python perf/bench_scale.py --profile kimi-k2 256
 
 Layouts come from `reshard.sim.model_layouts` (Megatron-style PP x EP trainer -> vLLM-style TP8 replicas, 72-GPU
 NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model, GPUs per side, method):
@@ -244,10 +245,22 @@ def main() -> None:
                     help="instead: time the control rounds (plan agreement, record all-gather, table broadcast) on "
                          "this many gloo ranks each (e.g. 2 4 8); writes control.csv")
     ap.add_argument("--rounds", type=int, default=30, help="rounds per control measurement")
+    ap.add_argument("--profile", nargs=2, metavar=("MODEL", "GPUS"),
+                    help="instead: cProfile today's whole-model plan (the 15 costliest functions, cumulative)")
     ap.add_argument("--plan-child", nargs=2, metavar=("MODEL", "GPUS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_child:
         plan_child(args.plan_child[0], int(args.plan_child[1]))
+        return
+    if args.profile:
+        import cProfile
+        import pstats
+
+        system = System.parse(SYSTEMS[int(args.profile[1])])
+        items = plan_items(model_layouts(get_preset(args.profile[0]), system))
+        prof = cProfile.Profile()
+        prof.runcall(plan_many, items, Topology(domain_size=system.domain_size))
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
         return
     info = {**machine_info(torch.device("cpu")), "python_speed_ms": f"{python_speed_ms():.1f}"}
     if args.control is not None:
