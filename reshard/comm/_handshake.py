@@ -1,4 +1,5 @@
-"""Agreement before and after data moves: plan fingerprints, bad-input flags, and a JSON all-gather.
+"""Agreement before and after data moves: plan fingerprints, bad-input flags, a JSON all-gather, and a byte
+broadcast (`broadcast_bytes`, gloo's binomial tree: what a refit's metadata round sends once to every rank).
 
 `agree` is a star exchange over the control backend among the ranks of a plan, rooted at the lowest of them: every
 rank sends its plan fingerprint and its local errors, the root decides, and every rank gets the same verdict. So
