@@ -131,3 +131,14 @@ def test_dtype_names() -> None:
             dtype_from_name(bad, what="--dtype")
     with pytest.raises(TypeError, match="expected a torch.dtype"):
         dtype_name("bfloat16")
+
+
+def test_decoded_meshes_are_shared_and_a_cached_mesh_still_checks_its_ranks() -> None:
+    """`decode_layout` builds each distinct mesh once (a model repeats a few): the second decode reuses it, and a
+    rank list equal to a cached one up to type (`True == 1`, `1.0 == 1`) is still refused."""
+    enc = encode_layout(Layout((4, 6), Mesh([[0, 1], [2, 3]]), [Shard(0), Replicate()], torch.bfloat16, name="a"))
+    first, second = decode_layout(enc), decode_layout({**enc, "name": "b"})
+    assert second.mesh is first.mesh and second.name == "b"
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="ranks: expected an integer"):
+            decode_layout(_with(enc, ("ranks", 1), bad))

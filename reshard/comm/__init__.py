@@ -17,6 +17,7 @@ For integrations that run their own protocol on a group (e.g. `reshard.integrati
     all_gather_json: every rank gets every rank's JSON-able value (one collective round over the control backend).
     agree: every rank of a set agrees that all hold the same plan fingerprint and none has an error, else the same
         error is raised on all (what differs is named).
+    broadcast_bytes: one rank's bytes on every rank (one broadcast over the control backend, a tree, not a star).
     as_timedelta: a timeout in seconds or a `timedelta`, checked, as a `timedelta`.
     serve_store: a TCP store bound to one address, on which `Group.rendezvous(..., is_master=False)` calls meet.
     is_loopback: whether an address is a loopback one (where `Group.rendezvous` accepts no token).
@@ -27,7 +28,7 @@ from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
 from reshard.comm._delta_session import SNAPSHOTS, DeltaLinkStats, DeltaReport, DeltaSession
 from reshard.comm._executor import ZERO_COPY_ENV, ChecksumError, execute
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group, as_timedelta
-from reshard.comm._handshake import agree, all_gather_json
+from reshard.comm._handshake import agree, all_gather_json, broadcast_bytes
 from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging
 from reshard.comm._rendezvous import TOKEN_ENV, is_loopback, serve_store
 from reshard.comm._transfer import TransferHandle, transfer
@@ -50,6 +51,7 @@ __all__ = [
     "agree",
     "all_gather_json",
     "as_timedelta",
+    "broadcast_bytes",
     "exchange_layouts",
     "execute",
     "is_loopback",

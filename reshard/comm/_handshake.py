@@ -1,4 +1,5 @@
-"""Agreement before and after data moves: plan fingerprints, bad-input flags, and a JSON all-gather.
+"""Agreement before and after data moves: plan fingerprints, bad-input flags, a JSON all-gather, and a byte
+broadcast (`broadcast_bytes`, gloo's binomial tree: what a refit's metadata round sends once to every rank).
 
 `agree` is a star exchange over the control backend among the ranks of a plan, rooted at the lowest of them: every
 rank sends its plan fingerprint and its local errors, the root decides, and every rank gets the same verdict. So
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from reshard.comm._group import CommError, Group
 from reshard.comm._transfer import TAG_CONTROL, blame, fault, post, wait_watched
@@ -381,3 +383,28 @@ def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, w
         raise blame(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
                     f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what,
                     timed_out=timed_out) from e
+
+
+def broadcast_bytes(group: Group, data: bytes | None, *, root: int, size: int, timeout: datetime.timedelta,
+                    what: str) -> bytes:
+    """`root`'s `data` (`size` bytes, announced to every rank in an earlier round) on every rank of `group`, in one
+    broadcast on the control backend (gloo's, a tree over the group, not a star through one rank's links).
+    Collective: every rank calls it with the same `root` and `size`; `data` is read on `root` only.
+
+    Raises:
+        ValueError: on `root`, `data` is not `size` bytes (before any message).
+        CommError: `size` is over the control limit (naming `root`), or a rank did not take part within `timeout`.
+    """
+    if group.rank == root and (data is None or len(data) != size):
+        raise ValueError(f"{what}: rank {root} has {None if data is None else len(data)} bytes to broadcast, "
+                         f"announced {size}")
+    _size(group, size, root, what, what)
+    with group.exclusive(what):
+        group._collectives += 1
+        buf = _to_tensor(data) if group.rank == root else torch.empty(size, dtype=torch.uint8)
+        if not size:
+            return b""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        _wait(lambda: group.control.broadcast([buf], opts), group, timeout, what)
+        return buf.numpy().tobytes()

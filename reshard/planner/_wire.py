@@ -24,9 +24,14 @@ from torch.distributed.tensor import Partial, Placement
 from reshard.planner._box import Box
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout
-from reshard.planner._layout import Layout, Piece, placement_str
+from reshard.planner._layout import BoundedCache, Layout, Piece, placement_str
 from reshard.planner._mesh import Mesh
 from reshard.planner._notation import parse_placements
+
+MESH_CACHE_SIZE = 256
+"""Distinct meshes `decode_layout` keeps built (a model's layouts use a few per pipeline stage and engine)."""
+
+_MESHES = BoundedCache("decoded meshes", MESH_CACHE_SIZE)
 
 _MESH_FIELDS = frozenset({"kind", "name", "shape", "dtype", "mesh_shape", "ranks", "axis_names", "placements"})
 _EXPLICIT_FIELDS = frozenset({"kind", "name", "shape", "dtype", "per_rank"})
@@ -118,7 +123,10 @@ def decode_layout(obj: Any) -> Layout | ExplicitLayout:
                 size *= s
             if not mesh_shape or size != len(ranks):
                 raise ValueError(f"{what}: mesh_shape {mesh_shape} does not hold the {len(ranks)} ranks {ranks}")
-            mesh = Mesh(torch.tensor(ranks, dtype=torch.int64).reshape(mesh_shape), axis_names)
+            key = (tuple(mesh_shape), tuple(ranks), None if axis_names is None else tuple(axis_names))
+            mesh = _MESHES.get(key)
+            if mesh is None:  # every weight of a stage or an engine repeats a few meshes: build (and check) each once
+                mesh = _MESHES[key] = Mesh(torch.tensor(ranks, dtype=torch.int64).reshape(mesh_shape), axis_names)
             return Layout(shape, mesh, decode_placements(obj["placements"], what=f"{what}: placements"), dtype,
                           name=name)
         pieces: dict[int, list[Piece]] = {}
@@ -162,4 +170,7 @@ def _int(obj: Any, what: str) -> int:
 
 
 def _ints(obj: Any, what: str) -> list[int]:
-    return [_int(v, what) for v in _seq(obj, what)]
+    seq = _seq(obj, what)
+    if set(map(type, seq)) <= {int}:  # the common case, checked in one pass (a mesh's thousands of ranks)
+        return list(seq)
+    return [_int(v, what) for v in seq]

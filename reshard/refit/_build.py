@@ -18,7 +18,7 @@ from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._meta import LayoutLike
 from reshard.refit._names import NameMap, match_names, merge_aliases
 from reshard.refit._policy import Choice, choose
-from reshard.refit._sources import source_layouts
+from reshard.refit._sources import by_table, source_layouts
 
 PRECISIONS = ("same", "cast", "fp8_block")
 
@@ -67,13 +67,16 @@ def build(refit: BuildOptions, meta: list[dict]) -> Built:
     errors.extend(src_errors)
     dests: dict[str, list] = {}
     dest_holders: dict[str, set[int]] = {}
-    for m in sorted(meta, key=lambda m: m["rank"]):
-        for n, comps in m["dests"].items():
+    disagree: list[tuple[int, str]] = []
+    for table, ranks in by_table(meta, "dests"):
+        for n, comps in table.items():
             if n in dests and dests[n] != comps:
-                errors.append(f"destination {n!r}: ranks disagree on its layout (rank {m['rank']} differs from rank "
-                              f"{min(dest_holders[n])})")
+                first = min(dest_holders[n])
+                disagree.extend((r, f"destination {n!r}: ranks disagree on its layout (rank {r} differs from rank "
+                                    f"{first})") for r in ranks)
             dests.setdefault(n, comps)
-            dest_holders.setdefault(n, set()).add(m["rank"])
+            dest_holders.setdefault(n, set()).update(ranks)
+    errors.extend(e for _, e in sorted(disagree, key=lambda x: x[0]))
     dst_components: dict[str, tuple[str, str, LayoutLike]] = {}  # global name -> (dest tensor, global, layout)
     for dn, comps in sorted(dests.items()):
         for gname, spec in comps:

@@ -18,6 +18,7 @@ Runtime contract:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -27,14 +28,23 @@ from typing import Any
 
 import torch
 
-from reshard.comm import SNAPSHOTS, CommError, DeltaSession, Group, agree, all_gather_json, as_timedelta, execute
+from reshard.comm import (
+    SNAPSHOTS,
+    CommError,
+    DeltaSession,
+    Group,
+    agree,
+    all_gather_json,
+    as_timedelta,
+    broadcast_bytes,
+    execute,
+)
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     ExplicitLayout,
     Layout,
     Plan,
     Topology,
-    encode_layout,
     flat_index,
     fuse,
     relabel,
@@ -44,6 +54,14 @@ from reshard.refit._build import Built, build
 from reshard.refit._fp8 import BLOCK, FP8
 from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
 from reshard.refit._meta import LayoutLike, check_local
+from reshard.refit._metawire import (
+    DIGEST_CHARS,
+    check_record,
+    join_registrations,
+    registration,
+    split_registration,
+    table_owners,
+)
 from reshard.refit._names import NameMap
 from reshard.refit._policy import Choice
 from reshard.refit._replicas import replica_digests, replica_errors
@@ -666,28 +684,11 @@ class Refit:
             if e:
                 errors.append("destination " + e)
             errors.extend(_check_scale(name, d, scales.get(name), self.rank))
-        mine = {  # JSON values only (lists, dicts, strings, integers)
-            "rank": self.rank,
-            "sources": {n: {"layout": encode_layout(lay), "coord": self._coords.get(n)}
-                        for n, (_, lay) in sorted(self._sources.items())},
-            "dests": {n: [[g, encode_layout(lay)] for g, lay in d.components]
-                      for n, (_, d) in sorted(self._dests.items())},
-            "scaled": sorted(self._scales),
-            "aliases": {"sources": {n: list(a) for n, a in sorted(self._src_aliases.items())},
-                        "dests": {n: list(a) for n, a in sorted(self._dst_aliases.items())}},
-            "errors": errors,
-            "identity": [self.name, self._nonce],
-        }
-        td = as_timedelta(self.timeout, default=self.group.timeout)
-        metas = all_gather_json(self.group, mine, timeout=td, what="refit metadata exchange")
-        for r, m in enumerate(metas):
-            if not (isinstance(m, dict) and set(m) == set(mine) and m["rank"] == r and isinstance(m["sources"], dict)
-                    and isinstance(m["dests"], dict) and isinstance(m["errors"], list) and _aliases_ok(m["aliases"])):
-                raise CommError(f"refit metadata exchange: rank {r} sent malformed metadata: {str(m)[:200]}")
-            ident = m["identity"]
-            if not (isinstance(ident, list) and len(ident) == 2 and isinstance(ident[1], str)
-                    and (ident[0] is None or isinstance(ident[0], str))):
-                raise CommError(f"refit metadata exchange: rank {r} sent a malformed identity: {str(ident)[:200]}")
+        mine = registration(self.rank, {n: lay for n, (_, lay) in self._sources.items()}, self._coords,
+                            {n: d.components for n, (_, d) in self._dests.items()}, list(self._scales),
+                            {"sources": self._src_aliases, "dests": self._dst_aliases}, errors,
+                            [self.name, self._nonce])
+        metas = self._gather_registrations(mine)
         names = {r: m["identity"][0] for r, m in enumerate(metas)}
         if len(set(names.values())) > 1:
             groups: dict[Any, list[int]] = {}
@@ -700,6 +701,37 @@ class Refit:
                                        .encode()).hexdigest()
         return metas
 
+    def _gather_registrations(self, mine: dict) -> list[dict]:
+        """Every rank's `registration`, in rank order, in two rounds (see `reshard.refit._metawire`): every rank's
+        record (its own facts and its table's digest) all-gathered, then each distinct table broadcast once by the
+        lowest rank holding it. What a rank receives grows with the group only by the records (~150 bytes each)."""
+        td = as_timedelta(self.timeout, default=self.group.timeout)
+        what = "refit metadata exchange"
+        record, _, data = split_registration(mine)
+        records = all_gather_json(self.group, record, timeout=td, what=what)
+        for r, m in enumerate(records):
+            why = check_record(r, m)
+            if why:
+                raise CommError(f"{what}: {why}")
+        tables: dict[str, Any] = {}
+        for dg, (owner, size) in table_owners(records).items():
+            got = broadcast_bytes(self.group, data if owner == self.rank else None, root=owner, size=size,
+                                  timeout=td, what=f"{what} (table of rank {owner})")
+            if hashlib.sha256(got).hexdigest()[:DIGEST_CHARS] != dg:
+                raise CommError(f"{what}: rank {owner}'s registration table does not match its digest {dg}")
+            try:
+                tables[dg] = json.loads(got.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise CommError(f"{what}: rank {owner} sent a malformed registration table: {e}") from None
+        try:
+            metas = join_registrations(records, tables)
+        except ValueError as e:
+            raise CommError(str(e)) from None
+        for r, m in enumerate(metas):
+            if not (isinstance(m["sources"], dict) and isinstance(m["dests"], dict) and _aliases_ok(m["aliases"])
+                    and isinstance(m["scaled"], list)):
+                raise CommError(f"{what}: rank {r} sent malformed metadata: {str(m)[:200]}")
+        return metas
 
 def _aliases_ok(aliases: Any) -> bool:
     """A peer's `aliases` field is `{"sources": {name: [alias, ...]}, "dests": {...}}` of strings."""

@@ -21,6 +21,7 @@ Those are two whole copies of one tensor, not a disagreement.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -112,10 +113,15 @@ def source_layouts(metas: Sequence[dict]) -> tuple[dict[str, LayoutLike], dict[s
             a coordinate means a DTensor registration whose mesh is in the process's own world ranks).
     """
     mapping, errors = dtensor_rank_map(metas)
-    regs: dict[str, list[tuple[int, LayoutLike]]] = {}
-    for m in sorted(metas, key=lambda m: m["rank"]):
-        for n, src in m["sources"].items():
-            lay = decode_layout(src["layout"])
+    regs: dict[str, list[tuple[list[int], LayoutLike]]] = {}
+    decoded: dict[int, tuple[Any, LayoutLike]] = {}  # ranks of one registration table share its encoded layouts
+    for sources, ranks in by_table(metas, "sources"):
+        for n, src in sources.items():
+            enc = src["layout"]
+            hit = decoded.get(id(enc))
+            if hit is None or hit[0] is not enc:
+                hit = decoded[id(enc)] = (enc, decode_layout(enc))
+            lay = hit[1]
             if src.get("coord") is not None and isinstance(lay, Layout):
                 unmapped = sorted(r for r in lay.mesh.ranks if r not in mapping)
                 if unmapped:
@@ -124,19 +130,21 @@ def source_layouts(metas: Sequence[dict]) -> tuple[dict[str, LayoutLike], dict[s
                                   f"DTensor; DTensor rank -> group rank mapping found: {_map_text(mapping)}")
                     continue
                 lay = remap_ranks(lay, mapping)
-            regs.setdefault(n, []).append((m["rank"], lay))
+            regs.setdefault(n, []).append((ranks, lay))
     layouts: dict[str, LayoutLike] = {}
     holders: dict[str, set[int]] = {}
     for n, rs in sorted(regs.items()):
-        holders[n] = {r for r, _ in rs}
+        holders[n] = {r for ranks, _ in rs for r in ranks}
         distinct: list[tuple[LayoutLike, list[int]]] = []
-        for r, lay in rs:
+        for ranks, lay in rs:
             for d, who in distinct:
-                if d == lay:
-                    who.append(r)
+                if d is lay or d == lay:
+                    who.extend(ranks)
                     break
             else:
-                distinct.append((lay, [r]))
+                distinct.append((lay, list(ranks)))
+        for _, who in distinct:
+            who.sort()
         if len(distinct) > 1:
             why = _conflict(distinct)
             if why:
@@ -150,6 +158,21 @@ def source_layouts(metas: Sequence[dict]) -> tuple[dict[str, LayoutLike], dict[s
             continue
         layouts[n] = lay
     return layouts, holders, errors
+
+
+def by_table(metas: Sequence[dict], field: str) -> list[tuple[dict, list[int]]]:
+    """`(m[field], ranks)` per distinct object: ranks of one registration table share its dicts
+    (`reshard.refit._metawire.join_registrations`), so a loop over registrations costs per table, not per rank.
+    In order of each object's lowest rank; ranks ascending."""
+    groups: dict[int, tuple[dict, list[int]]] = {}
+    for m in sorted(metas, key=lambda m: m["rank"]):
+        obj = m[field]
+        g = groups.get(id(obj))
+        if g is None:
+            groups[id(obj)] = (obj, [m["rank"]])
+        else:
+            g[1].append(m["rank"])
+    return list(groups.values())
 
 
 def _conflict(distinct: Sequence[tuple[LayoutLike, list[int]]]) -> str | None:
