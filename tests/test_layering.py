@@ -292,6 +292,7 @@ def test_checker_passes_allowed_imports() -> None:
 
 LAZY_INTEGRATIONS: dict[str, str] = {
     "reshard/integrations/megatron": "megatron",  # megatron-core lives in the trainer's environment only
+    "reshard/integrations/trl": "trl",  # TRL lives in .venv-trl only
 }
 """Integration package -> the third-party package it may import only inside functions (the integration then
 imports everywhere; the package is needed only when it is used)."""
