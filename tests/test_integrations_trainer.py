@@ -71,3 +71,40 @@ def test_spec_pair_equals_distribute_tensor(fake_world) -> None:
         local_of(torch.zeros(5), spec)
     other = distribute_tensor(full, mesh, [Replicate(), Shard(0)])
     assert torch.equal(local_of(other, None), other.to_local())
+
+
+def _fsdp2_refit(worker) -> dict:
+    """FSDP2 (`fully_shard`, torch's own, over gloo) parameters as sources, as `reshard.integrations.trl` registers
+    them (`model_sources`: each rank its local shard, nothing gathered), refit into a replicated copy on both ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from reshard import Layout, Mesh, Replicate
+    from reshard.integrations.trl import model_sources
+    from reshard.refit import Refit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))  # 7 and 3 rows over 2: uneven
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    sources = model_sources(model.named_parameters(), worker.rank, 2)
+    local = {n: tuple(v.to_local().shape) for n, v in sources.items()}
+    refit = Refit(worker.group)
+    for n, v in sources.items():
+        refit.add_source(n, v)
+    out = {n: torch.full_like(t, float("nan")) for n, t in full.items()}
+    for n, t in out.items():
+        refit.add_destination(n, t, Layout(tuple(t.shape), Mesh([0, 1]), [Replicate()], t.dtype, name=n))
+    refit.run()
+    return {"equal": [n for n in full if torch.equal(out[n], full[n])], "names": list(full), "local": local,
+            "want": {n: tuple(torch.chunk(full[n], 2)[worker.rank].shape) if worker.rank < len(torch.chunk(full[n], 2))
+                     else (0,) + tuple(full[n].shape[1:]) for n in full}}
+
+
+@pytest.mark.distributed
+def test_fsdp2_parameters_are_their_local_shards() -> None:
+    from reshard.testing import shared_pool
+
+    for r, got in enumerate(shared_pool(2).run_ok(_fsdp2_refit)):
+        assert got["equal"] == got["names"], (r, got)  # oracle: the weights before fully_shard
+        assert got["local"] == got["want"], (r, got)  # each rank registered torch.chunk's row block, not more
