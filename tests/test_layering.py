@@ -14,7 +14,7 @@ functions included) has no cycle, so each module can be read knowing only the on
 And every room keeps its private parts: a room is a package of `reshard/` or one integration, and no module imports
 another room's private module or name (`reshard.comm._handshake`, `from reshard.kernels import _pieces`): what
 crosses is exported by the room's package, with a docstring (on `70ef1cc` 26 imports crossed). Integrations import
-each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, the trainer side's home -> megatron), plus the shared
+each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, trl -> vllm, the trainer side's home -> megatron), plus the shared
 `engine`, `trainer` and `hf` modules.
 """
 
@@ -298,6 +298,7 @@ def test_checker_passes_allowed_imports() -> None:
 
 LAZY_INTEGRATIONS: dict[str, str] = {
     "reshard/integrations/megatron": "megatron",  # megatron-core lives in the trainer's environment only
+    "reshard/integrations/trl": "trl",  # TRL lives in .venv-trl only
 }
 """Integration package -> the third-party package it may import only inside functions (the integration then
 imports everywhere; the package is needed only when it is used)."""
@@ -328,6 +329,7 @@ SHARED_INTEGRATIONS = frozenset({"engine", "trainer", "hf"})
 
 INTEGRATION_IMPORTS: dict[str, frozenset[str]] = {
     "verl": frozenset({"vllm"}),  # verl's rollout runs vLLM engines: it drives the vLLM integration
+    "trl": frozenset({"vllm"}),  # TRL's server mode is a `vllm serve` server: its trainers use the vLLM trainer side
     "trainer": frozenset({"megatron"}),  # the trainer side's home detects and registers Megatron models
 }
 """Which other integrations each integration may import, besides `SHARED_INTEGRATIONS`; absent: none."""

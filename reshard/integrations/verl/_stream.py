@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard.comm import CommError, Group, all_gather_json
+from reshard.integrations.trainer import full_layout, local_of, spec_dtensor
 from reshard.integrations.verl import _buckets as bk
 from reshard.planner import Layout, Mesh, Topology
 from reshard.refit import Refit
@@ -249,20 +249,14 @@ class Stream:
         return src, dst
 
     def _build_source(self, index: int, rows: list, entries: list[bk.Entry], items: list) -> Bucket:
-        from torch.distributed.tensor import DTensor
-
         refit = Refit(self.group, **self.refit_kwargs)
         rank = self.group.rank
         plan: list[tuple[bk.Entry, Any, tuple[int, ...], torch.dtype, int]] = []  # entry, layout, shape, dtype, row
         for (_, tensor, spec), e in zip(items, entries):
             if e.kind == "full":
-                mesh, placements = _full_mesh(e.shape, self.T)
-                layout = Layout(e.shape, mesh, placements, e.dtype, name=e.name)
-                if rank not in mesh.ranks:
-                    continue
-                pieces = layout.pieces(rank)
-                start = pieces[0].global_box.offsets[0] if pieces and len(e.shape) else 0
-                plan.append((e, layout, layout.local_shape(rank), e.dtype, start))
+                block = full_layout(e.name, e.shape, e.dtype, rank, self.T)
+                if block is not None:
+                    plan.append((e, block.layout, block.local_shape, e.dtype, block.start))
             else:
                 src = local_of(tensor, spec)
                 placement = (tensor.device_mesh, tuple(tensor.placements)) if spec is None else \
@@ -282,9 +276,7 @@ class Stream:
                 refit.add_source(e.name, local, layout)
             else:
                 mesh, placements = layout
-                refit.add_source(e.name, DTensor.from_local(local, mesh, placements, run_check=False,
-                                                            shape=torch.Size(e.shape),
-                                                            stride=_contiguous_stride(e.shape)))
+                refit.add_source(e.name, spec_dtensor(local, mesh, placements, e.shape))
             b.sources[e.name] = (local, start)
         return b
 
@@ -364,40 +356,9 @@ def layout_key(t: Any, spec: Any) -> tuple | None:
     return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), repr(tuple(placements)))
 
 
-def local_of(t: Any, spec: Any) -> torch.Tensor:
-    """This rank's local tensor of a DTensor, or of a `(local, ShardSpec)` pair in its DTensor local shape (verl's
-    FSDP engine flattens the local shard: `local.reshape(-1)`)."""
-    if spec is None:
-        return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, _ = compute_local_shape_and_global_offset(torch.Size(spec.full_shape), spec.mesh, list(spec.placements))
-    if t.numel() != math.prod(shape):
-        raise ValueError(f"reshard send_weights: a local shard of {t.numel()} elements does not match its ShardSpec "
-                         f"(full shape {tuple(spec.full_shape)}, placements {tuple(spec.placements)}: local shape "
-                         f"{tuple(shape)} on this rank)")
-    return t.reshape(shape)
-
-
-def _full_mesh(shape: tuple[int, ...], T: int) -> tuple[Mesh, list[Any]]:
-    """The trainer layout of a full tensor: row blocks over the T trainer ranks (`Shard(0)`, torch.chunk's
-    split); a scalar or an empty first dim: held by trainer rank 0 alone."""
-    if len(shape) == 0 or shape[0] == 0:
-        return Mesh([0]), [Replicate()]
-    return Mesh(list(range(T))), [Shard(0)]
-
-
 def _carve(buf: torch.Tensor, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     n = bk.nbytes_of(shape, dtype)
     return buf[off: off + n].view(dtype).view(shape)
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def short(v: Any, n: int = 300) -> str:

@@ -25,13 +25,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from reshard.comm import CommError
+from reshard.integrations.trainer import stream_source
 from reshard.integrations.verl._names import BACKEND, SHARD_MODE
-from reshard.integrations.verl._stream import SyncStats, _contiguous_stride, _full_mesh, local_of
+from reshard.integrations.verl._stream import SyncStats
 from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
-from reshard.planner import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +76,7 @@ class EngineLink:
         every rank of the group, before data moves, naming what changed.
         """
         t0 = time.perf_counter()
-        source = {name: _source(name, t, spec, self.info.rank, self.info.world_size) for name, t, spec in items}
+        source = {name: stream_source(name, t, spec, self.info.rank, self.info.world_size) for name, t, spec in items}
         stats.seconds_stream += time.perf_counter() - t0
         stats.tensors = len(items)
         try:
@@ -119,28 +117,6 @@ class EngineLink:
         if self.trainer is not None:
             self.trainer.shutdown()
         self.trainer = None
-
-
-def _source(name: str, t: Any, spec: Any, rank: int, T: int) -> Any:
-    """One stream item as a `ReshardTrainer` source: a DTensor, `(row block, Layout)` of a full tensor (each trainer
-    rank registers its `Shard(0)` block, so each sends a distinct part), or None where this rank holds none of it."""
-    if spec is not None or (hasattr(t, "to_local") and hasattr(t, "placements")):
-        if spec is None:
-            return t
-        from torch.distributed.tensor import DTensor
-
-        shape = tuple(int(s) for s in spec.full_shape)
-        return DTensor.from_local(local_of(t, spec), spec.mesh, list(spec.placements), run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
-    shape = tuple(t.shape)
-    mesh, placements = _full_mesh(shape, T)
-    layout = Layout(shape, mesh, placements, t.dtype, name=name)
-    if rank not in mesh.ranks:
-        return None
-    pieces = layout.pieces(rank)
-    start = pieces[0].global_box.offsets[0] if pieces and len(shape) else 0
-    local = t.narrow(0, start, layout.local_shape(rank)[0]) if len(shape) else t
-    return (local, layout)
 
 
 _MANAGER: type | None = None
