@@ -49,6 +49,7 @@ from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometr
 from reshard.refit._meta import LayoutLike, check_local
 from reshard.refit._names import NameMap
 from reshard.refit._policy import Choice
+from reshard.refit._rebind import rebind_error
 from reshard.refit._replicas import replica_digests, replica_errors
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ class Refit:
         self._dst_aliases: dict[str, tuple[str, ...]] = {}  # inference global name -> its other names
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
         self._refusals: list[str] = []  # `refuse`: raised on every rank by the first run
+        self._rebinds: dict[str, str] = {}  # update_source refused: raised by every run until a fitting rebind
         self._built: Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -390,9 +392,11 @@ class Refit:
         registered layout (a training engine's export makes new tensors at every step: casts, DTensors built around
         them).
 
-        A plain tensor must have the planned geometry (shape, strides, dtype, device); a DTensor source must be a
-        DTensor of the same layout at the same mesh coordinate. What does not fit, and a name never registered, is
-        refused at the next run on every rank before data moves (`refuse`). A source that follows its module
+        A plain source takes a plain tensor of the planned local shape, dtype and device (never a DTensor); a
+        DTensor source a DTensor of the same layout at the same mesh coordinate (see `reshard.refit._rebind`). What
+        does not fit binds nothing and is refused by every later run, on every rank before data moves, until a
+        rebinding of that name fits (a retry never mixes two steps); a name never registered is refused at the next
+        run (`refuse`). A source that follows its module
         (`add_module_sources`) cannot be rebound (ValueError at once: a programming error on every rank alike).
 
         Args:
@@ -408,21 +412,14 @@ class Refit:
                         "at registration")
             return
         _, layout = self._sources[name]
-        if name in self._coords:
-            if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
-                self.refuse(f"update_source: source {name!r} is a DTensor, got a plain {type(tensor).__name__}")
-                return
-            coord = tensor.device_mesh.get_coordinate()
-            new = Layout.from_dtensor(tensor, name=name)
-            if new != layout or coord is None or [int(c) for c in coord] != self._coords[name]:
-                self.refuse(f"update_source: source {name!r} has another layout now: {layout!r} at mesh coordinate "
-                            f"{self._coords[name]} -> {new!r} at {None if coord is None else list(coord)}; a "
-                            "refit's tensors keep their layout (build a new Refit for the new one)")
-                return
-            self._sources[name] = (tensor, layout)
+        e = rebind_error(name, tensor, layout, self._coords.get(name), self.rank, self._planned.get(("source", name)))
+        if e:  # binds nothing, and every run raises it until a rebinding of this name fits (see _rebind)
+            self._rebinds[name] = f"rank {self.rank}: update_source: {e}"
             return
+        self._rebinds.pop(name, None)
         self._sources[name] = (tensor, layout)
-        self._follow[("source", name)] = Bound(tensor)
+        if name not in self._coords:
+            self._follow[("source", name)] = Bound(tensor)
 
     def _check_open(self, name: str) -> None:
         if self._built is not None:
@@ -454,7 +451,7 @@ class Refit:
         t0 = time.perf_counter()
         srcs, dsts, scales, errors = self._resolve()
         if first:
-            errors = self._refusals + errors
+            errors = self._refusals + list(self._rebinds.values()) + errors
             meta = self._exchange_metadata(srcs, dsts, scales, errors)
             t1 = time.perf_counter()
             self._built = build(self, meta)
@@ -466,7 +463,8 @@ class Refit:
         b = self._built
         assert b is not None
         if not first:
-            errors, self._refusals = self._refusals + errors, []  # refused since the last run: raised by this one
+            # refused since the last run: raised by this one; a refused rebinding by every run until one fits
+            errors, self._refusals = self._refusals + list(self._rebinds.values()) + errors, []
             self._check_live(b, srcs, dsts, scales, errors)
         if self.check_replicas:
             self._check_replicas(b, srcs)
