@@ -378,6 +378,59 @@ def test_views_live_until_the_bucket_after_the_next_is_asked_for() -> None:
         e._close_group()
 
 
+SECRET = "9f3c1d7ab2e84c05a6d1f0e2b3c4d5e6"
+
+
+def _no_secret(texts: list[str], records: list) -> None:
+    """No text, no log record (message, arguments, exception text) holds the token."""
+    import logging
+
+    fmt = logging.Formatter()
+    seen = list(texts) + [fmt.format(r) for r in records] + [repr(r.args) for r in records]
+    leaks = [t[:300] for t in seen if SECRET in t]
+    assert not leaks, leaks
+
+
+def test_no_token_in_build_topology_refusals(caplog) -> None:
+    """Trainer rank 0 (the master, whose metadata holds the token) reports metadata of another format: the driver's
+    error names the workers and what they sent, the token hidden (before, the whole metadata was printed)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    texts = []
+    for bad in ({"format": 2}, {"backend": "nccl"}):
+        meta = _meta(2, 2)
+        meta[0]["master"]["token"] = SECRET
+        meta[0].update(bad)
+        with pytest.raises(ValueError, match=r"workers \[0\] did not report reshard") as e:
+            ReshardCheckpointEngine.build_topology(2, 2, meta)
+        assert "<hidden>" in str(e.value) and "10.0.0.1" in str(e.value), e.value
+        texts += [str(e.value), repr(e.value)]
+    _no_secret(texts, caplog.records)
+
+
+def test_no_token_in_any_message_of_a_failing_sync(caplog) -> None:
+    """A sync whose trainer stream fails on rank 1, with a token: every error every worker raised and every log
+    record of the run (DEBUG included) is free of the token."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    engines = _engines(timeout_s=60, token=SECRET)
+
+    def stream(rank: int) -> object:
+        for i, item in enumerate(_twelve(0).items()):
+            if rank == 1 and i == 6:
+                raise RuntimeError("the framework's stream failed (a test fault)")
+            yield item
+
+    metrics, received = _run_sync(engines, 2, 0, streams=stream)
+    errors = [o for o in metrics + received if isinstance(o, BaseException)]
+    assert len(errors) == 4, [metrics, received]
+    _no_secret([str(e) for e in errors] + [repr(e) for e in errors] + [repr(x) for x in engines], caplog.records)
+    for e in engines:
+        e._close_group()
+
+
 def test_constructor_refuses_bad_bucket_and_keeps_the_token_secret() -> None:
     with pytest.raises(ValueError, match="bucket_size must be an integer number of bytes >= 64, got 0"):
         ReshardCheckpointEngine(0)

@@ -182,7 +182,7 @@ class ReshardCheckpointEngine:
         if bad:
             raise ValueError(f"reshard build_topology: workers {bad} did not report reshard checkpoint-engine "
                              f"metadata of format {FORMAT} (is every worker configured with backend=reshard and the "
-                             f"same reshard version?); got {[meta[i] for i in bad][:3]}")
+                             f"same reshard version?); got {[_hidden(meta[i]) for i in bad][:3]}")
         masters = [i for i, m in enumerate(meta) if m.get("master") is not None]
         if masters != [0]:
             raise ValueError(f"reshard build_topology: exactly the first trainer worker must be the master "
@@ -438,6 +438,15 @@ def _retrieve(future: Any) -> None:
     """Mark a finished future's error as seen (asyncio would log it, with a traceback, when the future is collected)."""
     if future.done() and not future.cancelled():
         future.exception()
+
+
+def _hidden(value: Any) -> Any:
+    """`value` (a worker's metadata, as it may come) for a message: every `token` entry, at any depth, `<hidden>`."""
+    if isinstance(value, dict):
+        return {k: "<hidden>" if k == "token" else _hidden(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_hidden(v) for v in value]
+    return value
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
