@@ -83,3 +83,31 @@ def job_module(worker, api: str, case: str, port: int) -> dict:
 def expected(rank: int, seeds: dict[str, int]) -> dict[str, torch.Tensor]:
     """Engine rank `rank`'s slices of the weights of `seeds` (name -> seed)."""
     return {n: engine_slice(full(s), rank) for n, s in seeds.items()}
+
+
+def job_init_fails(worker, case: str, port: int) -> dict:
+    """Trainer ranks 0 and 1 call `ReshardTrainer.trainer_init` with a mistake (`"late"`: a plain tensor without
+    its layout, found while registering, after the group formed; `"early"`: `transposed=` names a weight the source
+    does not hold, found before the rendezvous); engine ranks 2 and 3 join the group and run their refit. Returns
+    every rank's error (`"TypeName: message"`) and the seconds it took to come."""
+    import time
+
+    from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+
+    rank, t0 = worker.rank, time.monotonic()
+    try:
+        if rank in TRAIN:
+            info = ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, world_size=2,
+                                          engine_world_size=2, timeout_s=30.0)
+            source = {"model.norm.weight": torch.zeros(SHAPE[0] // 2, SHAPE[1])} if case == "late" else Tiny(False)
+            ReshardTrainer.trainer_init(info, source=source, transposed=["nope"] if case == "early" else None)
+        else:
+            refit = Refit(Group.rendezvous("127.0.0.1", port, rank, 4, timeout=30), timeout=30)
+            n = "model.norm.weight"
+            refit.add_destination(n, torch.zeros(SHAPE[0], 3), Layout(SHAPE, Mesh(list(ENGINE)), [Shard(1)],
+                                                                      torch.float32, name=n))
+            refit.run()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test checks the type and message
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - t0}

@@ -64,3 +64,21 @@ def test_a_retied_parameter_sends_the_shared_values(pool, api: str) -> None:
     assert all(o["error"] is None and "error1" not in o for o in out), out
     _check(out, 0, {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 3})
     _check(out, 1, {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 1})
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("late", "'model.norm.weight' is a plain tensor; pass its layout too"),
+    ("early", "transposed names 'nope', which the source does not hold"),
+])
+def test_a_trainer_init_error_reaches_every_rank_with_its_reason_within_seconds(pool, case: str, reason: str) -> None:
+    """trainer_init fails on both trainer ranks (after the group formed, or before the rendezvous): the trainer
+    ranks raise it, and the engine ranks' run() raises it too, naming the trainer rank and the reason, within
+    seconds of the 30 s timeout (before, they waited it out: "never reached it", or a rendezvous timeout)."""
+    from module_cases import job_init_fails
+
+    out = pool.run_ok(job_init_fails, case, _port())
+    for r, o in enumerate(out):
+        assert o["error"] is not None and reason in o["error"], (r, o)
+        assert o["seconds"] < 15, (r, o)
+    for r in ENGINE:
+        assert "CommError" in out[r]["error"] and "ReshardTrainer.trainer_init failed" in out[r]["error"], out[r]
