@@ -331,11 +331,23 @@ def _step(model: Any, opt: Any) -> None:
     opt.zero_grad()
 
 
-def job_refit(worker: Any, case: str, engine_tp: int) -> dict:
-    """Register the Megatron model, refit into an engine of `engine_tp` (replicas over the rest), step, refit again.
+REPLACED = "decoder.layers.0.mlp.linear_fc2.weight"
+
+
+def _replace(model: Any, dtype: torch.dtype = torch.float32) -> None:
+    """Replace `REPLACED` by a new `nn.Parameter` of new values (an elementwise function of the old: replicas stay
+    equal), as a training step that re-creates a parameter does."""
+    mod = model.get_submodule(REPLACED.rsplit(".", 1)[0])
+    mod.weight = torch.nn.Parameter((mod.weight.detach() * -2.0 + 0.5).to(dtype))
+
+
+def job_refit(worker: Any, case: str, engine_tp: int, change: str = "step") -> dict:
+    """Register the Megatron model, refit into an engine of `engine_tp` (replicas over the rest), change the model
+    (`change`: `"step"`, an optimizer step; `"replace"`: `REPLACED` re-created as a new parameter; `"replace64"`: as a
+    float64 one), refit again.
 
     Returns per run: this rank's stated shards (the oracle's input) and its engine tensors; Megatron's logits of
-    the first run (on one rank) and the plan's bytes."""
+    the first run (on one rank), the plan's bytes, and the second run's `ValueError` message (`error`)."""
     from reshard.comm import Group
     from reshard.integrations import megatron
     from reshard.refit import Refit
@@ -347,10 +359,16 @@ def job_refit(worker: Any, case: str, engine_tp: int) -> dict:
     out["names"] = megatron.add_sources(refit, model, vocab_size=VOCAB)
     locals_ = _engine(refit, case, engine_tp, worker.rank)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    out["error"] = None
     for run in range(2):
-        if run:
+        if run and change == "step":
             _step(model, opt)
-        report = refit.run()
+        elif run:
+            _replace(model, torch.float64 if change == "replace64" else torch.float32)
+        try:
+            report = refit.run()
+        except ValueError as e:
+            out["error"] = str(e)
         out["runs"].append({"shards": local_shards(model), "engine": {n: t.clone() for n, t in locals_.items()}})
     out["moved_bytes"] = report.network_bytes + report.nvlink_bytes + report.local_bytes
     return out

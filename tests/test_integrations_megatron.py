@@ -142,3 +142,31 @@ def test_unsupported_features_raise_at_registration_on_every_rank(pool) -> None:
         assert "fewer query groups (2) than tensor-parallel ranks (4)" in o["tp4"], o
         assert o["grouped"].startswith("NotImplementedError") and "mlp.experts.weight1" in o["grouped"], o
         assert "GroupedMLP" in o["grouped"], o
+
+
+def test_a_replaced_parameter_is_sent(pool) -> None:
+    """After run 1, every rank re-creates `decoder.layers.0.mlp.linear_fc2.weight` as a new `nn.Parameter` (new
+    values): run 2 lands the new values (the oracle reads them from the model's `sharded_state_dict()`), every other
+    weight as before (before, the registration kept the old parameter object and run 2 sent its stale values)."""
+    case = "tpdp"
+    out = pool.run_ok(mc.job_refit, case, ENGINE_TP[case], "replace")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    first, second = oracle(out, case, 0), oracle(out, case, 1)
+    changed = [n for n in first if not torch.equal(first[n], second[n])]
+    assert changed == ["model.layers.0.mlp.down_proj.weight"], changed
+    bad = []
+    for rank, o in enumerate(out):
+        for name, local in o["runs"][1]["engine"].items():
+            want = expected(name, second, ENGINE_TP[case], rank % ENGINE_TP[case], local)
+            if not torch.equal(want, local):
+                bad.append(f"engine rank {rank}: {name}")
+    assert bad == [], bad
+
+
+def test_a_replaced_parameter_of_another_dtype_is_refused_on_every_rank(pool) -> None:
+    case = "tpdp"
+    out = pool.run_ok(mc.job_refit, case, ENGINE_TP[case], "replace64")
+    for rank, o in enumerate(out):
+        assert o["error"] is not None and f"its module's parameter {mc.REPLACED!r} was replaced" in o["error"], o
+        assert "float64" in o["error"], o["error"]
+        assert all(torch.equal(o["runs"][0]["engine"][n], t) for n, t in o["runs"][1]["engine"].items()), rank

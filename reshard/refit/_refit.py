@@ -320,6 +320,22 @@ class Refit:
                 if tied[pname]:
                     self._module_ties[name] = tuple(tied[pname])
 
+    def follow(self, name: str, module: torch.nn.Module, pname: str) -> None:
+        """Read registered source `name` from `module`'s parameter `pname` at every `run()`, as
+        `add_module_sources` does: a parameter replaced by a new object that fits the registration (a DTensor of the
+        same layout, or a plain tensor of the same local shape, dtype and device) is sent from the next run; one that
+        does not fit, or a parameter gone from the module, raises a `ValueError` on every rank naming it, before
+        data moves. For integrations that register a module's parameters under other names (several sources may
+        follow one parameter: Megatron's fused `linear_qkv` is three).
+        """
+        self._check_open(name)
+        if name not in self._sources:
+            raise ValueError(f"Refit.follow: {name!r} is not a source registered on rank {self.rank}")
+        if module.get_parameter(pname) is not self._sources[name][0]:
+            raise ValueError(f"Refit.follow: source {name!r} on rank {self.rank} is not the module's parameter "
+                             f"{pname!r}")
+        self._paths[name] = (module, pname)
+
     def add_destination(
         self,
         name: str,
@@ -597,21 +613,18 @@ class Refit:
                 "init_weight_transfer_engine)")
 
     def _adopt(self, name: str, now: Any, layout: LayoutLike) -> str | None:
-        """Take `now`, the parameter that replaced source `name` in its module, if it has the same layout."""
+        """Take `now`, the parameter that replaced source `name` in its module, if it fits its registration (the
+        same checks as `update_source`: see `reshard.refit._rebind`)."""
         _, pname = self._paths[name]
-        if not hasattr(now, "to_local") or not hasattr(now, "placements"):
-            return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by a plain "
-                    f"{type(now).__name__}, not a DTensor")
-        coord = now.device_mesh.get_coordinate()
-        new = Layout.from_dtensor(now, name=name)
-        if new != layout or coord is None or [int(c) for c in coord] != self._coords[name]:
+        e = rebind_error(name, now, layout, self._coords.get(name), self.rank, self._planned.get(("source", name)))
+        if e:
             return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by one of "
-                    f"another layout: {layout!r} at mesh coordinate {self._coords[name]} -> {new!r} at "
-                    f"{None if coord is None else list(coord)}; a refit's tensors keep their layout (build a new "
-                    "Refit for the new one)")
+                    f"another layout or kind: {e}")
         logger.debug("Refit: rank %d: source %r: its module's parameter %r was replaced; using the new one",
                      self.rank, name, pname)
         self._sources[name] = (now, layout)
+        if name not in self._coords:
+            self._follow[("source", name)] = Bound(now)
         return None
 
     def _check_live(self, b: Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],

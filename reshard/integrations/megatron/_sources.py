@@ -31,6 +31,9 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
 
     Call it on every trainer rank (TP x PP x EP x DP x CP), after the model is built and before the first
     `refit.run()`; every later run sends the parameters' current values (an optimizer step updates them in place).
+    The model is followed, not its parameter objects (`Refit.follow`): a parameter replaced by a new one of the same
+    local shape, dtype and device (`layer.weight = nn.Parameter(...)`, `load_state_dict(assign=True)`) is sent from
+    the next run; one that does not fit is refused on every rank, naming it, before data moves.
 
     Args:
         refit: the `Refit` (its group rank is where this rank's pieces are declared).
@@ -83,11 +86,13 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
         problems.append(f"parameter {pname!r} is not in the model's sharded_state_dict(), so its place in the "
                         "global tensor is unknown")
     rank = refit.rank
+    pnames = {id(p): n for n, p in params.items()}
     tied = bool(getattr(chunk, "share_embeddings_and_output_weights", False))
     for name, (tensor, shape, pieces) in sorted(entries.items()):
         layout = ExplicitLayout(shape, tensor.dtype, {rank: pieces}, {rank: tuple(tensor.shape)}, name=name)
         aliases = ["lm_head.weight"] if tied and name == "model.embed_tokens.weight" else []
         refit.add_source(name, tensor, layout, aliases=aliases)
+        refit.follow(name, chunk, pnames[id(tensor)])  # a parameter replaced in the model is read at the next run
     for p in problems:
         refit.refuse(f"megatron.add_sources: {p}")
     logger.debug("megatron.add_sources: rank %d registered %d weights, %d problems", rank, len(entries),
