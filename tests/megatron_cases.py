@@ -62,6 +62,8 @@ def config(case: str) -> Any:
         expert_model_parallel_size=c["ep"], use_cpu_initialization=True, params_dtype=torch.float32,
         pipeline_dtype=torch.float32, init_method_std=0.05,
     )
+    if c.get("bias"):  # DeepSeek-V3 / GLM-4.5 routing: sigmoid scores plus a per-expert bias training updates
+        kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     if c["moe"]:
         kw.update(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
@@ -434,6 +436,55 @@ def job_unsupported(worker: Any) -> dict:
             out[what] = None
         except Exception as e:  # noqa: BLE001
             out[what] = f"{type(e).__name__}: {e}"
+    return out
+
+
+BIAS = "decoder.layers.mlp.router.expert_bias"  # Megatron's key; the engine's name is e_score_correction_bias
+
+
+def job_expert_bias(worker: Any, engine_has_it: bool) -> dict:
+    """A PP2 x EP2 MoE with `moe_router_enable_expert_bias`: every layer's router `expert_bias` (a buffer) is set to
+    distinct values, refit into a TP2 engine that holds `mlp.gate.e_score_correction_bias` per layer (replicated on
+    every engine rank), updated in place as Megatron's `finalize_model_grads` does, refit again. Returns per run the
+    stated shards (the oracle) and the engine's biases; or, with `engine_has_it=False`, the `ValueError` message."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.tensor import Replicate
+
+    from reshard.comm import Group
+    from reshard.integrations import megatron
+    from reshard.planner import Layout, Mesh
+    from reshard.refit import Refit
+
+    CASES["moe_bias"] = dict(tp=1, pp=2, ep=2, moe=True, tied=False, bias=True)
+    model = build("moe_bias")
+    offset = ps.get_pipeline_model_parallel_rank() * (LAYERS // 2)
+
+    def set_bias(seed: float) -> None:
+        with torch.no_grad():
+            for i, layer in enumerate(model.decoder.layers):
+                layer.mlp.router.expert_bias.copy_(torch.arange(EXPERTS) * 0.25 + (offset + i) + seed)
+
+    set_bias(0.5)
+    refit = Refit(Group.world(), timeout=120, policy="reshard")
+    megatron.add_sources(refit, model, vocab_size=VOCAB)
+    _engine(refit, "moe_bias", 2, worker.rank)
+    biases = {}
+    if engine_has_it:
+        for i in range(LAYERS):
+            name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            biases[name] = torch.full((EXPERTS,), SENTINEL)
+            refit.add_destination(name, biases[name], Layout((EXPERTS,), Mesh(list(range(4))), [Replicate()],
+                                                             torch.float32, name=name))
+    out: dict = {"runs": [], "error": None}
+    for run in range(2):
+        if run:
+            set_bias(10.0)  # in place, as finalize_model_grads' expert_bias.copy_(updated)
+        try:
+            refit.run()
+        except ValueError as e:
+            out["error"] = str(e)
+            return out
+        out["runs"].append({"shards": local_shards(model), "engine": {n: t.clone() for n, t in biases.items()}})
     return out
 
 

@@ -170,3 +170,25 @@ def test_a_replaced_parameter_of_another_dtype_is_refused_on_every_rank(pool) ->
         assert o["error"] is not None and f"its module's parameter {mc.REPLACED!r} was replaced" in o["error"], o
         assert "float64" in o["error"], o["error"]
         assert all(torch.equal(o["runs"][0]["engine"][n], t) for n, t in o["runs"][1]["engine"].items()), rank
+
+
+def test_the_router_expert_bias_lands_in_the_engines_e_score_correction_bias(pool) -> None:
+    """A MoE with `moe_router_enable_expert_bias` (DeepSeek-V3 / GLM-4.5 routing): every engine rank's
+    `mlp.gate.e_score_correction_bias` of every layer equals Megatron's `expert_bias` of that layer as
+    `sharded_state_dict()` states it, after run 1 and after an in-place update and run 2 (before, the buffer was
+    skipped and the engine's tensor refused as missing)."""
+    out = pool.run_ok(mc.job_expert_bias, True)
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    for run in (0, 1):
+        full = mc.megatron_full([o["runs"][run]["shards"] for o in out])[mc.BIAS]
+        assert full.shape == (mc.LAYERS, mc.EXPERTS)
+        for rank, o in enumerate(out):
+            for i in range(mc.LAYERS):
+                got = o["runs"][run]["engine"][f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+                assert torch.equal(got, full[i]), (run, rank, i, got, full[i])
+    assert not torch.equal(*(mc.megatron_full([o["runs"][r]["shards"] for o in out])[mc.BIAS] for r in (0, 1)))
+
+
+def test_an_engine_without_the_expert_bias_is_refused_naming_it(pool) -> None:
+    for o in pool.run_ok(mc.job_expert_bias, False):
+        assert o["error"] is not None and "model.layers.0.mlp.gate.e_score_correction_bias" in o["error"], o

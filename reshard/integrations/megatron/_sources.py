@@ -31,9 +31,12 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
 
     Call it on every trainer rank (TP x PP x EP x DP x CP), after the model is built and before the first
     `refit.run()`; every later run sends the parameters' current values (an optimizer step updates them in place).
-    The model is followed, not its parameter objects (`Refit.follow`): a parameter replaced by a new one of the same
-    local shape, dtype and device (`layer.weight = nn.Parameter(...)`, `load_state_dict(assign=True)`) is sent from
-    the next run; one that does not fit is refused on every rank, naming it, before data moves.
+    Trained buffers saved with the model are sent like weights: the router's `expert_bias` (aux-loss-free routing)
+    as the engine's `mlp.gate.e_score_correction_bias` (an engine without it is refused, naming it); a saved buffer
+    with no known Hugging Face name is refused. The model is followed, not its parameter objects (`Refit.follow`):
+    a parameter replaced by a new one of the same local shape, dtype and device (`layer.weight = nn.Parameter(...)`,
+    `load_state_dict(assign=True)`) is sent from the next run; one that does not fit is refused on every rank,
+    naming it, before data moves.
 
     Args:
         refit: the `Refit` (its group rank is where this rank's pieces are declared).
@@ -72,11 +75,18 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
     dims = _dims(chunk, cfg, vocab_size)
     problems = _check_stage(chunk, cfg, ps)
     params = dict(chunk.named_parameters())
+    buffers = dict(chunk.named_buffers())
     seen: set[str] = set()
     entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Piece]]] = {}
     for pname, st in _stated(chunk.sharded_state_dict()):
         param = params.get(pname)
-        if param is None:  # a buffer or extra state: not a weight the engine loads
+        if param is None and pname in buffers:  # a trained buffer (the router's expert_bias): sent like a weight
+            if not known(st.key):
+                problems.append(f"buffer {pname!r} (Megatron key {st.key!r}) is saved with the model (a trained "
+                                "state the engine may need) but no Hugging Face name is known for it")
+                continue
+            param = buffers[pname]
+        if param is None:  # extra state: not a tensor the engine loads
             continue
         seen.add(pname)
         e = _add_pieces(entries, pname, param, st, dims)
@@ -92,7 +102,8 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
         layout = ExplicitLayout(shape, tensor.dtype, {rank: pieces}, {rank: tuple(tensor.shape)}, name=name)
         aliases = ["lm_head.weight"] if tied and name == "model.embed_tokens.weight" else []
         refit.add_source(name, tensor, layout, aliases=aliases)
-        refit.follow(name, chunk, pnames[id(tensor)])  # a parameter replaced in the model is read at the next run
+        if id(tensor) in pnames:  # a parameter replaced in the model is read at the next run (buffers: in place)
+            refit.follow(name, chunk, pnames[id(tensor)])
     for p in problems:
         refit.refuse(f"megatron.add_sources: {p}")
     logger.debug("megatron.add_sources: rank %d registered %d weights, %d problems", rank, len(entries),
