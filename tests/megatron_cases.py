@@ -313,15 +313,19 @@ def hf_param_shapes(case: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _engine(refit: Any, case: str, engine_tp: int, rank: int) -> dict[str, torch.Tensor]:
+def _engine(refit: Any, case: str, engine_tp: int, rank: int, config: dict | None = None) -> dict[str, torch.Tensor]:
+    """This rank's engine tensors of `case` (vLLM's layouts, `engine_tp`), registered, and the facts of the config
+    it serves (`config`, default `hf_config(case)`) declared."""
     from reshard.integrations import hf
 
+    config = config or hf_config(case)
     par = hf.EngineParallel(range(4), tp=engine_tp)
     locals_ = {}
-    for t in hf.engine_tensors(hf_param_shapes(case), par, config=hf_config(case), dtype=torch.float32):
+    for t in hf.engine_tensors(hf_param_shapes(case), par, config=config, dtype=torch.float32):
         if rank in t.ranks:
             locals_[t.name] = torch.full(t.local_shape(rank), SENTINEL)
             t.register(refit, locals_[t.name])
+    refit.declare_facts(hf.model_facts(config), who="engine (its config)")
     return locals_
 
 
@@ -410,6 +414,26 @@ def job_refused(worker: Any, what: str) -> dict:
     except ValueError as e:
         return {"error": str(e), "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
     return {"error": None}
+
+
+def job_facts(worker: Any) -> dict:
+    """The TP2 x DP2 model (8 heads of 32, 2 query groups) into a TP1 engine whose config says 4 heads of 64 and 1
+    KV head: every tensor has the same shape. Returns the `ValueError` of the run (None if it ran) and whether the
+    engine's tensors are untouched."""
+    from reshard.comm import Group
+    from reshard.integrations import megatron
+    from reshard.refit import Refit
+
+    model = build("tpdp")
+    refit = Refit(Group.world(), timeout=120)
+    megatron.add_sources(refit, model, vocab_size=VOCAB)
+    other = {**hf_config("tpdp"), "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64}
+    locals_ = _engine(refit, "tpdp", 1, worker.rank, config=other)
+    try:
+        refit.run()
+    except ValueError as e:
+        return {"error": str(e), "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
+    return {"error": None, "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
 
 
 def job_unsupported(worker: Any) -> dict:

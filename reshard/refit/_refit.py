@@ -43,6 +43,7 @@ from reshard.planner import (
 from reshard.planner._blocks import scale_layout
 from reshard.planner._mesh import flat_index
 from reshard.planner._wire import encode_layout
+from reshard.refit import _facts
 from reshard.refit._build import Built, build
 from reshard.refit._fp8 import BLOCK, FP8
 from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
@@ -224,6 +225,7 @@ class Refit:
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
         self._refusals: list[str] = []  # `refuse`: raised on every rank by the first run
         self._rebinds: dict[str, str] = {}  # update_source refused: raised by every run until a fitting rebind
+        self._facts: list[tuple[str, dict]] = []  # declare_facts: (who, facts), agreed on by the first run
         self._built: Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -391,6 +393,19 @@ class Refit:
             self._scales[name] = scale
             self._follow[("scale of destination", name)] = Bound(scale)
 
+    def declare_facts(self, facts: Mapping[str, Any], *, who: str) -> None:
+        """Declare facts of the model this rank trains or serves that tensor shapes cannot show (heads, KV heads,
+        head dim, experts, vocabulary, tie: `reshard.refit._facts.FACTS`, Hugging Face config names; None values
+        are left out). The first `run()` compares every rank's declarations and raises a `ValueError` on every
+        rank, naming each fact that differs, its values and who declared them, before any data moves.
+
+        Args:
+            facts: fact name -> value (int, or bool for `tie_word_embeddings`).
+            who: the side and where the facts come from, for the error (`"trainer (Megatron TransformerConfig)"`).
+        """
+        self._check_open(who)
+        self._facts.append((who, _facts.checked(facts, who)))
+
     def refuse(self, reason: str) -> None:
         """Record a problem this rank found in what it was asked to register or send (an integration's check of its
         own model, or of the tensors it binds for this step): the next `run()` raises a `ValueError` with it on every
@@ -467,6 +482,7 @@ class Refit:
         t0 = time.perf_counter()
         srcs, dsts, scales, errors = self._resolve()
         if first:
+            _facts.agree(self.group, self.rank, self._facts, as_timedelta(self.timeout, default=self.group.timeout))
             errors = self._refusals + list(self._rebinds.values()) + errors
             meta = self._exchange_metadata(srcs, dsts, scales, errors)
             t1 = time.perf_counter()

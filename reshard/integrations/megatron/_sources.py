@@ -104,6 +104,7 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
         refit.add_source(name, tensor, layout, aliases=aliases)
         if id(tensor) in pnames:  # a parameter replaced in the model is read at the next run (buffers: in place)
             refit.follow(name, chunk, pnames[id(tensor)])
+    refit.declare_facts(_facts(cfg, dims, tied), who="trainer (Megatron's TransformerConfig)")
     for p in problems:
         refit.refuse(f"megatron.add_sources: {p}")
     logger.debug("megatron.add_sources: rank %d registered %d weights, %d problems", rank, len(entries),
@@ -134,6 +135,13 @@ def _dims(chunk: Any, cfg: Any, vocab_size: int | None) -> Dims:
                 shared_ffn=int(getattr(cfg, "moe_shared_expert_intermediate_size", 0) or 0),
                 experts=int(getattr(cfg, "num_moe_experts", 0) or 0), gated=bool(cfg.gated_linear_unit),
                 vocab=vocab_size, padded=padded)
+
+
+def _facts(cfg: Any, dims: Dims, tied: bool) -> dict[str, Any]:
+    """What the engine's config must agree with (`Refit.declare_facts`), by Hugging Face config names."""
+    return {"num_attention_heads": dims.heads, "num_key_value_heads": dims.groups, "head_dim": dims.head_dim,
+            "hidden_size": dims.hidden, "num_hidden_layers": int(cfg.num_layers), "num_experts": dims.experts,
+            "vocab_size": dims.vocab, "tie_word_embeddings": tied}
 
 
 def _param_like(chunk: Any, *parts: str) -> str:

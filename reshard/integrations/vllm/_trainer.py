@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from reshard.comm import Group
+from reshard.integrations.hf import model_facts
 from reshard.integrations.megatron import add_sources as add_megatron_sources
 from reshard.integrations.vllm._conv1d import conv1d_weights, transpose_weight
 from reshard.refit import NameMap, Refit, RefitReport
@@ -152,6 +153,9 @@ class ReshardTrainer(_EngineBase):
                 a source that holds one of them only.
             config: the model's HuggingFace config (default: the module's `.config`): with
                 `tie_word_embeddings`, a source that has the input embedding but no `lm_head.weight` ties the two.
+                Its facts that shapes cannot show (heads, KV heads, head dim, experts, vocabulary, tie:
+                `reshard.integrations.hf.model_facts`) are declared (`Refit.declare_facts`): an engine serving a
+                model that differs in one is refused on every rank at the first send, naming it.
             transposed: trainer names of 2-D weights stored `[in, out]` (Hugging Face `Conv1D`: GPT-2's `c_attn`,
                 `c_proj`, `c_fc`), which the engine holds `[out, in]`: registered as a transposed view (no copy).
                 Default: a module source's `Conv1D` weights; none for a mapping.
@@ -166,9 +170,12 @@ class ReshardTrainer(_EngineBase):
             raise TypeError(f"ReshardTrainer.trainer_init: init_info must be a ReshardTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
         megatron = _is_megatron(source)
+        cfg = config if config is not None else None if megatron else getattr(source, "config", None)
         early: Exception | None = None  # a mistake in the arguments: raised after the group forms, on every rank
+        facts = None
         try:
             weights, found = _prepare(source, megatron, transposed, ties, config)
+            facts = model_facts(cfg) if cfg is not None else None
         except (ValueError, TypeError) as e:
             early, weights, found = e, {}, {}
         sender = init_info.is_sender and client is not None  # the engines join even so: they learn the reason
@@ -182,6 +189,8 @@ class ReshardTrainer(_EngineBase):
             refit = Refit(group, precision=init_info.precision, verify=init_info.verify,
                           timeout=init_info.timeout_s, name_map=name_map, ignore_sources=ignore_sources,
                           delta=init_info.delta)
+            if facts is not None:
+                refit.declare_facts(facts, who="trainer (its config)")
             if megatron:
                 vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(
                     config, "vocab_size", None)
