@@ -440,3 +440,77 @@ def test_constructor_refuses_bad_bucket_and_keeps_the_token_secret() -> None:
     assert e.wire_format == "named_tensors" and e.timeout_s == 5.0
     with pytest.raises(ValueError, match="send_weights before init_process_group"):
         e._require("send_weights", trainer=True)
+
+
+def _sync_into_engines(precision: str | None) -> tuple[list, list]:
+    """`EngineShardManager`'s trainer side without verl: 2 trainer checkpoint engines (threads) target 2 engine
+    ranks that join as reshard's vLLM backend does (a `Refit` of the `init_info` they are given, bfloat16
+    destinations `Shard(1)`), and send one float32 weight. Returns (trainer results, engine results): an exception
+    or, on an engine rank, its tensor."""
+    import asyncio
+    import threading
+
+    from reshard import Layout, Mesh, Shard
+    from reshard.comm import Group
+    from reshard.refit import Refit
+
+    kw = {} if precision is None else {"precision": precision}
+    trainers = [ReshardCheckpointEngine(BUCKET, is_master=i == 0, host="127.0.0.1", timeout_s=30, **kw)
+                for i in range(2)]
+    master = trainers[0].prepare()["master"]
+    address = {"host": master["host"], "port": master["port"], "token": master["token"], "prefix": "reshard-vllm/1"}
+    infos = [t.target_engines(rank=i, world_size=2, engine_world_size=2, master=address)
+             for i, t in enumerate(trainers)]
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6) / 7.0
+    out: list = [None] * 4
+
+    def trainer(i: int) -> None:
+        try:
+            out[i] = asyncio.run(trainers[i].send_weights([("w", full)], global_steps=1))
+        except BaseException as e:  # noqa: BLE001
+            out[i] = e
+
+    def engine(k: int) -> None:
+        info = infos[0]
+        try:
+            group = Group.rendezvous(info["master_address"], info["master_port"], 2 + k, 4, prefix=info["prefix"],
+                                     token=info.get("token"), timeout=30)
+            refit = Refit(group, precision=info["precision"], timeout=30)
+            local = torch.zeros(8, 3, dtype=torch.bfloat16)
+            refit.add_destination("w", local, Layout((8, 6), Mesh([2, 3]), [Shard(1)], torch.bfloat16, name="w"))
+            try:
+                refit.run()
+                out[2 + k] = local
+            finally:
+                group.close()
+        except BaseException as e:  # noqa: BLE001
+            out[2 + k] = e
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=engine, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    for t in trainers:
+        t._close_link()
+    return out[:2], [(o, full[:, 3 * k: 3 * k + 3].to(torch.bfloat16)) for k, o in enumerate(out[2:])]
+
+
+def test_a_dtype_change_into_engines_is_refused_with_advice_a_verl_user_can_follow() -> None:
+    """float32 trainer weights into bfloat16 engines: refused on every rank; the trainers' error names the verl
+    setting (`...engine_kwargs.reshard.precision=cast`), not `precision='cast'`, which verl users cannot pass
+    (before, the only advice). With that setting the weight lands, cast bit-exact to `torch.Tensor.to`."""
+    from reshard.integrations.verl._names import PRECISION_KEY
+
+    trainers, engines = _sync_into_engines(None)
+    for e in trainers:
+        assert isinstance(e, ValueError) and f"set {PRECISION_KEY}=cast" in str(e), e
+        assert "use precision='cast'" not in str(e), e
+    for e, _ in engines:
+        assert isinstance(e, ValueError) and "dtype torch.float32 on the trainer" in str(e), e
+    trainers, engines = _sync_into_engines("cast")
+    assert all(isinstance(m, dict) for m in trainers), trainers
+    for got, want in engines:
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), (got, want)

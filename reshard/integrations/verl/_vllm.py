@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from reshard.comm import CommError
-from reshard.integrations.verl._names import BACKEND, SHARD_MODE
+from reshard.integrations.verl._names import BACKEND, SHARD_MODE, advise
 from reshard.integrations.verl._stream import SyncStats, _contiguous_stride, _full_mesh, local_of
 from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 from reshard.planner import Layout
@@ -53,14 +53,15 @@ class EngineLink:
         master: the store's `host`, `port`, `token` and the group's `prefix`.
         timeout_s: seconds any wait for a peer may last.
         verify: check every received box against its sender's checksum.
+        precision: `"same"` or `"cast"` (the trainer's dtypes to the engine's; the engines get the same).
     """
 
     def __init__(self, rank: int, world_size: int, engine_world_size: int, master: dict[str, Any],
-                 timeout_s: float, verify: bool) -> None:
+                 timeout_s: float, verify: bool, precision: str = "same") -> None:
         self.info = ReshardTrainerInitInfo(rank=rank, world_size=world_size, engine_world_size=engine_world_size,
                                            master_address=master["host"], master_port=int(master["port"]),
                                            token=master["token"] or None, prefix=master["prefix"], host_store=False,
-                                           timeout_s=timeout_s, verify=verify)
+                                           timeout_s=timeout_s, verify=verify, precision=precision)
         self.trainer: Any = None  # ReshardTrainer, from the first sync's stream
         self.names: list[str] = []  # the registered names, in the first sync's order
 
@@ -94,6 +95,8 @@ class EngineLink:
             if self.trainer is not None and not isinstance(e, CommError):
                 g = self.trainer.group
                 g.report_fault(g.rank, f"trainer rank {g.rank}: send_weights failed: {type(e).__name__}: {e}")
+            if isinstance(e, ValueError) and advise(str(e)) != str(e):
+                raise ValueError(advise(str(e))) from e
             raise
         ex = report.execution
         stats.bytes_sent = ex.bytes_sent if ex is not None else 0
