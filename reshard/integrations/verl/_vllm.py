@@ -237,17 +237,17 @@ def _define() -> type:
                     self._joined = True
                 await _all(s.collective_rpc.remote("start_weight_update") for s in leaders)
                 started = True
-                await _all(s.collective_rpc.remote("update_weights", kwargs={"update_info": {"version": version}})
-                           for s in leaders)
+                await _every("update_weights", [s.collective_rpc.remote("update_weights", kwargs={
+                    "update_info": {"version": version}}) for s in leaders])
                 results = await _all(trainers)
                 await _all(s.collective_rpc.remote("finish_weight_update") for s in leaders)
                 started = False
-            except BaseException:
+            except BaseException as e:
                 self._joined = False  # the next sync builds a new group on every side
-                await _settle(trainers)
+                failures = [("the trainer workers", x) for x in await _settle(trainers)]
                 if started:
                     await _settle(s.collective_rpc.remote("finish_weight_update") for s in leaders)
-                raise
+                raise sync_failure(global_steps, e, failures) from e
             await _all(s.clear_kv_cache.remote() for s in leaders)
             if global_steps is not None:
                 await _all(s.set_global_steps.remote(global_steps) for s in leaders)
@@ -302,8 +302,49 @@ async def _all(refs: Any) -> list[Any]:
     return list(await asyncio.gather(*list(refs)))
 
 
-async def _settle(refs: Any) -> None:
-    """Wait for every call to end (their errors are the first failure's consequences, logged at debug)."""
-    for r in await asyncio.gather(*list(refs), return_exceptions=True):
-        if isinstance(r, BaseException):
-            logger.debug("EngineShardManager: after the failure: %s", r)
+async def _settle(refs: Any) -> list[BaseException]:
+    """Wait for every call to end; their errors (also logged at debug)."""
+    errors = [r for r in await asyncio.gather(*list(refs), return_exceptions=True) if isinstance(r, BaseException)]
+    for r in errors:
+        logger.debug("EngineShardManager: after the failure: %s", r)
+    return errors
+
+
+class ReplicaErrors(RuntimeError):
+    """Calls on several replicas' servers failed: every replica's error (`errors`: replica index -> exception)."""
+
+    def __init__(self, what: str, errors: dict[int, BaseException]) -> None:
+        self.errors = errors
+        super().__init__(f"{what} failed on replicas {sorted(errors)}: " + "; ".join(
+            f"replica {i}: {_reason(e)}" for i, e in sorted(errors.items())))
+
+
+async def _every(what: str, refs: Sequence[Any]) -> list[Any]:
+    """Every call's result; when some fail, a `ReplicaErrors` with each failed replica's error (not only the
+    first's: a replica killed mid-sync fails its own call, the others fail with the group's verdict)."""
+    results = await asyncio.gather(*refs, return_exceptions=True)
+    errors = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
+    if errors:
+        raise ReplicaErrors(what, errors)
+    return results
+
+
+def _reason(error: BaseException, limit: int = 1500) -> str:
+    """An error's message for the driver's: its type and text (a Ray task error's cause's, when it has one)."""
+    cause = getattr(error, "cause", None)
+    e = cause if isinstance(cause, BaseException) else error
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
+def sync_failure(step: Any, first: BaseException, failures: Sequence[tuple[str, BaseException]]) -> RuntimeError:
+    """The driver's error for a failed sync: the first failure and every other side's reason (each once)."""
+    seen = {_reason(first)}
+    lines = [f"{'the replicas' if isinstance(first, ReplicaErrors) else 'first failure'}: {_reason(first)}"]
+    for who, e in failures:
+        r = _reason(e)
+        if r not in seen:
+            seen.add(r)
+            lines.append(f"{who}: {r}")
+    return RuntimeError(f"EngineShardManager: the weight sync of step {step} failed; every side's reason:\n  "
+                        + "\n  ".join(lines))
