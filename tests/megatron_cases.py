@@ -560,3 +560,91 @@ def job_send(worker: Any) -> int:
 
 def job_trainer_close(worker: Any) -> None:
     worker.scratch.pop("megatron/trainer").shutdown()
+
+
+@contextlib.contextmanager
+def _cuda_to_cpu() -> Any:
+    """A fifth CPU workaround, for Megatron's optimizers only, undone on exit: they allocate small buffers with
+    `device='cuda'` (`MegatronOptimizer._dummy_overflow_buf`) and accept parameters whose `Tensor.type()` is a
+    `torch.cuda.*Tensor` only: tensor factories asked for `'cuda'` make CPU tensors, and `type()` names CPU tensors
+    as CUDA ones."""
+    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty", "ones", "full")}
+    real_type = torch.Tensor.type
+
+    def factory(f: Any) -> Any:
+        def patched(*a: Any, **k: Any) -> Any:
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return patched
+
+    def tensor_type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+        out = real_type(self, *a, **k)
+        return out.replace("torch.", "torch.cuda.", 1) if not a and not k and isinstance(out, str) else out
+
+    try:
+        for n, f in saved.items():
+            setattr(torch, n, factory(f))
+        torch.Tensor.type = tensor_type
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch, n, f)
+        torch.Tensor.type = real_type
+
+
+def job_overlap_param_gather(worker: Any, probe: bool) -> dict:
+    """TP2 x DP2 in Megatron's `DistributedDataParallel` with the distributed optimizer and `overlap_param_gather`:
+    refit, one real training step (forward, backward, `finish_grad_sync`, `optimizer.step()`, `zero_grad()`), refit
+    right after it. Megatron leaves the other DP ranks' updated shards out of the parameters until the next
+    forward's all-gather, so the probe (`probe=True`) reads the parameters right after the step and again after
+    forcing that all-gather (`start_param_sync(force_sync=True)`). Returns per run the stated shards after the
+    gather (the oracle) and the engine's tensors; the probe returns how many parameter elements the gather changed.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from reshard.comm import Group
+    from reshard.integrations import megatron
+    from reshard.refit import Refit
+
+    case = "tpdp"
+    model = build(case)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True,
+                                               overlap_grad_reduce=False, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config(case), ddp_config, model)
+    with _cuda_to_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.05, use_distributed_optimizer=True,
+                                                     params_dtype=torch.float32), [ddp])
+    ids = torch.arange(14).reshape(2, 7) * 13 % VOCAB
+
+    def train_step() -> None:
+        ddp.train()
+        ddp.zero_grad_buffer()
+        pos = torch.arange(7).unsqueeze(0).expand(2, 7)
+        mask = torch.ones(7, 7, dtype=torch.bool).triu(1)[None, None]
+        logits = ddp(ids, pos, mask)
+        (logits.float().pow(2).mean() * 100).backward()
+        finalize_model_grads([ddp])  # Megatron's own: DP reduce-scatter, TP all-reduce of replicated weights' grads
+        with _cuda_to_cpu():
+            opt.step()
+        opt.zero_grad()
+
+    if probe:
+        train_step()
+        before = [p.detach().clone() for p in model.parameters()]
+        ddp.start_param_sync(force_sync=True)
+        changed = sum(int((a != p.detach()).sum()) for a, p in zip(before, model.parameters()))
+        return {"changed": changed, "total": sum(p.numel() for p in model.parameters())}
+    refit = Refit(Group.world(), timeout=120, policy="reshard")
+    megatron.add_sources(refit, ddp, vocab_size=VOCAB)
+    locals_ = _engine(refit, case, 1, worker.rank)
+    out: dict = {"runs": []}
+    for run in range(2):
+        if run:
+            train_step()
+        refit.run()
+        engine = {n: t.clone() for n, t in locals_.items()}
+        ddp.start_param_sync(force_sync=True)  # the oracle: the parameters once the all-gather has run
+        out["runs"].append({"shards": local_shards(model), "engine": engine})
+    return out

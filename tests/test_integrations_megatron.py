@@ -204,3 +204,22 @@ def test_a_head_layout_that_keeps_every_shape_is_refused_on_every_rank(pool) -> 
                      "num_key_value_heads: 2 by trainer", "head_dim: 32 by trainer", "64 by engine (its config)"):
             assert fact in o["error"], (fact, o["error"])
         assert o["untouched"], o
+
+
+def test_overlap_param_gather_is_completed_before_a_refit_right_after_the_step(pool) -> None:
+    """Megatron's distributed optimizer with `overlap_param_gather` (TP2 x DP2, a real forward, backward and
+    `optimizer.step()` on CPU): the step leaves each rank's parameters half updated (the other DP rank's shard
+    arrives with the next forward's all-gather: the probe counts the elements that gather changes). A refit right
+    after the step must send the whole new step: every engine tensor equals the oracle read once the all-gather ran
+    (before, it would have sent the stale half)."""
+    case = "tpdp"
+    probe = pool.run_ok(mc.job_overlap_param_gather, True)
+    assert all(p["changed"] > p["total"] // 3 for p in probe), probe  # the mix the refit must not send
+    out = pool.run_ok(mc.job_overlap_param_gather, False)
+    for run in (0, 1):
+        hf = oracle(out, case, run)
+        bad = [f"engine rank {rank}: {name}" for rank, o in enumerate(out)
+               for name, local in o["runs"][run]["engine"].items()
+               if not torch.equal(expected(name, hf, ENGINE_TP[case], rank % ENGINE_TP[case], local), local)]
+        assert bad == [], (run, bad[:10])
+    assert any(not torch.equal(a, b) for a, b in zip(oracle(out, case, 0).values(), oracle(out, case, 1).values()))

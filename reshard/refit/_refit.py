@@ -226,6 +226,7 @@ class Refit:
         self._refusals: list[str] = []  # `refuse`: raised on every rank by the first run
         self._rebinds: dict[str, str] = {}  # update_source refused: raised by every run until a fitting rebind
         self._facts: list[tuple[str, dict]] = []  # declare_facts: (who, facts), agreed on by the first run
+        self._before: list[Callable[[], None]] = []  # before_run: called at the start of every run
         self._built: Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -406,6 +407,12 @@ class Refit:
         self._check_open(who)
         self._facts.append((who, _facts.checked(facts, who)))
 
+    def before_run(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on this rank at the start of every `run()`, before any registered tensor is read: an
+        integration's way to bring its sources up to date (Megatron's deferred parameter all-gather). `fn` may run
+        collectives of the trainer's own groups: every trainer rank registers the same hooks."""
+        self._before.append(fn)
+
     def refuse(self, reason: str) -> None:
         """Record a problem this rank found in what it was asked to register or send (an integration's check of its
         own model, or of the tensors it binds for this step): the next `run()` raises a `ValueError` with it on every
@@ -480,6 +487,8 @@ class Refit:
             raise ValueError(f"{self.label}: run(agreed=True) needs a plan every rank built and ran before (not the "
                              "first run) and no delta session")
         t0 = time.perf_counter()
+        for fn in self._before:
+            fn()
         srcs, dsts, scales, errors = self._resolve()
         if first:
             _facts.agree(self.group, self.rank, self._facts, as_timedelta(self.timeout, default=self.group.timeout))

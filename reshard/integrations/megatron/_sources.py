@@ -38,6 +38,11 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
     `load_state_dict(assign=True)`) is sent from the next run; one that does not fit is refused on every rank,
     naming it, before data moves.
 
+    With Megatron's distributed optimizer and `overlap_param_gather`, pass the `DistributedDataParallel` wrapper
+    (not the bare `GPTModel`): the parameter all-gather the optimizer step leaves to the next forward is then
+    completed before every run (a bare model gives no way to reach it, and a refit right after `optimizer.step()`
+    would send half of each parameter from the step before).
+
     Args:
         refit: the `Refit` (its group rank is where this rank's pieces are declared).
         model: this rank's `GPTModel` (wrapped in Megatron's `DistributedDataParallel` / `Float16Module` or not), or
@@ -105,11 +110,31 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
         if id(tensor) in pnames:  # a parameter replaced in the model is read at the next run (buffers: in place)
             refit.follow(name, chunk, pnames[id(tensor)])
     refit.declare_facts(_facts(cfg, dims, tied), who="trainer (Megatron's TransformerConfig)")
+    _gather_before_run(refit, chunks[0])
     for p in problems:
         refit.refuse(f"megatron.add_sources: {p}")
     logger.debug("megatron.add_sources: rank %d registered %d weights, %d problems", rank, len(entries),
                  len(problems))
     return sorted(entries)
+
+
+def _gather_before_run(refit: Refit, model: Any) -> None:
+    """With Megatron's distributed optimizer and `overlap_param_gather`, `optimizer.step()` updates each DP rank's
+    shard of the parameter buffer and leaves the all-gather of the others' to the next forward (its first bucket
+    dispatched, not waited for, by `zero_grad()`): a refit right after the step would read half new, half old
+    values. So every run first completes that all-gather (`start_param_sync(force_sync=True)`: waits for a
+    dispatched one, runs the others; Megatron's next forward then finds it done)."""
+    ddps = []
+    while model is not None and not hasattr(model, "decoder"):
+        if hasattr(model, "start_param_sync") and hasattr(model, "ddp_config"):
+            ddps.append(model)
+        model = getattr(model, "module", None)
+    for ddp in ddps:
+        cfg = ddp.ddp_config
+        if getattr(cfg, "use_distributed_optimizer", False) and getattr(cfg, "overlap_param_gather", False):
+            refit.before_run(lambda d=ddp: d.start_param_sync(force_sync=True))
+            logger.debug("megatron.add_sources: rank %d: overlap_param_gather: the parameter all-gather is completed "
+                         "before every run", refit.rank)
 
 
 def _unwrap(model: Any) -> Any:
