@@ -648,3 +648,18 @@ def job_overlap_param_gather(worker: Any, probe: bool) -> dict:
         ddp.start_param_sync(force_sync=True)  # the oracle: the parameters once the all-gather has run
         out["runs"].append({"shards": local_shards(model), "engine": engine})
     return out
+
+
+def job_trainer_init_fails(worker: Any, port: int) -> str | None:
+    """`ReshardTrainer.trainer_init(source=GPTModel)` without `vocab_size` (4 trainer ranks, 1 engine rank that the
+    test process runs): every trainer rank's error (`"TypeName: message"`), None if it ran."""
+    from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+
+    model = build("tpdp")
+    info = ReshardTrainerInitInfo(rank=worker.rank, master_address="127.0.0.1", master_port=port, world_size=4,
+                                  engine_world_size=1, timeout_s=60.0)
+    try:
+        ReshardTrainer.trainer_init(info, source=model)
+    except Exception as e:  # noqa: BLE001 - the test checks the type and message
+        return f"{type(e).__name__}: {e}"
+    return None

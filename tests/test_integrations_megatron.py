@@ -223,3 +223,43 @@ def test_overlap_param_gather_is_completed_before_a_refit_right_after_the_step(p
                if not torch.equal(expected(name, hf, ENGINE_TP[case], rank % ENGINE_TP[case], local), local)]
         assert bad == [], (run, bad[:10])
     assert any(not torch.equal(a, b) for a, b in zip(oracle(out, case, 0).values(), oracle(out, case, 1).values()))
+
+
+def test_a_trainer_init_error_reaches_the_engine_with_its_reason(pool) -> None:
+    """`trainer_init(source=GPTModel)` without `vocab_size` raises on the 4 trainer ranks after the group formed;
+    the engine rank (this process, as reshard's vLLM backend joins) raises it too, with the reason, within seconds
+    of its 60 s timeout (before: it waited the timeout out and was told only that ranks never reached it)."""
+    import socket
+    import threading
+    import time
+
+    from reshard.comm import Group
+    from reshard.refit import Refit
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine: dict = {}
+
+    def run_engine() -> None:
+        try:
+            group = Group.rendezvous("127.0.0.1", port, 4, 5, timeout=60)
+            t0 = time.monotonic()
+            try:
+                Refit(group, timeout=60).run()
+            except Exception as e:  # noqa: BLE001
+                engine["error"], engine["seconds"] = f"{type(e).__name__}: {e}", time.monotonic() - t0
+            finally:
+                group.close()
+        except Exception as e:  # noqa: BLE001
+            engine["error"], engine["seconds"] = f"rendezvous: {type(e).__name__}: {e}", None
+
+    thread = threading.Thread(target=run_engine, daemon=True)
+    thread.start()
+    trainers = pool.run_ok(mc.job_trainer_init_fails, port)
+    thread.join(90)
+    assert not thread.is_alive(), "the engine rank hangs"
+    for t in trainers:
+        assert t is not None and t.startswith("ValueError") and "pass vocab_size=" in t, t
+    assert "CommError" in engine["error"] and "pass vocab_size=" in engine["error"], engine
+    assert engine["seconds"] < 15, engine
