@@ -329,7 +329,7 @@ async def _every(what: str, refs: Sequence[Any]) -> list[Any]:
     return results
 
 
-def _reason(error: BaseException, limit: int = 1500) -> str:
+def _reason(error: BaseException, limit: int = 4000) -> str:
     """An error's message for the driver's: its type and text (a Ray task error's cause's, when it has one)."""
     cause = getattr(error, "cause", None)
     e = cause if isinstance(cause, BaseException) else error
