@@ -434,8 +434,8 @@ class Refit:
         DTensor source a DTensor of the same layout at the same mesh coordinate (see `reshard.refit._rebind`). What
         does not fit binds nothing and is refused by every later run, on every rank before data moves, until a
         rebinding of that name fits (a retry never mixes two steps); a name never registered is refused at the next
-        run (`refuse`). A source that follows its module
-        (`add_module_sources`) cannot be rebound (ValueError at once: a programming error on every rank alike).
+        run (`refuse`). A source that follows its module (`add_module_sources`, `follow`) cannot be rebound
+        (ValueError at once: a programming error on every rank alike).
 
         Args:
             name: the registered (trainer) name.
