@@ -147,7 +147,7 @@ $(VERL_VLLM_STAMP): Makefile
 # verl tests run in .venv-verl; the Ray example (a vLLM engine actor) and verl driving a vLLM engine in .venv-vllm
 # with Ray added (and verl on PYTHONPATH).
 test-frameworks: $(VERL_STAMP)
-	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/test_verl_backend.py
+	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/test_verl_backend.py tests/test_verl_manager.py
 	@if $(MAKE) verl-vllm-env && $(VLLM_PY) -c "import vllm, ray" >/dev/null 2>&1; then \
 		VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(VERL_VLLM_DIR) $(VLLM_PY) -m pytest -q -n 0 -m frameworks \
 			tests/test_examples.py tests/test_verl_vllm.py; \

@@ -41,6 +41,10 @@ class Model(torch.nn.Module):
         self.weight = torch.nn.Parameter(dtensor(seed))
 
 
+def _trainer_layout() -> Layout:
+    return Layout(SHAPE, Mesh(list(TRAIN)), [Shard(0)], torch.float32, name="weight")
+
+
 def _engine_layout(dtype: torch.dtype = torch.float32) -> Layout:
     return Layout(SHAPE, Mesh(list(ENGINE)), [Shard(1)], dtype, name="weight")
 
@@ -60,6 +64,8 @@ def job_live(worker, case: str) -> dict:
         model = Model(1)
         if case.startswith("assign"):
             refit.add_module_sources(model)
+        elif case.startswith("plain"):  # this rank's piece, a plain tensor with its global layout
+            refit.add_source("weight", model.weight.to_local().detach().clone(), _trainer_layout())
         else:
             refit.add_source("weight", model.weight)
     else:
@@ -91,6 +97,13 @@ def job_live(worker, case: str) -> dict:
         elif case == "update_replicated":  # a new DTensor of another layout: refused on every rank
             mesh = DeviceMesh("cpu", torch.tensor(TRAIN), _init_backend=False)
             refit.update_source("weight", distribute_tensor(full(2), mesh, [Replicate()], src_data_rank=None))
+        elif case in ("update_replicated_retry", "plain_update_dtype_retry") and rank == 1:  # one rank only
+            bad = dtensor(2, torch.float64)
+            refit.update_source("weight", bad if case.startswith("update") else bad.to_local())
+        elif case == "plain_update_dtensor":  # a DTensor whose global shape is this rank's piece's
+            mesh = DeviceMesh("cpu", torch.tensor(TRAIN), _init_backend=False)
+            piece = dtensor(2).to_local().clone()
+            refit.update_source("weight", distribute_tensor(piece, mesh, [Replicate()], src_data_rank=None))
         elif case == "update_unknown" and rank == 1:  # a name never registered, on one rank only
             refit.update_source("bias", dtensor(2))
         elif case == "refuse" and rank == 1:  # an integration's check after the first run, on one rank only
@@ -106,6 +119,14 @@ def job_live(worker, case: str) -> dict:
         refit.run()
     except ValueError as e:
         out["error"] = str(e)
+    if case.endswith("_retry"):  # the same run again, nothing rebound: refused again, or it runs
+        out["retry_error"] = None
+        try:
+            refit.run()
+        except ValueError as e:
+            out["retry_error"] = str(e)
+        if engine_param is not None:
+            out["runs"].append(engine_param.detach().view(SHAPE[0], 3).clone())
     if engine_param is not None:
         out["runs"].append(engine_param.detach().view(SHAPE[0], 3).clone())
         if old is not None:

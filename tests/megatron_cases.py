@@ -62,6 +62,8 @@ def config(case: str) -> Any:
         expert_model_parallel_size=c["ep"], use_cpu_initialization=True, params_dtype=torch.float32,
         pipeline_dtype=torch.float32, init_method_std=0.05,
     )
+    if c.get("bias"):  # DeepSeek-V3 / GLM-4.5 routing: sigmoid scores plus a per-expert bias training updates
+        kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     if c["moe"]:
         kw.update(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
@@ -311,15 +313,19 @@ def hf_param_shapes(case: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _engine(refit: Any, case: str, engine_tp: int, rank: int) -> dict[str, torch.Tensor]:
+def _engine(refit: Any, case: str, engine_tp: int, rank: int, config: dict | None = None) -> dict[str, torch.Tensor]:
+    """This rank's engine tensors of `case` (vLLM's layouts, `engine_tp`), registered, and the facts of the config
+    it serves (`config`, default `hf_config(case)`) declared."""
     from reshard.integrations import hf
 
+    config = config or hf_config(case)
     par = hf.EngineParallel(range(4), tp=engine_tp)
     locals_ = {}
-    for t in hf.engine_tensors(hf_param_shapes(case), par, config=hf_config(case), dtype=torch.float32):
+    for t in hf.engine_tensors(hf_param_shapes(case), par, config=config, dtype=torch.float32):
         if rank in t.ranks:
             locals_[t.name] = torch.full(t.local_shape(rank), SENTINEL)
             t.register(refit, locals_[t.name])
+    refit.declare_facts(hf.model_facts(config), who="engine (its config)")
     return locals_
 
 
@@ -331,11 +337,23 @@ def _step(model: Any, opt: Any) -> None:
     opt.zero_grad()
 
 
-def job_refit(worker: Any, case: str, engine_tp: int) -> dict:
-    """Register the Megatron model, refit into an engine of `engine_tp` (replicas over the rest), step, refit again.
+REPLACED = "decoder.layers.0.mlp.linear_fc2.weight"
+
+
+def _replace(model: Any, dtype: torch.dtype = torch.float32) -> None:
+    """Replace `REPLACED` by a new `nn.Parameter` of new values (an elementwise function of the old: replicas stay
+    equal), as a training step that re-creates a parameter does."""
+    mod = model.get_submodule(REPLACED.rsplit(".", 1)[0])
+    mod.weight = torch.nn.Parameter((mod.weight.detach() * -2.0 + 0.5).to(dtype))
+
+
+def job_refit(worker: Any, case: str, engine_tp: int, change: str = "step") -> dict:
+    """Register the Megatron model, refit into an engine of `engine_tp` (replicas over the rest), change the model
+    (`change`: `"step"`, an optimizer step; `"replace"`: `REPLACED` re-created as a new parameter; `"replace64"`: as a
+    float64 one), refit again.
 
     Returns per run: this rank's stated shards (the oracle's input) and its engine tensors; Megatron's logits of
-    the first run (on one rank) and the plan's bytes."""
+    the first run (on one rank), the plan's bytes, and the second run's `ValueError` message (`error`)."""
     from reshard.comm import Group
     from reshard.integrations import megatron
     from reshard.refit import Refit
@@ -347,10 +365,16 @@ def job_refit(worker: Any, case: str, engine_tp: int) -> dict:
     out["names"] = megatron.add_sources(refit, model, vocab_size=VOCAB)
     locals_ = _engine(refit, case, engine_tp, worker.rank)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    out["error"] = None
     for run in range(2):
-        if run:
+        if run and change == "step":
             _step(model, opt)
-        report = refit.run()
+        elif run:
+            _replace(model, torch.float64 if change == "replace64" else torch.float32)
+        try:
+            report = refit.run()
+        except ValueError as e:
+            out["error"] = str(e)
         out["runs"].append({"shards": local_shards(model), "engine": {n: t.clone() for n, t in locals_.items()}})
     out["moved_bytes"] = report.network_bytes + report.nvlink_bytes + report.local_bytes
     return out
@@ -392,6 +416,26 @@ def job_refused(worker: Any, what: str) -> dict:
     return {"error": None}
 
 
+def job_facts(worker: Any) -> dict:
+    """The TP2 x DP2 model (8 heads of 32, 2 query groups) into a TP1 engine whose config says 4 heads of 64 and 1
+    KV head: every tensor has the same shape. Returns the `ValueError` of the run (None if it ran) and whether the
+    engine's tensors are untouched."""
+    from reshard.comm import Group
+    from reshard.integrations import megatron
+    from reshard.refit import Refit
+
+    model = build("tpdp")
+    refit = Refit(Group.world(), timeout=120)
+    megatron.add_sources(refit, model, vocab_size=VOCAB)
+    other = {**hf_config("tpdp"), "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64}
+    locals_ = _engine(refit, "tpdp", 1, worker.rank, config=other)
+    try:
+        refit.run()
+    except ValueError as e:
+        return {"error": str(e), "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
+    return {"error": None, "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
+
+
 def job_unsupported(worker: Any) -> dict:
     """Registration errors every rank raises at once: no vocab_size, virtual stages, fewer query groups than TP."""
     from reshard.comm import Group
@@ -416,6 +460,55 @@ def job_unsupported(worker: Any) -> dict:
             out[what] = None
         except Exception as e:  # noqa: BLE001
             out[what] = f"{type(e).__name__}: {e}"
+    return out
+
+
+BIAS = "decoder.layers.mlp.router.expert_bias"  # Megatron's key; the engine's name is e_score_correction_bias
+
+
+def job_expert_bias(worker: Any, engine_has_it: bool) -> dict:
+    """A PP2 x EP2 MoE with `moe_router_enable_expert_bias`: every layer's router `expert_bias` (a buffer) is set to
+    distinct values, refit into a TP2 engine that holds `mlp.gate.e_score_correction_bias` per layer (replicated on
+    every engine rank), updated in place as Megatron's `finalize_model_grads` does, refit again. Returns per run the
+    stated shards (the oracle) and the engine's biases; or, with `engine_has_it=False`, the `ValueError` message."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.tensor import Replicate
+
+    from reshard.comm import Group
+    from reshard.integrations import megatron
+    from reshard.planner import Layout, Mesh
+    from reshard.refit import Refit
+
+    CASES["moe_bias"] = dict(tp=1, pp=2, ep=2, moe=True, tied=False, bias=True)
+    model = build("moe_bias")
+    offset = ps.get_pipeline_model_parallel_rank() * (LAYERS // 2)
+
+    def set_bias(seed: float) -> None:
+        with torch.no_grad():
+            for i, layer in enumerate(model.decoder.layers):
+                layer.mlp.router.expert_bias.copy_(torch.arange(EXPERTS) * 0.25 + (offset + i) + seed)
+
+    set_bias(0.5)
+    refit = Refit(Group.world(), timeout=120, policy="reshard")
+    megatron.add_sources(refit, model, vocab_size=VOCAB)
+    _engine(refit, "moe_bias", 2, worker.rank)
+    biases = {}
+    if engine_has_it:
+        for i in range(LAYERS):
+            name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            biases[name] = torch.full((EXPERTS,), SENTINEL)
+            refit.add_destination(name, biases[name], Layout((EXPERTS,), Mesh(list(range(4))), [Replicate()],
+                                                             torch.float32, name=name))
+    out: dict = {"runs": [], "error": None}
+    for run in range(2):
+        if run:
+            set_bias(10.0)  # in place, as finalize_model_grads' expert_bias.copy_(updated)
+        try:
+            refit.run()
+        except ValueError as e:
+            out["error"] = str(e)
+            return out
+        out["runs"].append({"shards": local_shards(model), "engine": {n: t.clone() for n, t in biases.items()}})
     return out
 
 
@@ -467,3 +560,106 @@ def job_send(worker: Any) -> int:
 
 def job_trainer_close(worker: Any) -> None:
     worker.scratch.pop("megatron/trainer").shutdown()
+
+
+@contextlib.contextmanager
+def _cuda_to_cpu() -> Any:
+    """A fifth CPU workaround, for Megatron's optimizers only, undone on exit: they allocate small buffers with
+    `device='cuda'` (`MegatronOptimizer._dummy_overflow_buf`) and accept parameters whose `Tensor.type()` is a
+    `torch.cuda.*Tensor` only: tensor factories asked for `'cuda'` make CPU tensors, and `type()` names CPU tensors
+    as CUDA ones."""
+    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty", "ones", "full")}
+    real_type = torch.Tensor.type
+
+    def factory(f: Any) -> Any:
+        def patched(*a: Any, **k: Any) -> Any:
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return patched
+
+    def tensor_type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+        out = real_type(self, *a, **k)
+        return out.replace("torch.", "torch.cuda.", 1) if not a and not k and isinstance(out, str) else out
+
+    try:
+        for n, f in saved.items():
+            setattr(torch, n, factory(f))
+        torch.Tensor.type = tensor_type
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch, n, f)
+        torch.Tensor.type = real_type
+
+
+def job_overlap_param_gather(worker: Any, probe: bool) -> dict:
+    """TP2 x DP2 in Megatron's `DistributedDataParallel` with the distributed optimizer and `overlap_param_gather`:
+    refit, one real training step (forward, backward, `finish_grad_sync`, `optimizer.step()`, `zero_grad()`), refit
+    right after it. Megatron leaves the other DP ranks' updated shards out of the parameters until the next
+    forward's all-gather, so the probe (`probe=True`) reads the parameters right after the step and again after
+    forcing that all-gather (`start_param_sync(force_sync=True)`). Returns per run the stated shards after the
+    gather (the oracle) and the engine's tensors; the probe returns how many parameter elements the gather changed.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from reshard.comm import Group
+    from reshard.integrations import megatron
+    from reshard.refit import Refit
+
+    case = "tpdp"
+    model = build(case)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True,
+                                               overlap_grad_reduce=False, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config(case), ddp_config, model)
+    with _cuda_to_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.05, use_distributed_optimizer=True,
+                                                     params_dtype=torch.float32), [ddp])
+    ids = torch.arange(14).reshape(2, 7) * 13 % VOCAB
+
+    def train_step() -> None:
+        ddp.train()
+        ddp.zero_grad_buffer()
+        pos = torch.arange(7).unsqueeze(0).expand(2, 7)
+        mask = torch.ones(7, 7, dtype=torch.bool).triu(1)[None, None]
+        logits = ddp(ids, pos, mask)
+        (logits.float().pow(2).mean() * 100).backward()
+        finalize_model_grads([ddp])  # Megatron's own: DP reduce-scatter, TP all-reduce of replicated weights' grads
+        with _cuda_to_cpu():
+            opt.step()
+        opt.zero_grad()
+
+    if probe:
+        train_step()
+        before = [p.detach().clone() for p in model.parameters()]
+        ddp.start_param_sync(force_sync=True)
+        changed = sum(int((a != p.detach()).sum()) for a, p in zip(before, model.parameters()))
+        return {"changed": changed, "total": sum(p.numel() for p in model.parameters())}
+    refit = Refit(Group.world(), timeout=120, policy="reshard")
+    megatron.add_sources(refit, ddp, vocab_size=VOCAB)
+    locals_ = _engine(refit, case, 1, worker.rank)
+    out: dict = {"runs": []}
+    for run in range(2):
+        if run:
+            train_step()
+        refit.run()
+        engine = {n: t.clone() for n, t in locals_.items()}
+        ddp.start_param_sync(force_sync=True)  # the oracle: the parameters once the all-gather has run
+        out["runs"].append({"shards": local_shards(model), "engine": engine})
+    return out
+
+
+def job_trainer_init_fails(worker: Any, port: int) -> str | None:
+    """`ReshardTrainer.trainer_init(source=GPTModel)` without `vocab_size` (4 trainer ranks, 1 engine rank that the
+    test process runs): every trainer rank's error (`"TypeName: message"`), None if it ran."""
+    from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+
+    model = build("tpdp")
+    info = ReshardTrainerInitInfo(rank=worker.rank, master_address="127.0.0.1", master_port=port, world_size=4,
+                                  engine_world_size=1, timeout_s=60.0)
+    try:
+        ReshardTrainer.trainer_init(info, source=model)
+    except Exception as e:  # noqa: BLE001 - the test checks the type and message
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -107,3 +107,124 @@ def test_unsupported_features_raise_at_registration_on_every_rank(pool) -> None:
         assert "fewer query groups (2) than tensor-parallel ranks (4)" in o["tp4"], o
         assert o["grouped"].startswith("NotImplementedError") and "mlp.experts.weight1" in o["grouped"], o
         assert "GroupedMLP" in o["grouped"], o
+
+
+def test_a_replaced_parameter_is_sent(pool) -> None:
+    """After run 1, every rank re-creates `decoder.layers.0.mlp.linear_fc2.weight` as a new `nn.Parameter` (new
+    values): run 2 lands the new values (the oracle reads them from the model's `sharded_state_dict()`), every other
+    weight as before (before, the registration kept the old parameter object and run 2 sent its stale values)."""
+    case = "tpdp"
+    out = pool.run_ok(mc.job_refit, case, ENGINE_TP[case], "replace")
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    first, second = oracle(out, case, 0), oracle(out, case, 1)
+    changed = [n for n in first if not torch.equal(first[n], second[n])]
+    assert changed == ["model.layers.0.mlp.down_proj.weight"], changed
+    bad = []
+    for rank, o in enumerate(out):
+        for name, local in o["runs"][1]["engine"].items():
+            want = expected(name, second, ENGINE_TP[case], rank % ENGINE_TP[case], local)
+            if not torch.equal(want, local):
+                bad.append(f"engine rank {rank}: {name}")
+    assert bad == [], bad
+
+
+def test_a_replaced_parameter_of_another_dtype_is_refused_on_every_rank(pool) -> None:
+    case = "tpdp"
+    out = pool.run_ok(mc.job_refit, case, ENGINE_TP[case], "replace64")
+    for rank, o in enumerate(out):
+        assert o["error"] is not None and f"its module's parameter {mc.REPLACED!r} was replaced" in o["error"], o
+        assert "float64" in o["error"], o["error"]
+        assert all(torch.equal(o["runs"][0]["engine"][n], t) for n, t in o["runs"][1]["engine"].items()), rank
+
+
+def test_the_router_expert_bias_lands_in_the_engines_e_score_correction_bias(pool) -> None:
+    """A MoE with `moe_router_enable_expert_bias` (DeepSeek-V3 / GLM-4.5 routing): every engine rank's
+    `mlp.gate.e_score_correction_bias` of every layer equals Megatron's `expert_bias` of that layer as
+    `sharded_state_dict()` states it, after run 1 and after an in-place update and run 2 (before, the buffer was
+    skipped and the engine's tensor refused as missing)."""
+    out = pool.run_ok(mc.job_expert_bias, True)
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    for run in (0, 1):
+        full = mc.megatron_full([o["runs"][run]["shards"] for o in out])[mc.BIAS]
+        assert full.shape == (mc.LAYERS, mc.EXPERTS)
+        for rank, o in enumerate(out):
+            for i in range(mc.LAYERS):
+                got = o["runs"][run]["engine"][f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+                assert torch.equal(got, full[i]), (run, rank, i, got, full[i])
+    assert not torch.equal(*(mc.megatron_full([o["runs"][r]["shards"] for o in out])[mc.BIAS] for r in (0, 1)))
+
+
+def test_an_engine_without_the_expert_bias_is_refused_naming_it(pool) -> None:
+    for o in pool.run_ok(mc.job_expert_bias, False):
+        assert o["error"] is not None and "model.layers.0.mlp.gate.e_score_correction_bias" in o["error"], o
+
+
+def test_a_head_layout_that_keeps_every_shape_is_refused_on_every_rank(pool) -> None:
+    """Megatron: 8 heads of 32 in 2 query groups; the engine's config: 4 heads of 64, 1 KV head. Every tensor has
+    the same shape (before, the refit ran and the engine computed other logits); now every rank raises, naming
+    each fact with Megatron's and the engine's values, and nothing lands."""
+    for o in pool.run_ok(mc.job_facts):
+        assert o["error"] is not None, o
+        for fact in ("num_attention_heads: 8 by trainer (Megatron's TransformerConfig)",
+                     "num_key_value_heads: 2 by trainer", "head_dim: 32 by trainer", "64 by engine (its config)"):
+            assert fact in o["error"], (fact, o["error"])
+        assert o["untouched"], o
+
+
+def test_overlap_param_gather_is_completed_before_a_refit_right_after_the_step(pool) -> None:
+    """Megatron's distributed optimizer with `overlap_param_gather` (TP2 x DP2, a real forward, backward and
+    `optimizer.step()` on CPU): the step leaves each rank's parameters half updated (the other DP rank's shard
+    arrives with the next forward's all-gather: the probe counts the elements that gather changes). A refit right
+    after the step must send the whole new step: every engine tensor equals the oracle read once the all-gather ran
+    (before, it would have sent the stale half)."""
+    case = "tpdp"
+    probe = pool.run_ok(mc.job_overlap_param_gather, True)
+    assert all(p["changed"] > p["total"] // 3 for p in probe), probe  # the mix the refit must not send
+    out = pool.run_ok(mc.job_overlap_param_gather, False)
+    for run in (0, 1):
+        hf = oracle(out, case, run)
+        bad = [f"engine rank {rank}: {name}" for rank, o in enumerate(out)
+               for name, local in o["runs"][run]["engine"].items()
+               if not torch.equal(expected(name, hf, ENGINE_TP[case], rank % ENGINE_TP[case], local), local)]
+        assert bad == [], (run, bad[:10])
+    assert any(not torch.equal(a, b) for a, b in zip(oracle(out, case, 0).values(), oracle(out, case, 1).values()))
+
+
+def test_a_trainer_init_error_reaches_the_engine_with_its_reason(pool) -> None:
+    """`trainer_init(source=GPTModel)` without `vocab_size` raises on the 4 trainer ranks after the group formed;
+    the engine rank (this process, as reshard's vLLM backend joins) raises it too, with the reason, within seconds
+    of its 60 s timeout (before: it waited the timeout out and was told only that ranks never reached it)."""
+    import socket
+    import threading
+    import time
+
+    from reshard.comm import Group
+    from reshard.refit import Refit
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine: dict = {}
+
+    def run_engine() -> None:
+        try:
+            group = Group.rendezvous("127.0.0.1", port, 4, 5, timeout=60)
+            t0 = time.monotonic()
+            try:
+                Refit(group, timeout=60).run()
+            except Exception as e:  # noqa: BLE001
+                engine["error"], engine["seconds"] = f"{type(e).__name__}: {e}", time.monotonic() - t0
+            finally:
+                group.close()
+        except Exception as e:  # noqa: BLE001
+            engine["error"], engine["seconds"] = f"rendezvous: {type(e).__name__}: {e}", None
+
+    thread = threading.Thread(target=run_engine, daemon=True)
+    thread.start()
+    trainers = pool.run_ok(mc.job_trainer_init_fails, port)
+    thread.join(90)
+    assert not thread.is_alive(), "the engine rank hangs"
+    for t in trainers:
+        assert t is not None and t.startswith("ValueError") and "pass vocab_size=" in t, t
+    assert "CommError" in engine["error"] and "pass vocab_size=" in engine["error"], engine
+    assert engine["seconds"] < 15, engine

@@ -378,6 +378,59 @@ def test_views_live_until_the_bucket_after_the_next_is_asked_for() -> None:
         e._close_group()
 
 
+SECRET = "9f3c1d7ab2e84c05a6d1f0e2b3c4d5e6"
+
+
+def _no_secret(texts: list[str], records: list) -> None:
+    """No text, no log record (message, arguments, exception text) holds the token."""
+    import logging
+
+    fmt = logging.Formatter()
+    seen = list(texts) + [fmt.format(r) for r in records] + [repr(r.args) for r in records]
+    leaks = [t[:300] for t in seen if SECRET in t]
+    assert not leaks, leaks
+
+
+def test_no_token_in_build_topology_refusals(caplog) -> None:
+    """Trainer rank 0 (the master, whose metadata holds the token) reports metadata of another format: the driver's
+    error names the workers and what they sent, the token hidden (before, the whole metadata was printed)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    texts = []
+    for bad in ({"format": 2}, {"backend": "nccl"}):
+        meta = _meta(2, 2)
+        meta[0]["master"]["token"] = SECRET
+        meta[0].update(bad)
+        with pytest.raises(ValueError, match=r"workers \[0\] did not report reshard") as e:
+            ReshardCheckpointEngine.build_topology(2, 2, meta)
+        assert "<hidden>" in str(e.value) and "10.0.0.1" in str(e.value), e.value
+        texts += [str(e.value), repr(e.value)]
+    _no_secret(texts, caplog.records)
+
+
+def test_no_token_in_any_message_of_a_failing_sync(caplog) -> None:
+    """A sync whose trainer stream fails on rank 1, with a token: every error every worker raised and every log
+    record of the run (DEBUG included) is free of the token."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    engines = _engines(timeout_s=60, token=SECRET)
+
+    def stream(rank: int) -> object:
+        for i, item in enumerate(_twelve(0).items()):
+            if rank == 1 and i == 6:
+                raise RuntimeError("the framework's stream failed (a test fault)")
+            yield item
+
+    metrics, received = _run_sync(engines, 2, 0, streams=stream)
+    errors = [o for o in metrics + received if isinstance(o, BaseException)]
+    assert len(errors) == 4, [metrics, received]
+    _no_secret([str(e) for e in errors] + [repr(e) for e in errors] + [repr(x) for x in engines], caplog.records)
+    for e in engines:
+        e._close_group()
+
+
 def test_constructor_refuses_bad_bucket_and_keeps_the_token_secret() -> None:
     with pytest.raises(ValueError, match="bucket_size must be an integer number of bytes >= 64, got 0"):
         ReshardCheckpointEngine(0)
@@ -387,3 +440,77 @@ def test_constructor_refuses_bad_bucket_and_keeps_the_token_secret() -> None:
     assert e.wire_format == "named_tensors" and e.timeout_s == 5.0
     with pytest.raises(ValueError, match="send_weights before init_process_group"):
         e._require("send_weights", trainer=True)
+
+
+def _sync_into_engines(precision: str | None) -> tuple[list, list]:
+    """`EngineShardManager`'s trainer side without verl: 2 trainer checkpoint engines (threads) target 2 engine
+    ranks that join as reshard's vLLM backend does (a `Refit` of the `init_info` they are given, bfloat16
+    destinations `Shard(1)`), and send one float32 weight. Returns (trainer results, engine results): an exception
+    or, on an engine rank, its tensor."""
+    import asyncio
+    import threading
+
+    from reshard import Layout, Mesh, Shard
+    from reshard.comm import Group
+    from reshard.refit import Refit
+
+    kw = {} if precision is None else {"precision": precision}
+    trainers = [ReshardCheckpointEngine(BUCKET, is_master=i == 0, host="127.0.0.1", timeout_s=30, **kw)
+                for i in range(2)]
+    master = trainers[0].prepare()["master"]
+    address = {"host": master["host"], "port": master["port"], "token": master["token"], "prefix": "reshard-vllm/1"}
+    infos = [t.target_engines(rank=i, world_size=2, engine_world_size=2, master=address)
+             for i, t in enumerate(trainers)]
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6) / 7.0
+    out: list = [None] * 4
+
+    def trainer(i: int) -> None:
+        try:
+            out[i] = asyncio.run(trainers[i].send_weights([("w", full)], global_steps=1))
+        except BaseException as e:  # noqa: BLE001
+            out[i] = e
+
+    def engine(k: int) -> None:
+        info = infos[0]
+        try:
+            group = Group.rendezvous(info["master_address"], info["master_port"], 2 + k, 4, prefix=info["prefix"],
+                                     token=info.get("token"), timeout=30)
+            refit = Refit(group, precision=info["precision"], timeout=30)
+            local = torch.zeros(8, 3, dtype=torch.bfloat16)
+            refit.add_destination("w", local, Layout((8, 6), Mesh([2, 3]), [Shard(1)], torch.bfloat16, name="w"))
+            try:
+                refit.run()
+                out[2 + k] = local
+            finally:
+                group.close()
+        except BaseException as e:  # noqa: BLE001
+            out[2 + k] = e
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=engine, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    for t in trainers:
+        t._close_link()
+    return out[:2], [(o, full[:, 3 * k: 3 * k + 3].to(torch.bfloat16)) for k, o in enumerate(out[2:])]
+
+
+def test_a_dtype_change_into_engines_is_refused_with_advice_a_verl_user_can_follow() -> None:
+    """float32 trainer weights into bfloat16 engines: refused on every rank; the trainers' error names the verl
+    setting (`...engine_kwargs.reshard.precision=cast`), not `precision='cast'`, which verl users cannot pass
+    (before, the only advice). With that setting the weight lands, cast bit-exact to `torch.Tensor.to`."""
+    from reshard.integrations.verl._names import PRECISION_KEY
+
+    trainers, engines = _sync_into_engines(None)
+    for e in trainers:
+        assert isinstance(e, ValueError) and f"set {PRECISION_KEY}=cast" in str(e), e
+        assert "use precision='cast'" not in str(e), e
+    for e, _ in engines:
+        assert isinstance(e, ValueError) and "dtype torch.float32 on the trainer" in str(e), e
+    trainers, engines = _sync_into_engines("cast")
+    assert all(isinstance(m, dict) for m in trainers), trainers
+    for got, want in engines:
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), (got, want)

@@ -14,8 +14,8 @@ functions included) has no cycle, so each module can be read knowing only the on
 And every room keeps its private parts: a room is a package of `reshard/` or one integration, and no module imports
 another room's private module or name (`reshard.comm._handshake`, `from reshard.kernels import _pieces`): what
 crosses is exported by the room's package, with a docstring (on `70ef1cc` 26 imports crossed). Integrations import
-each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, trl -> vllm, the trainer side's home -> megatron), plus the shared
-`engine`, `trainer` and `hf` modules.
+each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, trl -> vllm, the trainer side's home -> megatron), plus
+the shared `engine`, `trainer` and `hf` modules.
 """
 
 from __future__ import annotations

@@ -60,3 +60,42 @@ def test_a_retied_parameter_sends_the_shared_values(pool, api: str) -> None:
     assert all(o["error"] is None and "error1" not in o for o in out), out
     _check(out, 0, {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 3})
     _check(out, 1, {"model.embed_tokens.weight": 1, "model.norm.weight": 2, "lm_head.weight": 1})
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("late", "'model.norm.weight' is a plain tensor; pass its layout too"),
+    ("early", "transposed names 'nope', which the source does not hold"),
+])
+def test_a_trainer_init_error_reaches_every_rank_with_its_reason_within_seconds(pool, case: str, reason: str) -> None:
+    """trainer_init fails on both trainer ranks (after the group formed, or before the rendezvous): the trainer
+    ranks raise it, and the engine ranks' run() raises it too, naming the trainer rank and the reason, within
+    seconds of the 30 s timeout (before, they waited it out: "never reached it", or a rendezvous timeout)."""
+    from module_cases import job_init_fails
+
+    out = pool.run_ok(job_init_fails, case, _port())
+    for r, o in enumerate(out):
+        assert o["error"] is not None and reason in o["error"], (r, o)
+        assert o["seconds"] < 15, (r, o)
+    for r in ENGINE:
+        assert "CommError" in out[r]["error"] and "ReshardTrainer.trainer_init failed" in out[r]["error"], out[r]
+
+
+def test_model_facts_that_shapes_cannot_show_must_agree(pool) -> None:
+    """The trainer's config says 8 heads of 32 in 2 KV groups, the engine's 4 heads of 64 with 1 KV head (or 8
+    experts more): every tensor has the same shape, yet the send is refused on every rank, naming each fact with
+    both values and who declared it, and nothing lands (before, only shapes were compared and the send ran). The
+    control: the same config on both sides sends the trainer's values (cut by hand)."""
+    from module_cases import job_facts
+
+    out = pool.run_ok(job_facts, "same", _port())
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    _check([{"runs": [o["engine"]]} for o in out], 0, {"model.embed_tokens.weight": 1, "model.norm.weight": 2,
+                                                       "lm_head.weight": 3})
+    for engine, facts in (("heads", ["num_attention_heads: 8 by trainer (its config) (ranks [0, 1]); 4 by engine "
+                                     "(its config) (ranks [2, 3])", "num_key_value_heads: 2 by trainer",
+                                     "head_dim: 32 by trainer"]),
+                          ("experts", ["num_experts: 0 by trainer (its config) (ranks [0, 1]); 8 by engine"])):
+        out = pool.run_ok(job_facts, engine, _port())
+        for r, o in enumerate(out):
+            assert o["error"] is not None and all(f in o["error"] for f in facts), (engine, r, o["error"])
+            assert all(not t.any() for t in o["engine"].values()), (engine, r, "an engine tensor was written")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from live_cases import ENGINE, full, job_live
+from live_cases import ENGINE, TRAIN, full, job_live
 
 pytestmark = pytest.mark.distributed
 
@@ -103,4 +103,38 @@ def test_refusals_after_the_first_run_raise_on_every_rank_before_data_moves(pool
     for r, o in enumerate(out):
         assert o["error"] is not None and message in o["error"], (r, o["error"])
     for r in ENGINE:  # nothing was moved
+        assert torch.equal(out[r]["runs"][1], engine_slice(full(1), r)), r
+
+
+@pytest.mark.parametrize("case, message", [
+    ("update_replicated_retry", "rank 1: update_source: source 'weight' has another layout now"),
+    ("plain_update_dtype_retry", "rank 1: update_source: source tensor 'weight' on rank 1: dtype torch.float64"),
+])
+def test_a_refused_rebinding_is_refused_again_by_a_retry_for_dtensor_and_plain_sources(pool, case, message) -> None:
+    """A rebinding refused on one rank binds nothing and stays refused: the retry (run() again, nothing rebound)
+    raises the same reason on every rank and moves nothing, for a DTensor source as for a plain one (before, the
+    DTensor branch consumed the refusal and the retry sent the old, step-1 tensor)."""
+    out = pool.run_ok(job_live, case)
+    from live_cases import engine_slice
+
+    for r, o in enumerate(out):
+        assert o["error"] is not None and message in o["error"], (r, o["error"])
+        assert o["retry_error"] is not None and message in o["retry_error"], (r, "the retry ran", o["retry_error"])
+    for r in ENGINE:  # nothing was moved, by either run
+        assert torch.equal(out[r]["runs"][1], engine_slice(full(1), r)), r
+        assert torch.equal(out[r]["runs"][2], engine_slice(full(1), r)), r
+
+
+def test_a_plain_source_rebound_to_a_dtensor_is_refused_on_every_rank_before_any_byte(pool) -> None:
+    """A DTensor whose (global) shape equals the plain source's piece: refused by update_source on both trainer
+    ranks, raised on every rank, the engine untouched (before, rank 0 failed inside torch's copy, mid-transfer)."""
+    out = pool.run_ok(job_live, "plain_update_dtensor")
+    from live_cases import engine_slice
+
+    for r, o in enumerate(out):
+        assert o["error"] is not None, (r, "run 2 sent without an error")
+        for t in TRAIN:
+            assert (f"rank {t}: update_source: source 'weight' was registered as a plain local tensor with a layout, "
+                    "got a DTensor") in o["error"], (r, o["error"])
+    for r in ENGINE:
         assert torch.equal(out[r]["runs"][1], engine_slice(full(1), r)), r

@@ -73,6 +73,31 @@ def test_trainer_finds_conv1d_weights_and_refuses_unknown_names() -> None:
     model.lm_head = torch.nn.Linear(8, 10)
     assert conv1d_weights(model) == ["attn.c_attn.weight", "attn.c_proj.weight"]
     lay = Layout((4, 6), Mesh([0]), [Replicate()], torch.float32, name="w")
+    # the mistake is raised after the group formed, and the engine rank (a thread here) is told the reason
+    import socket
+    import threading
+
+    from reshard.comm import CommError, Group
+    from reshard.refit import Refit
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen: list = []
+
+    def engine() -> None:
+        group = Group.rendezvous("127.0.0.1", port, 1, 2, timeout=30)
+        try:
+            Refit(group, timeout=30).run()
+        except CommError as e:
+            seen.append(str(e))
+        finally:
+            group.close()
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
     with pytest.raises(ValueError, match="transposed names 'c_proj.weight', which the source does not hold"):
-        ReshardTrainer.trainer_init(ReshardTrainerInitInfo(rank=0), source={"w": (torch.zeros(4, 6), lay)},
-                                    transposed=["c_proj.weight"])
+        ReshardTrainer.trainer_init(ReshardTrainerInitInfo(rank=0, master_port=port, timeout_s=30),
+                                    source={"w": (torch.zeros(4, 6), lay)}, transposed=["c_proj.weight"])
+    thread.join(30)
+    assert seen and "transposed names 'c_proj.weight'" in seen[0], seen

@@ -41,7 +41,7 @@ from reshard.integrations.engine import EngineTensor, LayoutLike
 from reshard.integrations.engine import engine_tensors as _fuse_tensors
 from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece, vocab_parallel_layout
 
-__all__ = ["EngineParallel", "engine_layouts", "engine_tensors", "name_map", "trainer_name"]
+__all__ = ["EngineParallel", "engine_layouts", "engine_tensors", "model_facts", "name_map", "trainer_name"]
 
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
@@ -98,6 +98,23 @@ def trainer_name(name: str) -> str:
     `module.`): `model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight`.
     Use it as `Refit(name_map=trainer_name)`."""
     return _WRAPPERS.sub(r"\1", name)
+
+
+def model_facts(config: Any) -> dict[str, Any]:
+    """The facts of a Hugging Face config that tensor shapes cannot show, for `Refit.declare_facts`: heads, KV heads,
+    head dim, hidden size, layers, routed experts (`num_experts` / `num_local_experts` / `n_routed_experts`; 0 for
+    a dense model), vocabulary and tie (a multimodal config's text config). A config object or its `to_dict()`;
+    a fact the config does not give is None (not compared)."""
+    text = config.get("text_config") if isinstance(config, Mapping) else getattr(config, "text_config", None)
+    cfg = text if text is not None else config
+    heads = _get(cfg, "num_attention_heads")
+    hidden = _get(cfg, "hidden_size")
+    head_dim = _get(cfg, "head_dim", default=hidden // heads if heads and hidden else None)
+    return {"num_attention_heads": heads, "num_key_value_heads": _get(cfg, "num_key_value_heads", default=heads),
+            "head_dim": head_dim, "hidden_size": hidden, "num_hidden_layers": _get(cfg, "num_hidden_layers"),
+            "num_experts": _get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0),
+            "vocab_size": _get(cfg, "vocab_size"),
+            "tie_word_embeddings": _get(cfg, "tie_word_embeddings", default=_get(config, "tie_word_embeddings"))}
 
 
 def _get(config: Any, *names: str, default: Any = None) -> Any:

@@ -50,6 +50,7 @@ from reshard.planner import (
     relabel,
     scale_layout,
 )
+from reshard.refit import _facts
 from reshard.refit._build import Built, build
 from reshard.refit._fp8 import BLOCK, FP8
 from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
@@ -64,6 +65,7 @@ from reshard.refit._metawire import (
 )
 from reshard.refit._names import NameMap
 from reshard.refit._policy import Choice
+from reshard.refit._rebind import rebind_error
 from reshard.refit._replicas import replica_digests, replica_errors
 
 logger = logging.getLogger(__name__)
@@ -204,8 +206,7 @@ class Refit:
         self.delta = DeltaSession(snapshot=delta_snapshot, check=delta_check) if delta else None
         self.group = group if group is not None else Group.world()
         self.name = name
-        ordinal = getattr(self.group, "_refits_made", 0) + 1
-        self.group._refits_made = ordinal
+        ordinal = self.group.next_ordinal("refit")
         self.label = f"Refit {name!r}" if name is not None else f"the {_ordinal(ordinal)} Refit made on this group"
         """How errors name this refit."""
         self._nonce = secrets.token_hex(16)
@@ -237,6 +238,9 @@ class Refit:
         self._dst_aliases: dict[str, tuple[str, ...]] = {}  # inference global name -> its other names
         self._planned: dict[tuple[str, str], Geometry] = {}  # (kind, name) -> the geometry the plan was built for
         self._refusals: list[str] = []  # `refuse`: raised on every rank by the first run
+        self._rebinds: dict[str, str] = {}  # update_source refused: raised by every run until a fitting rebind
+        self._facts: list[tuple[str, dict]] = []  # declare_facts: (who, facts), agreed on by the first run
+        self._before: list[Callable[[], None]] = []  # before_run: called at the start of every run
         self._built: Built | None = None
 
     # ---- registration ----------------------------------------------------------------------------------------
@@ -333,6 +337,22 @@ class Refit:
                 if tied[pname]:
                     self._module_ties[name] = tuple(tied[pname])
 
+    def follow(self, name: str, module: torch.nn.Module, pname: str) -> None:
+        """Read registered source `name` from `module`'s parameter `pname` at every `run()`, as
+        `add_module_sources` does: a parameter replaced by a new object that fits the registration (a DTensor of the
+        same layout, or a plain tensor of the same local shape, dtype and device) is sent from the next run; one that
+        does not fit, or a parameter gone from the module, raises a `ValueError` on every rank naming it, before
+        data moves. For integrations that register a module's parameters under other names (several sources may
+        follow one parameter: Megatron's fused `linear_qkv` is three).
+        """
+        self._check_open(name)
+        if name not in self._sources:
+            raise ValueError(f"Refit.follow: {name!r} is not a source registered on rank {self.rank}")
+        if module.get_parameter(pname) is not self._sources[name][0]:
+            raise ValueError(f"Refit.follow: source {name!r} on rank {self.rank} is not the module's parameter "
+                             f"{pname!r}")
+        self._paths[name] = (module, pname)
+
     def add_destination(
         self,
         name: str,
@@ -388,6 +408,25 @@ class Refit:
             self._scales[name] = scale
             self._follow[("scale of destination", name)] = Bound(scale)
 
+    def declare_facts(self, facts: Mapping[str, Any], *, who: str) -> None:
+        """Declare facts of the model this rank trains or serves that tensor shapes cannot show (heads, KV heads,
+        head dim, experts, vocabulary, tie: `reshard.refit._facts.FACTS`, Hugging Face config names; None values
+        are left out). The first `run()` compares every rank's declarations and raises a `ValueError` on every
+        rank, naming each fact that differs, its values and who declared them, before any data moves.
+
+        Args:
+            facts: fact name -> value (int, or bool for `tie_word_embeddings`).
+            who: the side and where the facts come from, for the error (`"trainer (Megatron TransformerConfig)"`).
+        """
+        self._check_open(who)
+        self._facts.append((who, _facts.checked(facts, who)))
+
+    def before_run(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on this rank at the start of every `run()`, before any registered tensor is read: an
+        integration's way to bring its sources up to date (Megatron's deferred parameter all-gather). `fn` may run
+        collectives of the trainer's own groups: every trainer rank registers the same hooks."""
+        self._before.append(fn)
+
     def refuse(self, reason: str) -> None:
         """Record a problem this rank found in what it was asked to register or send (an integration's check of its
         own model, or of the tensors it binds for this step): the next `run()` raises a `ValueError` with it on every
@@ -405,10 +444,12 @@ class Refit:
         registered layout (a training engine's export makes new tensors at every step: casts, DTensors built around
         them).
 
-        A plain tensor must have the planned geometry (shape, strides, dtype, device); a DTensor source must be a
-        DTensor of the same layout at the same mesh coordinate. What does not fit, and a name never registered, is
-        refused at the next run on every rank before data moves (`refuse`). A source that follows its module
-        (`add_module_sources`) cannot be rebound (ValueError at once: a programming error on every rank alike).
+        A plain source takes a plain tensor of the planned local shape, dtype and device (never a DTensor); a
+        DTensor source a DTensor of the same layout at the same mesh coordinate (see `reshard.refit._rebind`). What
+        does not fit binds nothing and is refused by every later run, on every rank before data moves, until a
+        rebinding of that name fits (a retry never mixes two steps); a name never registered is refused at the next
+        run (`refuse`). A source that follows its module (`add_module_sources`, `follow`) cannot be rebound
+        (ValueError at once: a programming error on every rank alike).
 
         Args:
             name: the registered (trainer) name.
@@ -423,21 +464,14 @@ class Refit:
                         "at registration")
             return
         _, layout = self._sources[name]
-        if name in self._coords:
-            if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
-                self.refuse(f"update_source: source {name!r} is a DTensor, got a plain {type(tensor).__name__}")
-                return
-            coord = tensor.device_mesh.get_coordinate()
-            new = Layout.from_dtensor(tensor, name=name)
-            if new != layout or coord is None or [int(c) for c in coord] != self._coords[name]:
-                self.refuse(f"update_source: source {name!r} has another layout now: {layout!r} at mesh coordinate "
-                            f"{self._coords[name]} -> {new!r} at {None if coord is None else list(coord)}; a "
-                            "refit's tensors keep their layout (build a new Refit for the new one)")
-                return
-            self._sources[name] = (tensor, layout)
+        e = rebind_error(name, tensor, layout, self._coords.get(name), self.rank, self._planned.get(("source", name)))
+        if e:  # binds nothing, and every run raises it until a rebinding of this name fits (see _rebind)
+            self._rebinds[name] = f"rank {self.rank}: update_source: {e}"
             return
+        self._rebinds.pop(name, None)
         self._sources[name] = (tensor, layout)
-        self._follow[("source", name)] = Bound(tensor)
+        if name not in self._coords:
+            self._follow[("source", name)] = Bound(tensor)
 
     def _check_open(self, name: str) -> None:
         if self._built is not None:
@@ -467,9 +501,12 @@ class Refit:
             raise ValueError(f"{self.label}: run(agreed=True) needs a plan every rank built and ran before (not the "
                              "first run) and no delta session")
         t0 = time.perf_counter()
+        for fn in self._before:
+            fn()
         srcs, dsts, scales, errors = self._resolve()
         if first:
-            errors = self._refusals + errors
+            _facts.agree(self.group, self.rank, self._facts, as_timedelta(self.timeout, default=self.group.timeout))
+            errors = self._refusals + list(self._rebinds.values()) + errors
             meta = self._exchange_metadata(srcs, dsts, scales, errors)
             t1 = time.perf_counter()
             self._built = build(self, meta)
@@ -481,7 +518,8 @@ class Refit:
         b = self._built
         assert b is not None
         if not first:
-            errors, self._refusals = self._refusals + errors, []  # refused since the last run: raised by this one
+            # refused since the last run: raised by this one; a refused rebinding by every run until one fits
+            errors, self._refusals = self._refusals + list(self._rebinds.values()) + errors, []
             self._check_live(b, srcs, dsts, scales, errors)
         if self.check_replicas:
             self._check_replicas(b, srcs)
@@ -614,21 +652,18 @@ class Refit:
                 "init_weight_transfer_engine)")
 
     def _adopt(self, name: str, now: Any, layout: LayoutLike) -> str | None:
-        """Take `now`, the parameter that replaced source `name` in its module, if it has the same layout."""
+        """Take `now`, the parameter that replaced source `name` in its module, if it fits its registration (the
+        same checks as `update_source`: see `reshard.refit._rebind`)."""
         _, pname = self._paths[name]
-        if not hasattr(now, "to_local") or not hasattr(now, "placements"):
-            return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by a plain "
-                    f"{type(now).__name__}, not a DTensor")
-        coord = now.device_mesh.get_coordinate()
-        new = Layout.from_dtensor(now, name=name)
-        if new != layout or coord is None or [int(c) for c in coord] != self._coords[name]:
+        e = rebind_error(name, now, layout, self._coords.get(name), self.rank, self._planned.get(("source", name)))
+        if e:
             return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by one of "
-                    f"another layout: {layout!r} at mesh coordinate {self._coords[name]} -> {new!r} at "
-                    f"{None if coord is None else list(coord)}; a refit's tensors keep their layout (build a new "
-                    "Refit for the new one)")
+                    f"another layout or kind: {e}")
         logger.debug("Refit: rank %d: source %r: its module's parameter %r was replaced; using the new one",
                      self.rank, name, pname)
         self._sources[name] = (now, layout)
+        if name not in self._coords:
+            self._follow[("source", name)] = Bound(now)
         return None
 
     def _check_live(self, b: Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],

@@ -16,6 +16,7 @@ stack of Hugging Face tensors along dim 0; `segments` lists them:
 | `mlp.linear_fc1.weight`                         | `mlp.gate_proj.weight` (rows `0:F`), `mlp.up_proj.weight`     |
 | `mlp.linear_fc2.weight`                         | `mlp.down_proj.weight`                                        |
 | `mlp.router.weight`                             | `mlp.gate.weight`                                             |
+| `mlp.router.expert_bias` (a buffer)             | `mlp.gate.e_score_correction_bias` (DeepSeek-V3, GLM-4.5)     |
 | `mlp.experts.experts.linear_fc{1,2}.weight`     | `mlp.experts.{e}.{gate,up,down}_proj.weight`                  |
 | `mlp.shared_experts.linear_fc{1,2}.weight`      | `mlp.shared_experts.{gate,up,down}_proj.weight`               |
 
@@ -82,6 +83,7 @@ _SAME = {  # under decoder.layers.: key -> Hugging Face suffix, one segment, sha
     "mlp.linear_fc1.layer_norm_bias": "post_attention_layernorm.bias",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",  # a buffer training updates (aux-loss-free)
     EXPERTS + "linear_fc2.weight": "mlp.experts.{e}.down_proj.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
 }
@@ -121,6 +123,7 @@ def expected_shape(key: str, d: Dims) -> tuple[int, ...]:
         "self_attention.q_layernorm.weight": (d.head_dim,), "self_attention.k_layernorm.weight": (d.head_dim,),
         "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
         "mlp.linear_fc2.weight": (d.hidden, d.ffn), "mlp.router.weight": (d.experts, d.hidden),
+        "mlp.router.expert_bias": (d.experts,),
         EXPERTS + "linear_fc2.weight": (d.hidden, d.moe_ffn),
         "mlp.shared_experts.linear_fc2.weight": (d.hidden, d.shared_ffn),
     }

@@ -31,6 +31,17 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
 
     Call it on every trainer rank (TP x PP x EP x DP x CP), after the model is built and before the first
     `refit.run()`; every later run sends the parameters' current values (an optimizer step updates them in place).
+    Trained buffers saved with the model are sent like weights: the router's `expert_bias` (aux-loss-free routing)
+    as the engine's `mlp.gate.e_score_correction_bias` (an engine without it is refused, naming it); a saved buffer
+    with no known Hugging Face name is refused. The model is followed, not its parameter objects (`Refit.follow`):
+    a parameter replaced by a new one of the same local shape, dtype and device (`layer.weight = nn.Parameter(...)`,
+    `load_state_dict(assign=True)`) is sent from the next run; one that does not fit is refused on every rank,
+    naming it, before data moves.
+
+    With Megatron's distributed optimizer and `overlap_param_gather`, pass the `DistributedDataParallel` wrapper
+    (not the bare `GPTModel`): the parameter all-gather the optimizer step leaves to the next forward is then
+    completed before every run (a bare model gives no way to reach it, and a refit right after `optimizer.step()`
+    would send half of each parameter from the step before).
 
     Args:
         refit: the `Refit` (its group rank is where this rank's pieces are declared).
@@ -69,11 +80,18 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
     dims = _dims(chunk, cfg, vocab_size)
     problems = _check_stage(chunk, cfg, ps)
     params = dict(chunk.named_parameters())
+    buffers = dict(chunk.named_buffers())
     seen: set[str] = set()
     entries: dict[str, tuple[torch.Tensor, tuple[int, ...], list[Piece]]] = {}
     for pname, st in _stated(chunk.sharded_state_dict()):
         param = params.get(pname)
-        if param is None:  # a buffer or extra state: not a weight the engine loads
+        if param is None and pname in buffers:  # a trained buffer (the router's expert_bias): sent like a weight
+            if not known(st.key):
+                problems.append(f"buffer {pname!r} (Megatron key {st.key!r}) is saved with the model (a trained "
+                                "state the engine may need) but no Hugging Face name is known for it")
+                continue
+            param = buffers[pname]
+        if param is None:  # extra state: not a tensor the engine loads
             continue
         seen.add(pname)
         e = _add_pieces(entries, pname, param, st, dims)
@@ -83,16 +101,40 @@ def add_sources(refit: Refit, model: Any, *, vocab_size: int | None = None) -> l
         problems.append(f"parameter {pname!r} is not in the model's sharded_state_dict(), so its place in the "
                         "global tensor is unknown")
     rank = refit.rank
+    pnames = {id(p): n for n, p in params.items()}
     tied = bool(getattr(chunk, "share_embeddings_and_output_weights", False))
     for name, (tensor, shape, pieces) in sorted(entries.items()):
         layout = ExplicitLayout(shape, tensor.dtype, {rank: pieces}, {rank: tuple(tensor.shape)}, name=name)
         aliases = ["lm_head.weight"] if tied and name == "model.embed_tokens.weight" else []
         refit.add_source(name, tensor, layout, aliases=aliases)
+        if id(tensor) in pnames:  # a parameter replaced in the model is read at the next run (buffers: in place)
+            refit.follow(name, chunk, pnames[id(tensor)])
+    refit.declare_facts(_facts(cfg, dims, tied), who="trainer (Megatron's TransformerConfig)")
+    _gather_before_run(refit, chunks[0])
     for p in problems:
         refit.refuse(f"megatron.add_sources: {p}")
     logger.debug("megatron.add_sources: rank %d registered %d weights, %d problems", rank, len(entries),
                  len(problems))
     return sorted(entries)
+
+
+def _gather_before_run(refit: Refit, model: Any) -> None:
+    """With Megatron's distributed optimizer and `overlap_param_gather`, `optimizer.step()` updates each DP rank's
+    shard of the parameter buffer and leaves the all-gather of the others' to the next forward (its first bucket
+    dispatched, not waited for, by `zero_grad()`): a refit right after the step would read half new, half old
+    values. So every run first completes that all-gather (`start_param_sync(force_sync=True)`: waits for a
+    dispatched one, runs the others; Megatron's next forward then finds it done)."""
+    ddps = []
+    while model is not None and not hasattr(model, "decoder"):
+        if hasattr(model, "start_param_sync") and hasattr(model, "ddp_config"):
+            ddps.append(model)
+        model = getattr(model, "module", None)
+    for ddp in ddps:
+        cfg = ddp.ddp_config
+        if getattr(cfg, "use_distributed_optimizer", False) and getattr(cfg, "overlap_param_gather", False):
+            refit.before_run(lambda d=ddp: d.start_param_sync(force_sync=True))
+            logger.debug("megatron.add_sources: rank %d: overlap_param_gather: the parameter all-gather is completed "
+                         "before every run", refit.rank)
 
 
 def _unwrap(model: Any) -> Any:
@@ -118,6 +160,13 @@ def _dims(chunk: Any, cfg: Any, vocab_size: int | None) -> Dims:
                 shared_ffn=int(getattr(cfg, "moe_shared_expert_intermediate_size", 0) or 0),
                 experts=int(getattr(cfg, "num_moe_experts", 0) or 0), gated=bool(cfg.gated_linear_unit),
                 vocab=vocab_size, padded=padded)
+
+
+def _facts(cfg: Any, dims: Dims, tied: bool) -> dict[str, Any]:
+    """What the engine's config must agree with (`Refit.declare_facts`), by Hugging Face config names."""
+    return {"num_attention_heads": dims.heads, "num_key_value_heads": dims.groups, "head_dim": dims.head_dim,
+            "hidden_size": dims.hidden, "num_hidden_layers": int(cfg.num_layers), "num_experts": dims.experts,
+            "vocab_size": dims.vocab, "tie_word_embeddings": tied}
 
 
 def _param_like(chunk: Any, *parts: str) -> str:

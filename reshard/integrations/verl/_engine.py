@@ -59,6 +59,9 @@ DOMAINS = ("node", "rank")
 
 DEVICES = ("auto", "cpu", "cuda")
 
+PRECISIONS = ("same", "cast")
+"""`precision=` options (into vLLM engines)."""
+
 
 class SyncError(CommError):
     """A weight sync failed; the message says what the rollout engine had already been given."""
@@ -81,6 +84,9 @@ class ReshardCheckpointEngine:
         device: where buckets live: `"auto"` (CUDA when available), `"cpu"` or `"cuda"`.
         staging_bytes: reshard's staging budget per rank (default: reshard's).
         verify: check every received box against its sender's checksum.
+        precision: into vLLM engines (`EngineShardManager`): `"same"` (the trainer's dtypes must be the engine's)
+            or `"cast"` (cast to the engine's dtype while packing, bit-exact to torch); the engines get the same.
+            The rollout workers' path receives whole tensors in the trainer's dtype and does not read it.
 
     Attributes:
         wire_format: verl's `"named_tensors"`: `receive_weights` yields `(name, tensor)` pairs.
@@ -91,7 +97,7 @@ class ReshardCheckpointEngine:
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
         allowed = ("host", "port", "token", "timeout_s", "domains", "rebuild_group", "device", "staging_bytes",
-                   "verify")
+                   "verify", "precision")
         unknown = sorted(set(engine_kwargs) - set(allowed))
         if unknown:
             raise TypeError(f"reshard checkpoint engine: unknown engine_kwargs {unknown}; valid keys under "
@@ -100,7 +106,8 @@ class ReshardCheckpointEngine:
             raise ValueError(f"reshard checkpoint engine: bucket_size must be an integer number of bytes >= "
                              f"{bk.ALIGN}, got {bucket_size!r} (checkpoint_engine.update_weights_bucket_megabytes)")
         kw: dict[str, Any] = {"host": None, "port": 0, "token": None, "timeout_s": 300.0, "domains": "node",
-                              "rebuild_group": False, "device": "auto", "staging_bytes": None, "verify": False}
+                              "rebuild_group": False, "device": "auto", "staging_bytes": None, "verify": False,
+                              "precision": "same"}
         kw.update(engine_kwargs)
         _check(kw["host"] is None or (isinstance(kw["host"], str) and kw["host"]), "host", kw["host"],
                "a non-empty address string or null")
@@ -113,6 +120,7 @@ class ReshardCheckpointEngine:
         _check(kw["staging_bytes"] is None or (_is_int(kw["staging_bytes"]) and kw["staging_bytes"] > 0),
                "staging_bytes", kw["staging_bytes"], "a positive integer or null")
         _check(isinstance(kw["verify"], bool), "verify", kw["verify"], "true or false")
+        _check(kw["precision"] in PRECISIONS, "precision", kw["precision"], f"one of {PRECISIONS}")
         if kw["device"] == "cuda" and not torch.cuda.is_available():
             raise ValueError("reshard checkpoint engine: device='cuda' but CUDA is not available on this worker")
         self.bucket_size = bucket_size
@@ -127,6 +135,7 @@ class ReshardCheckpointEngine:
         self.device = torch.device("cuda" if dev == "cuda" or (dev == "auto" and torch.cuda.is_available()) else "cpu")
         self.staging_bytes: int | None = kw["staging_bytes"]
         self.verify: bool = kw["verify"]
+        self.precision: str = kw["precision"]
         self.last_sync = SyncStats()
         self._store: Any = None  # the master's TCP store, alive as long as this engine
         self._generation = 0  # the master's count of groups it hosted
@@ -182,7 +191,7 @@ class ReshardCheckpointEngine:
         if bad:
             raise ValueError(f"reshard build_topology: workers {bad} did not report reshard checkpoint-engine "
                              f"metadata of format {FORMAT} (is every worker configured with backend=reshard and the "
-                             f"same reshard version?); got {[meta[i] for i in bad][:3]}")
+                             f"same reshard version?); got {[_hidden(meta[i]) for i in bad][:3]}")
         masters = [i for i, m in enumerate(meta) if m.get("master") is not None]
         if masters != [0]:
             raise ValueError(f"reshard build_topology: exactly the first trainer worker must be the master "
@@ -252,7 +261,8 @@ class ReshardCheckpointEngine:
                 and _is_int(engine_world_size) and engine_world_size >= 1):
             raise ValueError(f"reshard target_engines: inconsistent topology: rank={rank!r}, world_size="
                              f"{world_size!r}, engine_world_size={engine_world_size!r}")
-        link = EngineLink(rank, world_size, engine_world_size, master, self.timeout_s, self.verify)
+        link = EngineLink(rank, world_size, engine_world_size, master, self.timeout_s, self.verify,
+                          precision=self.precision)
         if self._link is None or self._link.key != link.key:  # a failed sync closed the link already
             self._close_link()
             self._link = link
@@ -438,6 +448,15 @@ def _retrieve(future: Any) -> None:
     """Mark a finished future's error as seen (asyncio would log it, with a traceback, when the future is collected)."""
     if future.done() and not future.cancelled():
         future.exception()
+
+
+def _hidden(value: Any) -> Any:
+    """`value` (a worker's metadata, as it may come) for a message: every `token` entry, at any depth, `<hidden>`."""
+    if isinstance(value, dict):
+        return {k: "<hidden>" if k == "token" else _hidden(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_hidden(v) for v in value]
+    return value
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:

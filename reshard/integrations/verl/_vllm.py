@@ -27,7 +27,7 @@ from typing import Any
 
 from reshard.comm import CommError
 from reshard.integrations.trainer import stream_source
-from reshard.integrations.verl._names import BACKEND, SHARD_MODE
+from reshard.integrations.verl._names import BACKEND, SHARD_MODE, advise
 from reshard.integrations.verl._stream import SyncStats
 from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 
@@ -51,14 +51,15 @@ class EngineLink:
         master: the store's `host`, `port`, `token` and the group's `prefix`.
         timeout_s: seconds any wait for a peer may last.
         verify: check every received box against its sender's checksum.
+        precision: `"same"` or `"cast"` (the trainer's dtypes to the engine's; the engines get the same).
     """
 
     def __init__(self, rank: int, world_size: int, engine_world_size: int, master: dict[str, Any],
-                 timeout_s: float, verify: bool) -> None:
+                 timeout_s: float, verify: bool, precision: str = "same") -> None:
         self.info = ReshardTrainerInitInfo(rank=rank, world_size=world_size, engine_world_size=engine_world_size,
                                            master_address=master["host"], master_port=int(master["port"]),
                                            token=master["token"] or None, prefix=master["prefix"], host_store=False,
-                                           timeout_s=timeout_s, verify=verify)
+                                           timeout_s=timeout_s, verify=verify, precision=precision)
         self.trainer: Any = None  # ReshardTrainer, from the first sync's stream
         self.names: list[str] = []  # the registered names, in the first sync's order
 
@@ -92,6 +93,8 @@ class EngineLink:
             if self.trainer is not None and not isinstance(e, CommError):
                 g = self.trainer.group
                 g.report_fault(g.rank, f"trainer rank {g.rank}: send_weights failed: {type(e).__name__}: {e}")
+            if isinstance(e, ValueError) and advise(str(e)) != str(e):
+                raise ValueError(advise(str(e))) from e
             raise
         ex = report.execution
         stats.bytes_sent = ex.bytes_sent if ex is not None else 0
@@ -210,17 +213,17 @@ def _define() -> type:
                     self._joined = True
                 await _all(s.collective_rpc.remote("start_weight_update") for s in leaders)
                 started = True
-                await _all(s.collective_rpc.remote("update_weights", kwargs={"update_info": {"version": version}})
-                           for s in leaders)
+                await _every("update_weights", [s.collective_rpc.remote("update_weights", kwargs={
+                    "update_info": {"version": version}}) for s in leaders])
                 results = await _all(trainers)
                 await _all(s.collective_rpc.remote("finish_weight_update") for s in leaders)
                 started = False
-            except BaseException:
+            except BaseException as e:
                 self._joined = False  # the next sync builds a new group on every side
-                await _settle(trainers)
+                failures = [("the trainer workers", x) for x in await _settle(trainers)]
                 if started:
                     await _settle(s.collective_rpc.remote("finish_weight_update") for s in leaders)
-                raise
+                raise sync_failure(global_steps, e, failures) from e
             await _all(s.clear_kv_cache.remote() for s in leaders)
             if global_steps is not None:
                 await _all(s.set_global_steps.remote(global_steps) for s in leaders)
@@ -275,8 +278,49 @@ async def _all(refs: Any) -> list[Any]:
     return list(await asyncio.gather(*list(refs)))
 
 
-async def _settle(refs: Any) -> None:
-    """Wait for every call to end (their errors are the first failure's consequences, logged at debug)."""
-    for r in await asyncio.gather(*list(refs), return_exceptions=True):
-        if isinstance(r, BaseException):
-            logger.debug("EngineShardManager: after the failure: %s", r)
+async def _settle(refs: Any) -> list[BaseException]:
+    """Wait for every call to end; their errors (also logged at debug)."""
+    errors = [r for r in await asyncio.gather(*list(refs), return_exceptions=True) if isinstance(r, BaseException)]
+    for r in errors:
+        logger.debug("EngineShardManager: after the failure: %s", r)
+    return errors
+
+
+class ReplicaErrors(RuntimeError):
+    """Calls on several replicas' servers failed: every replica's error (`errors`: replica index -> exception)."""
+
+    def __init__(self, what: str, errors: dict[int, BaseException]) -> None:
+        self.errors = errors
+        super().__init__(f"{what} failed on replicas {sorted(errors)}: " + "; ".join(
+            f"replica {i}: {_reason(e)}" for i, e in sorted(errors.items())))
+
+
+async def _every(what: str, refs: Sequence[Any]) -> list[Any]:
+    """Every call's result; when some fail, a `ReplicaErrors` with each failed replica's error (not only the
+    first's: a replica killed mid-sync fails its own call, the others fail with the group's verdict)."""
+    results = await asyncio.gather(*refs, return_exceptions=True)
+    errors = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
+    if errors:
+        raise ReplicaErrors(what, errors)
+    return results
+
+
+def _reason(error: BaseException, limit: int = 4000) -> str:
+    """An error's message for the driver's: its type and text (a Ray task error's cause's, when it has one)."""
+    cause = getattr(error, "cause", None)
+    e = cause if isinstance(cause, BaseException) else error
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
+def sync_failure(step: Any, first: BaseException, failures: Sequence[tuple[str, BaseException]]) -> RuntimeError:
+    """The driver's error for a failed sync: the first failure and every other side's reason (each once)."""
+    seen = {_reason(first)}
+    lines = [f"{'the replicas' if isinstance(first, ReplicaErrors) else 'first failure'}: {_reason(first)}"]
+    for who, e in failures:
+        r = _reason(e)
+        if r not in seen:
+            seen.add(r)
+            lines.append(f"{who}: {r}")
+    return RuntimeError(f"EngineShardManager: the weight sync of step {step} failed; every side's reason:\n  "
+                        + "\n  ".join(lines))

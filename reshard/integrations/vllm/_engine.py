@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from reshard.comm import Group
+from reshard.integrations.vllm._facts import declare_engine_facts
 from reshard.integrations.vllm._layouts import Target, engine_targets
 from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
 from reshard.integrations.vllm._outcome import agree, combined, keep_in_step
@@ -288,6 +289,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             if t.alias_of is None:
                 tied = {t.components[0][0]: aliases[t.name]} if t.name in aliases else ()
                 refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
+        declare_engine_facts(refit, self.model_config)
         logger.info("reshard: %d engine tensors registered (%d re-processed after each update, %d tied)",
                     len(self.targets), sum(t.processed for t in self.targets), len(aliases))
         return refit

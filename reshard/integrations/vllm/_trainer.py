@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from reshard.comm import Group
+from reshard.integrations.hf import model_facts
 from reshard.integrations.megatron import add_sources as add_megatron_sources
 from reshard.integrations.vllm._conv1d import conv1d_weights, transpose_weight
 from reshard.refit import NameMap, Refit, RefitReport
@@ -152,43 +153,54 @@ class ReshardTrainer(_EngineBase):
                 a source that holds one of them only.
             config: the model's HuggingFace config (default: the module's `.config`): with
                 `tie_word_embeddings`, a source that has the input embedding but no `lm_head.weight` ties the two.
+                Its facts that shapes cannot show (heads, KV heads, head dim, experts, vocabulary, tie:
+                `reshard.integrations.hf.model_facts`) are declared (`Refit.declare_facts`): an engine serving a
+                model that differs in one is refused on every rank at the first send, naming it.
             transposed: trainer names of 2-D weights stored `[in, out]` (Hugging Face `Conv1D`: GPT-2's `c_attn`,
                 `c_proj`, `c_fc`), which the engine holds `[out, in]`: registered as a transposed view (no copy).
                 Default: a module source's `Conv1D` weights; none for a mapping.
+
+        Raises:
+            ValueError, TypeError (or what the registration raises): a mistake in the arguments or the source (a
+                Megatron model without `vocab_size`, an unsupported layout, ...). It is raised after the group
+                formed, and reported to the group first: every other rank (engine workers included) raises it,
+                naming this rank, at its next wait on the group (within a fraction of a second), not at its timeout.
         """
         if not isinstance(init_info, ReshardTrainerInitInfo):
             raise TypeError(f"ReshardTrainer.trainer_init: init_info must be a ReshardTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
         megatron = _is_megatron(source)
-        weights, found = ({}, {}) if megatron else _weights(source)
-        if transposed is None:
-            transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and not megatron else ()
-        for name in transposed:
-            if name not in weights:
-                raise ValueError(f"ReshardTrainer.trainer_init: transposed names {name!r}, which the source does not "
-                                 "hold (under its first name)")
-            weights[name] = transpose_weight(name, weights[name])
-        found = _config_ties(weights, found, config if config is not None else getattr(source, "config", None))
-        for name, names in (ties or {}).items():
-            if name not in weights:
-                raise ValueError(f"ReshardTrainer.trainer_init: ties names {name!r}, which the source does not hold")
-            found.setdefault(name, [])
-            found[name] += [n for n in names if n not in found[name]]
-        sender = init_info.is_sender and client is not None
+        cfg = config if config is not None else None if megatron else getattr(source, "config", None)
+        early: Exception | None = None  # a mistake in the arguments: raised after the group forms, on every rank
+        facts = None
+        try:
+            weights, found = _prepare(source, megatron, transposed, ties, config)
+            facts = model_facts(cfg) if cfg is not None else None
+        except (ValueError, TypeError) as e:
+            early, weights, found = e, {}, {}
+        sender = init_info.is_sender and client is not None  # the engines join even so: they learn the reason
         call = _Background(client.init_weight_transfer_engine, init_info.engine_init_info()) if sender else None
-        group = Group.rendezvous(init_info.master_address, init_info.master_port, init_info.group_rank,
-                                 init_info.world_size + init_info.engine_world_size, timeout=init_info.timeout_s,
-                                 prefix=init_info.prefix, token=init_info.token,
-                                 is_master=None if init_info.host_store else False)
-        if call is not None:
-            call.join()
-        refit = Refit(group, precision=init_info.precision, verify=init_info.verify, timeout=init_info.timeout_s,
-                      name_map=name_map, ignore_sources=ignore_sources, delta=init_info.delta)
-        if megatron:
-            vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(config, "vocab_size", None)
-            add_megatron_sources(refit, source, vocab_size=vocab)
-        else:
-            _register(refit, source, weights, found)
+        group = _rendezvous(init_info)
+        try:
+            if call is not None:
+                call.join()
+            if early is not None:
+                raise early
+            refit = Refit(group, precision=init_info.precision, verify=init_info.verify,
+                          timeout=init_info.timeout_s, name_map=name_map, ignore_sources=ignore_sources,
+                          delta=init_info.delta)
+            if facts is not None:
+                refit.declare_facts(facts, who="trainer (its config)")
+            if megatron:
+                vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(
+                    config, "vocab_size", None)
+                add_megatron_sources(refit, source, vocab_size=vocab)
+            else:
+                _register(refit, source, weights, found)
+        except Exception as e:
+            _fail(group, init_info, e)
+            raise
+        _FAILED.pop(_key(init_info), None)
         return cls(client=client, source=source, is_sender=init_info.is_sender, group=group, refit=refit,
                    info=init_info)
 
@@ -215,6 +227,53 @@ class ReshardTrainer(_EngineBase):
 
     def shutdown(self) -> None:
         self.group.close()
+
+
+_FAILED: dict[tuple[str, int, str], Group] = {}
+"""Groups whose `trainer_init` failed on this rank, by (address, port, prefix): kept open (a store hosted here keeps
+serving the fault's reason to the other ranks) until the next `trainer_init` of the same group closes them."""
+
+
+def _key(info: ReshardTrainerInitInfo) -> tuple[str, int, str]:
+    return info.master_address, int(info.master_port), info.prefix
+
+
+def _rendezvous(info: ReshardTrainerInitInfo) -> Group:
+    """Join the group of `info` (closing one this rank kept from a failed `trainer_init` of the same group)."""
+    stale = _FAILED.pop(_key(info), None)
+    if stale is not None:
+        stale.close()
+    return Group.rendezvous(info.master_address, info.master_port, info.group_rank,
+                            info.world_size + info.engine_world_size, timeout=info.timeout_s, prefix=info.prefix,
+                            token=info.token, is_master=None if info.host_store else False)
+
+
+def _fail(group: Group, info: ReshardTrainerInitInfo, error: Exception) -> None:
+    """Tell every rank of `group` why `trainer_init` failed on this rank (their next wait on the group raises it
+    within a poll, instead of waiting out the timeout); the group is kept open for them to read it (`_FAILED`)."""
+    group.report_fault(group.rank, f"trainer rank {info.rank} (group rank {group.rank}): ReshardTrainer.trainer_init "
+                                   f"failed: {type(error).__name__}: {error}")
+    _FAILED[_key(info)] = group
+
+
+def _prepare(source: Any, megatron: bool, transposed: Sequence[str] | None,
+             ties: Mapping[str, Sequence[str]] | None, config: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The weights to register (transposed where asked) and their ties (found, from `config`, from `ties`)."""
+    weights, found = ({}, {}) if megatron else _weights(source)
+    if transposed is None:
+        transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and not megatron else ()
+    for name in transposed:
+        if name not in weights:
+            raise ValueError(f"ReshardTrainer.trainer_init: transposed names {name!r}, which the source does not "
+                             "hold (under its first name)")
+        weights[name] = transpose_weight(name, weights[name])
+    found = _config_ties(weights, found, config if config is not None else getattr(source, "config", None))
+    for name, names in (ties or {}).items():
+        if name not in weights:
+            raise ValueError(f"ReshardTrainer.trainer_init: ties names {name!r}, which the source does not hold")
+        found.setdefault(name, [])
+        found[name] += [n for n in names if n not in found[name]]
+    return weights, found
 
 
 def _is_megatron(source: Any) -> bool:
