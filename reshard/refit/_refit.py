@@ -505,9 +505,12 @@ class Refit:
             fn()
         srcs, dsts, scales, errors = self._resolve()
         if first:
-            _facts.agree(self.group, self.rank, self._facts, as_timedelta(self.timeout, default=self.group.timeout))
             errors = self._refusals + list(self._rebinds.values()) + errors
             meta = self._exchange_metadata(srcs, dsts, scales, errors)
+            # after the metadata, whose last rounds are broadcasts (a rank that sent the last table may be done
+            # before the others received it): this all-rank round also brings every rank to `build` together, so a
+            # refusal there is raised by each rank itself, not seen as a faster peer's fault in a wait
+            _facts.agree(self.group, self.rank, self._facts, as_timedelta(self.timeout, default=self.group.timeout))
             t1 = time.perf_counter()
             self._built = build(self, meta)
             self._planned = {(kind, n): geometry(t) for kind, ts in (("source", srcs), ("destination", dsts),
