@@ -193,6 +193,19 @@ def _vocab_layout(layer: Any, shape: Sequence[int], replicas: Sequence[Sequence[
     return ExplicitLayout((vocab, hidden), dtype, pieces, shapes, name=name)
 
 
+def _as_loaded(layer: torch.nn.Module, pname: str, param: torch.Tensor) -> torch.Tensor:
+    """The loader format of a live parameter that has no restore metadata: a bias is loaded in the layer's
+    `params_dtype` and re-processing may keep it in another (vLLM's CPU AMX GEMM path,
+    `dispatch_cpu_unquantized_gemm`, turns it to float32), so a `meta` stand-in of that dtype, with the parameter's
+    loader attributes (`output_dim`, `weight_loader`, ...)."""
+    dtype = getattr(layer, "params_dtype", param.dtype) if pname == "bias" else param.dtype
+    if dtype == param.dtype:
+        return param
+    stand_in = torch.empty(tuple(param.shape), dtype=dtype, device="meta")
+    stand_in.__dict__.update(getattr(param, "__dict__", {}))
+    return stand_in
+
+
 def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str, meta: torch.Tensor,
                 replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
     """The global components of one loader-format parameter, or a reason why it cannot be laid out."""
@@ -312,7 +325,7 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
         for pname, param in live.items():
             m = meta.get(pname)
             if m is None:  # built after create_weights (bias): loader format is the live one
-                m = param
+                m = _as_loaded(layer, pname, param) if quant else param
             got = _components(model, module_name, layer, pname, m, replicas)
             full = f"{module_name}.{pname}"
             if isinstance(got, str):
@@ -332,8 +345,7 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
                                       alias_of=first.name))
                 continue
             if quant:
-                dtype = getattr(layer, "params_dtype", m.dtype) if pname == "bias" else m.dtype
-                buffer = torch.zeros(tuple(m.shape), dtype=dtype, device=param.device)
+                buffer = torch.zeros(tuple(m.shape), dtype=m.dtype, device=param.device)
                 attrs = _loader_attrs(m, layer)
                 targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs))
                 by_param[id(param)] = targets[-1]
