@@ -207,11 +207,13 @@ def _full_weights(cfg: dict[str, Any], seed: int, hf: bool) -> dict[str, torch.T
 
 
 def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
-    """One trainer rank: `("init", port, cfg, engine_world, hf)`, `("send", seed)`, `("close",)`, `("exit",)`;
+    """One trainer rank: `("init", port, cfg, engine_world, hf)`, `("send", seed)`, `("close",)`, `("exit",)`, and
+    the bad updates `("retype", name, dtype)`, `("narrow", name, bad)`;
     `hf`: the weights are a `transformers` model's (`hf_model`), else `hf_weights`."""
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 
     trainer = weights = layouts = cfg = hf = None
+    narrowed: dict[str, torch.Tensor] = {}
     while True:
         cmd = commands.get()
         try:
@@ -239,7 +241,7 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                 results.put((rank, "ok", None))
             elif cmd[0] == "send":
                 for n, full in _full_weights(cfg, cmd[1], hf).items():  # the optimizer step: in place
-                    _fill(weights[n], full, layouts[n], rank)
+                    _fill(narrowed.get(n, weights[n]), full, layouts[n], rank)
                 report = trainer.send_weights(full=len(cmd) > 2 and cmd[2] == "full")
                 results.put((rank, "ok", (report.first_run, report.network_bytes, sum(report.encoded_bytes.values()),
                                           sum(report.dense_bytes.values()))))
@@ -253,6 +255,14 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                     results.put((rank, "ok", "sent"))
                 except BaseException as e:
                     results.put((rank, "ok", f"{type(e).__name__}: {e}"))
+            elif cmd[0] == "narrow":  # a bad update: the weight's local tensor loses its last row, or gets it back
+                _, name, bad = cmd
+                if bad:
+                    narrowed[name] = weights[name].data
+                    weights[name].data = weights[name].data[:-1].clone()
+                else:
+                    weights[name].data = narrowed.pop(name)
+                results.put((rank, "ok", None))
             elif cmd[0] == "retype":  # a bad update: the weight's local tensor becomes another dtype, or back
                 _, name, dtype = cmd
                 weights[name].data = weights[name].data.to(getattr(torch, dtype))
@@ -500,30 +510,108 @@ def last_report(worker: Any) -> Any:
     return worker.weight_transfer_engine.last_report
 
 
+def received_bytes(worker: Any) -> int:
+    """The bytes this worker received in the backend's last update (its `ExecutionReport`'s counters: network and
+    local copies)."""
+    ex = worker.weight_transfer_engine.last_report.execution
+    return 0 if ex is None else ex.bytes_received + ex.bytes_copied_locally
+
+
+def stage_layers(worker: Any) -> tuple[int, int]:
+    """The live model's own `[start_layer, end_layer)` on this worker's pipeline stage."""
+    model = worker.model_runner.get_model()
+    return model.model.start_layer, model.model.end_layer
+
+
 # ---- engines for the vLLM test modules -------------------------------------------------------------------
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 17, 42]]
 """The prompts `observe` generates from."""
 
 
-def start_engine(path: str, tp: int, monkeypatch: Any, *, in_process: bool = False):
+def start_engine(path: str, tp: int, monkeypatch: Any, *, in_process: bool = False, pp: int = 1, ep: bool = False):
     """A vLLM CPU engine of the checkpoint at `path`. `in_process` (TP 1): the engine core and its worker run in
     this process (vLLM's `uni` executor without engine-core multiprocessing), which starts in ~3 s instead of ~20 s
-    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor."""
+    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor. `pp`: pipeline
+    stages (multiprocess; `pp_intermediate_tensors` is applied to every worker before the first `generate`). `ep`:
+    expert parallelism over the TP ranks (`enable_expert_parallel`; `ep_expert_map` is applied likewise)."""
     from vllm import LLM
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the test's own functions
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(tp))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(tp * pp))
     extra = {}
     if in_process:
-        assert tp == 1
+        assert tp == 1 and pp == 1
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         extra["distributed_executor_backend"] = "uni"
     else:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    return LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
+    if pp > 1:
+        extra["pipeline_parallel_size"] = pp
+    if ep:
+        extra["enable_expert_parallel"] = True
+    llm = LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
+    if pp > 1:
+        llm.collective_rpc(pp_intermediate_tensors)
+    if ep:
+        llm.collective_rpc(ep_expert_map)
+    return llm
+
+
+def ep_expert_map(worker: Any) -> None:
+    """vLLM CPU workaround (test-side only), expert parallelism: `CPUUnquantizedExperts.apply`
+    (`vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:269`) never passes its `expert_map` to the kernel
+    (`cpu_fused_moe`, `cpu_moe.py:303`), so the kernel indexes this rank's local experts with global ids and the
+    second EP rank segfaults in its first forward (`csrc/cpu/cpu_fused_moe.cpp:242 fused_moe_impl`). Patched in this
+    worker's process: the top-k ids are mapped through the expert map to local slots, and other ranks' experts get
+    zero weight (the layer's all-reduce sums the ranks' partial outputs)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    original = CPUUnquantizedExperts.apply
+    if getattr(original, "__ep_map__", False):
+        return
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *rest):  # noqa: ANN001, ANN202  (vLLM's signature)
+        if expert_map is not None:
+            local = expert_map[topk_ids.long()]
+            topk_weights = topk_weights.masked_fill(local < 0, 0.0)
+            topk_ids = local.clamp(min=0).to(topk_ids.dtype)
+        return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                        global_num_experts, expert_map, *rest)
+
+    apply.__ep_map__ = True
+    CPUUnquantizedExperts.apply = apply
+
+
+def local_experts(worker: Any) -> list[list[int]]:
+    """Per MoE layer, the global expert ids the live layer holds (`expert_map_manager.get_local_expert_ids()`)."""
+    model = worker.model_runner.get_model()
+    return [[int(g) for g in layer.mlp.experts.expert_map_manager.get_local_expert_ids()]
+            for layer in model.model.layers]
+
+
+def pp_intermediate_tensors(worker: Any) -> None:
+    """vLLM CPU workarounds (test-side only) for pipeline parallelism, on every worker before the first forward:
+    - a later stage's first forward fails at `vllm/v1/worker/gpu_model_runner.py:3174` (`assert
+      self.intermediate_tensors is not None` in `sync_and_gather_intermediate_tensors`), because
+      `CPUWorker._should_warm_up_model()` (`vllm/v1/worker/cpu_worker.py:190`) skips the warm-up `_dummy_run` for an
+      eager model with `VLLM_CPU_KVCACHE_SPACE`, and that run is what allocates them (`gpu_model_runner.py:5801`):
+      allocated here as the warm-up would;
+    - on a processor with AMX, the first stage's worker dies of SIGILL in its first attention
+      (`vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache`): `cpu_attn.py:544` picks the AMX kernel by
+      `torch.cpu._is_amx_tile_supported()` (CPUID only), and nothing in that process has asked Linux for AMX tile
+      state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`; in the TP engines another op asks first): asked here with
+      `torch._C._cpu._init_amx()` (False and harmless without AMX)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    torch._C._cpu._init_amx()
+    runner = worker.model_runner
+    if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
 def close_engine(llm) -> None:
@@ -542,22 +630,31 @@ def reload(llm, path: str) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 
 
-def observe(llm) -> tuple[list, list[dict[str, torch.Tensor]]]:
-    """Greedy tokens with their log-probs, and every worker's forward tensors."""
+def observe(llm, one_by_one: bool = False) -> tuple[list, list[dict[str, torch.Tensor]]]:
+    """Greedy tokens with their log-probs, and every worker's forward tensors. `one_by_one`: each prompt in a
+    `generate` of its own, after a prefix-cache reset (a pipelined engine's batch queue may batch the prompts
+    differently from run to run)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    if one_by_one:
+        outs = []
+        for p in PROMPTS:
+            llm.reset_prefix_cache()
+            outs.extend(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False))
+    else:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     tokens = [(list(o.outputs[0].token_ids),
                [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
     return tokens, llm.collective_rpc(forward_tensors)
 
 
-def differences(got, want) -> list[str]:
-    """What differs between two observations (empty when equal bit for bit)."""
+def differences(got, want, logprob_atol: float = 0.0) -> list[str]:
+    """What differs between two observations (empty when equal bit for bit; with `logprob_atol`, the tokens and the
+    top log-probs' token ids must be equal, their log-probs within `logprob_atol`)."""
     (gt, gtens), (wt, wtens) = got, want
-    diffs = [] if gt == wt else [f"tokens/logprobs {gt} != {wt}"]
+    diffs = [] if _close(gt, wt, logprob_atol) else [f"tokens/logprobs ({_first_difference(gt, wt)}) {gt} != {wt}"]
     for w, (a, b) in enumerate(zip(gtens, wtens)):
         if a.keys() != b.keys():
             diffs.append(f"worker {w}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
@@ -569,6 +666,105 @@ def differences(got, want) -> list[str]:
     return diffs
 
 
-def assert_same(got, want) -> None:
-    diffs = differences(got, want)
+def _first_difference(got: list, want: list) -> str:
+    for i, ((gtok, gsteps), (wtok, wsteps)) in enumerate(zip(got, want)):
+        if gtok != wtok:
+            return f"prompt {i}: tokens {gtok} != {wtok}"
+        for k, (g, w) in enumerate(zip(gsteps, wsteps)):
+            if g != w:
+                return f"prompt {i} step {k}: {g} != {w}"
+    return "lengths"
+
+
+def _close(got: list, want: list, atol: float) -> bool:
+    if got == want or atol == 0.0:
+        return got == want
+    if [t for t, _ in got] != [t for t, _ in want]:
+        return False
+    for (_, gsteps), (_, wsteps) in zip(got, want):
+        for g, w in zip(gsteps, wsteps):
+            if g.keys() != w.keys() or any(abs(g[k] - w[k]) > atol for k in g):
+                return False
+    return True
+
+
+def assert_same(got, want, logprob_atol: float = 0.0) -> None:
+    diffs = differences(got, want, logprob_atol)
     assert not diffs, f"{len(diffs)} differences from the reference engine:\n" + "\n".join(d[:300] for d in diffs)
+
+
+def update(llm, trainers: Trainers, seed: int) -> list:
+    """One full update to version `seed` through vLLM's own calls; the trainers' replies."""
+    trainers.post("send", seed)
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": str(seed)}})
+    llm.finish_weight_update()
+    return trainers.wait()
+
+
+def engine_session(tmp: Any, cfg: dict[str, Any], versions: tuple[int, int], start: Any, observe_fn: Any = observe):
+    """A module's refit session (a generator for a module-scoped fixture): checkpoints of `versions` (V1, V2) in
+    `tmp`; a reference engine `start(path, monkeypatch)` of V2 observed then closed; the live engine of V1, observed,
+    and 2 trainer processes joined to it. Yields `(llm, trainers, want_v1, want_v2)`; closes everything after."""
+    import pytest
+
+    ck1, ck2 = str(tmp / "v1"), str(tmp / "v2")
+    write_checkpoint(ck1, cfg, versions[0])
+    write_checkpoint(ck2, cfg, versions[1])
+    trainers = Trainers(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            ref = start(ck2, mp)
+            try:
+                want_v2 = observe_fn(ref)
+            finally:
+                close_engine(ref)
+            llm = start(ck1, mp)
+            try:
+                want_v1 = observe_fn(llm)
+                assert differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
+                world = llm.llm_engine.vllm_config.parallel_config.world_size
+                port = free_port()
+                trainers.post("init", port, cfg, world, False)
+                llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                               "trainer_world_size": 2, "timeout_s": 120.0}})
+                trainers.wait()
+                yield llm, trainers, want_v1, want_v2
+                trainers.post("close")
+                trainers.wait()
+                llm.shutdown_weight_transfer_engine()
+            finally:
+                close_engine(llm)
+    finally:
+        trainers.close()
+
+
+def refused_then_good(llm, trainers: Trainers, bad: tuple, good: tuple, name: str, world: int,
+                      versions: tuple[int, int], wants: tuple[Any, Any], observe_fn: Any = observe,
+                      atol: float = 0.0) -> None:
+    """From V1 (`versions`, observed as `wants`): the trainer command `bad` makes the update to V2 refused before
+    data moves (naming `name`): it raises once, on the last worker, every worker's next reply is in step, the
+    engine still generates V1; after `good`, updates to V2 and back land exactly."""
+    import re
+
+    import pytest
+
+    trainers.post(*bad)
+    trainers.wait()
+    (v1, v2), (want_v1, want_v2) = versions, wants
+    trainers.post("send", v2)
+    llm.start_weight_update()
+    with pytest.raises(Exception, match=rf"update_weights failed on {world} of {world} worker(.|\n)*{re.escape(name)}"):
+        llm.update_weights({"update_info": {"version": "bad"}})
+    with pytest.raises(AssertionError, match=rf"ValueError(.|\n)*{re.escape(name)}"):
+        trainers.wait()
+    errors = llm.collective_rpc(last_error)  # one reply per worker, this call's: the RPCs are in step
+    assert len(errors) == world and all(name in e for e in errors), errors
+    assert_same(observe_fn(llm), want_v1, atol)  # generate works, on the weights it had
+    trainers.post(*good)
+    trainers.wait()
+    update(llm, trainers, v2)
+    assert llm.collective_rpc(last_error) == [None] * world
+    assert_same(observe_fn(llm), want_v2, atol)
+    update(llm, trainers, v1)
+    assert_same(observe_fn(llm), want_v1, atol)

@@ -42,9 +42,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from reshard.comm import Group
-from reshard.integrations.vllm._layouts import Target, engine_targets
+from reshard.integrations.vllm._layouts import Target, engine_targets, parameter_names
 from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
-from reshard.integrations.vllm._outcome import agree, combined, keep_in_step
+from reshard.integrations.vllm._outcome import agree, combined, gather_names, keep_in_step
 from reshard.integrations.vllm._process import reprocess_layer
 from reshard.refit import Refit, RefitReport
 
@@ -151,6 +151,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.group: Group | None = None
         self.refit: Refit | None = None
         self.targets: list[Target] = []
+        self.stages: dict[str, list[int]] | None = None  # under PP: parameter name -> the stages holding it
         self.last_report: RefitReport | None = None
         self.last_error: str | None = None  # the last failed call's reason, every worker's (the last one raises it)
         self.updates = Updates()  # the update state machine: the stage in flight, the versions
@@ -195,8 +196,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         pc = self.parallel_config
         world = pc.world_size
         rank = get_pp_group().rank_in_group * get_tp_group().world_size + get_tp_group().rank_in_group
-        if get_pp_group().world_size > 1:
-            raise NotImplementedError("reshard vLLM backend: pipeline parallelism is not supported yet")
+        self.stages = self._stages()  # a collective of every stage: before anything one worker alone can fail
         dp_index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
         replicas = init_info.engines * pc.data_parallel_size  # every engine's DP replicas, engine by engine
         replica = init_info.engine_index * pc.data_parallel_size + dp_index
@@ -211,6 +211,20 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                                       timeout=init_info.timeout_s, prefix=init_info.prefix, token=init_info.token)
         self._info = init_info
         self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
+
+    def _stages(self) -> dict[str, list[int]] | None:
+        """Under pipeline parallelism, parameter name -> the stages holding it (every stage's names, gathered over
+        the pipeline group: a stage holds its own layers, and what its `named_parameters()` says besides)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size == 1:
+            return None
+        stages: dict[str, list[int]] = {}
+        for stage, names in enumerate(gather_names(parameter_names(self.model), pp)):
+            for n in names:
+                stages.setdefault(n, []).append(stage)
+        return stages
 
     def start_weight_update(self) -> None:
         if self.group is None:
@@ -277,7 +291,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     # ---- reshard ------------------------------------------------------------------------------------------------
     def _build_refit(self) -> Refit:
         assert self.group is not None and self._info is not None
-        self.targets = engine_targets(self.model, self.replicas)
+        pp = 1 if self.stages is None else self.parallel_config.pipeline_parallel_size
+        self.targets = engine_targets(self.model, self.replicas, self.stages, pp)
         refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
                       timeout=self._info.timeout_s, delta=self._info.delta)
         aliases: dict[str, list[str]] = {}
