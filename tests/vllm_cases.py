@@ -567,20 +567,25 @@ def ep_expert_map(worker: Any) -> None:
     second EP rank segfaults in its first forward (`csrc/cpu/cpu_fused_moe.cpp:242 fused_moe_impl`). Patched in this
     worker's process: the top-k ids are mapped through the expert map to local slots, and other ranks' experts get
     zero weight (the layer's all-reduce sums the ranks' partial outputs)."""
+    import inspect
+
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     original = CPUUnquantizedExperts.apply
     if getattr(original, "__ep_map__", False):
         return
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, *rest):  # noqa: ANN001, ANN202  (vLLM's signature)
+    signature = inspect.signature(original)
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        expert_map = call.arguments["expert_map"]
         if expert_map is not None:
-            local = expert_map[topk_ids.long()]
-            topk_weights = topk_weights.masked_fill(local < 0, 0.0)
-            topk_ids = local.clamp(min=0).to(topk_ids.dtype)
-        return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                        global_num_experts, expert_map, *rest)
+            ids, weights = call.arguments["topk_ids"], call.arguments["topk_weights"]
+            local = expert_map[ids.long()]
+            call.arguments["topk_weights"] = weights.masked_fill(local < 0, 0.0)
+            call.arguments["topk_ids"] = local.clamp(min=0).to(ids.dtype)
+        return original(*call.args, **call.kwargs)
 
     apply.__ep_map__ = True
     CPUUnquantizedExperts.apply = apply
