@@ -36,44 +36,16 @@ def session(tmp_path_factory):
                                  lambda path, mp: vc.start_engine(path, TP, mp, ep=True))
 
 
-TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj")  # vLLM shards these evenly over TP
-VOCAB = ("embed_tokens", "lm_head")  # vocabulary-parallel: padded to a multiple of 64, then split evenly
-
-
-def expected_bytes(cfg: dict, experts: list[list[int]], rank: int) -> tuple[int, int]:
-    """(what TP rank `rank` holding `experts` (per layer) should receive: those experts and its TP share of the
-    rest, what a whole-expert sender sends it: every expert, and its TP share of the rest), from the weights."""
-    own = whole = 0
-    vocab = cfg["vocab_size"]
-    per = -(-vocab // 64) * 64 // TP
-    for name, w in vc.hf_weights(cfg, V1).items():
-        size = w.numel() * w.element_size()
-        if ".mlp.experts." in name:
-            layer = int(name.split(".")[2])
-            own += size * len(experts[layer]) // w.shape[0]
-            whole += size
-            continue
-        if any(k in name for k in TP_SPLIT):
-            share = size // TP
-        elif any(k in name for k in VOCAB):
-            share = size // vocab * (min(vocab, (rank + 1) * per) - rank * per)
-        else:
-            share = size
-        own += share
-        whole += share
-    return own, whole
-
-
 def test_tp2_ep_refit_each_rank_its_experts(session) -> None:
     llm, trainers, want_v1, want_v2 = session
-    experts = llm.collective_rpc(vc.local_experts)
+    experts = llm.collective_rpc(vc.local_experts)  # per worker, per layer
     half = EXPERTS // TP
     assert experts == [[list(range(r * half, (r + 1) * half))] * 2 for r in range(TP)], experts  # linear placement
     first = vc.update(llm, trainers, V2)
     assert all(r[0] for r in first)
     vc.assert_same(vc.observe(llm), want_v2)
     got = llm.collective_rpc(vc.received_bytes)
-    want = [expected_bytes(CFG, experts[r], r) for r in range(TP)]
+    want = [vc.ep_expected_bytes(CFG, V1, experts[r], TP, r) for r in range(TP)]
     assert got == [own for own, _ in want], (got, want)
     assert all(own < whole for own, whole in want)
     second = vc.update(llm, trainers, V1)

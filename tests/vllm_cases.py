@@ -276,15 +276,18 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
 
 
 class Trainers:
-    """`world` trainer processes, started once and reused by every engine session."""
+    """`world` trainer processes, started once and reused by every engine session (`target(rank, world, *args,
+    commands, results)`: `_trainer` by default)."""
 
-    def __init__(self, world: int = 2) -> None:
+    what = "trainer"
+
+    def __init__(self, world: int = 2, target: Any = None, args: tuple = ()) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self.commands = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_trainer, args=(r, world, self.commands[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=target or _trainer, args=(r, world, *args, self.commands[r], self.results),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -296,7 +299,7 @@ class Trainers:
         got = sorted(self.results.get(timeout=timeout) for _ in range(self.world))
         errors = [msg for _, status, msg in got if status == "error"]
         if errors:
-            raise AssertionError("trainer failed:\n" + "\n".join(errors))
+            raise AssertionError(f"{self.what} failed:\n" + "\n".join(errors))
         return [value for _, _, value in got]
 
     def close(self) -> None:
@@ -773,3 +776,145 @@ def refused_then_good(llm, trainers: Trainers, bad: tuple, good: tuple, name: st
     assert_same(observe_fn(llm), want_v2, atol)
     update(llm, trainers, v1)
     assert_same(observe_fn(llm), want_v1, atol)
+
+
+# ---- offline data parallelism: one `LLM` per process (`VLLM_DP_*`), driven together --------------------------------
+def dp_communicator(worker: Any = None) -> None:
+    """vLLM CPU workaround (test-side only), DP + EP: the first MoE forward fails in
+    `vllm/distributed/device_communicators/base_device_communicator.py:296` (`all_gatherv: NotImplementedError`; and
+    `:334` `reduce_scatterv`): the CPU communicator falls back to `AgRsAll2AllManager` (`cpu_communicator.py:67`),
+    which needs both. Given to `CpuCommunicator` here over its gloo group: `all_gatherv` pads to the largest size and
+    all-gathers, `reduce_scatterv` all-reduces and keeps this rank's slice."""
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):  # noqa: ANN001, ANN202
+        def one(t: torch.Tensor) -> torch.Tensor:
+            d = dim % t.dim()
+            counts = sizes or [t.shape[d]] * self.world_size
+            shape = list(t.shape)
+            shape[d] = max(counts)
+            buf = t.new_zeros(shape)
+            buf.narrow(d, 0, t.shape[d]).copy_(t)
+            out = [torch.empty_like(buf) for _ in range(self.world_size)]
+            dist.all_gather(out, buf, group=self.device_group)
+            return torch.cat([o.narrow(d, 0, n) for o, n in zip(out, counts)], dim=d)
+
+        return [one(t) for t in input_] if isinstance(input_, list) else one(input_)
+
+    def reduce_scatterv(self, input_, dim: int = -1, sizes: list[int] | None = None):  # noqa: ANN001, ANN202
+        d = dim % input_.dim()
+        counts = sizes or [input_.shape[d] // self.world_size] * self.world_size
+        total = input_.clone()
+        dist.all_reduce(total, group=self.device_group)
+        start = sum(counts[:self.rank_in_group])
+        return total.narrow(d, start, counts[self.rank_in_group]).contiguous()
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv
+
+
+def _dp_engine(dp_rank: int, dp_size: int, dp_port: int, path: str, commands: Any, results: Any) -> None:
+    """One offline DP rank's `LLM` (TP 1, expert parallel, in this process): `("observe",)`, `("init", port)`,
+    `("update", seed)`, `("update_error", seed)` (expects a failure: returns its message), `("rpc", name)` (a
+    `vllm_cases` function through `collective_rpc`), `("exit",)`."""
+    os.environ.update({"VLLM_DP_SIZE": str(dp_size), "VLLM_DP_RANK": str(dp_rank), "VLLM_DP_RANK_LOCAL": str(dp_rank),
+                       "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(dp_port),
+                       "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    llm = None
+    while True:
+        cmd = commands.get()
+        try:
+            if cmd[0] == "exit":
+                if llm is not None:
+                    close_engine(llm)
+                results.put((dp_rank, "ok", None))
+                return
+            if llm is None:
+                from vllm import LLM
+
+                llm = LLM(model=path, tensor_parallel_size=1, dtype="bfloat16", enforce_eager=True,
+                          skip_tokenizer_init=True, max_model_len=128, max_num_seqs=2, seed=0,
+                          enable_expert_parallel=True, distributed_executor_backend="uni",
+                          weight_transfer_config={"backend": "reshard"})
+                dp_communicator()
+                llm.collective_rpc(ep_expert_map)
+            if cmd[0] == "start":
+                out = None
+            elif cmd[0] == "observe":
+                out = observe(llm)
+            elif cmd[0] == "init":
+                llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": cmd[1],
+                                                               "trainer_world_size": 2, "timeout_s": 120.0}})
+                out = None
+            elif cmd[0] in ("update", "update_error"):
+                llm.start_weight_update()
+                try:
+                    llm.update_weights({"update_info": {"version": str(cmd[1])}})
+                    llm.finish_weight_update()
+                    out = None
+                except Exception as e:
+                    if cmd[0] == "update":
+                        raise
+                    out = str(e)
+            elif cmd[0] == "rpc":
+                out = llm.collective_rpc(globals()[cmd[1]])
+            elif cmd[0] == "shutdown":
+                llm.shutdown_weight_transfer_engine()
+                out = None
+            results.put((dp_rank, "ok", out))
+        except BaseException as e:  # reported to the test, which fails with it
+            results.put((dp_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class DPEngines(Trainers):
+    """`dp` offline DP ranks of one engine (`_dp_engine`), each its own process and `LLM`, driven in lockstep (MoE
+    steps need every EP rank)."""
+
+    what = "DP engine"
+
+    def __init__(self, path: str, dp: int = 2) -> None:
+        super().__init__(dp, _dp_engine, (free_port(), path))
+
+    def call(self, *cmd: Any, timeout: float = 600.0) -> list[Any]:
+        self.post(*cmd)
+        return self.wait(timeout)
+
+    def close(self) -> None:
+        try:
+            self.call("exit", timeout=60)
+        finally:
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+
+
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj")  # vLLM shards these evenly over TP
+VOCAB = ("embed_tokens", "lm_head")  # vocabulary-parallel: padded to a multiple of 64, then split evenly
+
+
+def ep_expected_bytes(cfg: dict[str, Any], version: Version, experts: list[list[int]], tp: int,
+                      rank: int) -> tuple[int, int]:
+    """From the weights of `version` themselves: (what TP rank `rank` of an expert-parallel engine holding `experts`
+    (per layer) should receive: those experts and its TP share of the rest; what a whole-expert sender (vLLM
+    `nccl_m2n`'s rule) sends it: every expert, and its TP share of the rest)."""
+    own = whole = 0
+    vocab = cfg["vocab_size"]
+    per = -(-vocab // 64) * 64 // tp
+    for name, w in hf_weights(cfg, version).items():
+        size = w.numel() * w.element_size()
+        if ".mlp.experts." in name:
+            own += size * len(experts[int(name.split(".")[2])]) // w.shape[0]
+            whole += size
+            continue
+        if tp > 1 and any(k in name for k in TP_SPLIT):
+            share = size // tp
+        elif tp > 1 and any(k in name for k in VOCAB):
+            share = size // vocab * (min(vocab, (rank + 1) * per) - rank * per)
+        else:
+            share = size
+        own += share
+        whole += share
+    return own, whole
