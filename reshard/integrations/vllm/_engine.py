@@ -4,6 +4,8 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
 - `init_transfer_engine(info)` runs on every worker: it joins the trainer's `Group.rendezvous` as group rank
   `rank_offset + dp_index * world_size + rank` (vLLM's convention), the trainer's ranks coming first
   (`rank_offset = trainer_world_size`) or after every engine rank (`rank_offset = 0`).
+- Under pipeline parallelism the stages first exchange their parameter names (over vLLM's pipeline group), so each
+  name's layout spans exactly the stages holding it; expert-parallel layers are laid out per EP rank (`_layouts`).
 - It then reads the live model's layouts (`engine_targets`) and registers every loaded parameter as a `Refit`
   destination (the live parameter itself, or a loader-format buffer for a layer whose quantization method
   post-processes its weights); a parameter no rule covers is a `ValueError` naming it, raised here. The first
@@ -12,8 +14,9 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
   storage the forward reads. `last_report` is that update's `RefitReport`, with `seconds["process"]` the time
   spent re-processing.
 - A failed `init_weight_transfer_engine` or `update_weights` fails on every worker with every worker's reason (so
-  vLLM ends the update session on every worker alike) and is raised by the engine's last worker only, as are vLLM's
-  own refusals of these calls, so vLLM's RPC replies stay in step (`reshard.integrations.vllm._outcome`);
+  vLLM ends the update session on every worker alike) and is raised by the engine's last worker only (agreed over
+  all its stages), as are vLLM's own refusals of these calls, so vLLM's RPC replies stay in step
+  (`reshard.integrations.vllm._outcome`);
   `last_error` keeps the reason on every worker. A failed init also writes its reason as the group's verdict, so
   the trainer ranks' next `send_weights()` raises it at once. A failed transfer (any refit error, a dead trainer
   rank) leaves the forward on the previous weights: re-processing, the step that changes what the forward reads,
