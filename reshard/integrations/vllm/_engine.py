@@ -73,6 +73,9 @@ class ReshardInitInfo(WeightTransferInitInfo):
         timeout_s: seconds any wait for a peer may last.
         precision: `Refit`'s precision (`"same"` or `"cast"`), the same on both sides.
         verify: check every received box against its sender's checksum.
+        experts: `"stacked"` (the trainer sends `...mlp.experts.gate_proj.weight` `[E, I, H]`, as a HuggingFace
+            MoE holds them) or `"per_expert"` (`...mlp.experts.{e}.gate_proj.weight` `[I, H]`, as Megatron's export
+            names them; expert-parallel engines only).
         delta: after the first update, only the elements that changed since the last update cross the wire
             (`Refit(delta=True)`), into loader-format buffers that still hold the last update; the same on both
             sides. Not with `verify`.
@@ -91,8 +94,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
     engine_index: int = 0
     token: str | None = field(default=None, repr=False)
     prefix: str = "reshard"
+    experts: str = "stacked"
 
     def __post_init__(self) -> None:
+        if self.experts not in ("stacked", "per_expert"):
+            raise ValueError(f"reshard init_info: experts must be 'stacked' or 'per_expert', got {self.experts!r}")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 1:
             raise ValueError(f"reshard init_info: engines must be an integer >= 1, got {self.engines!r}")
         if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) \
@@ -295,7 +301,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def _build_refit(self) -> Refit:
         assert self.group is not None and self._info is not None
         pp = 1 if self.stages is None else self.parallel_config.pipeline_parallel_size
-        self.targets = engine_targets(self.model, self.replicas, self.stages, pp)
+        self.targets = engine_targets(self.model, self.replicas, self.stages, pp,
+                                      per_expert=self._info.experts == "per_expert")
         refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
                       timeout=self._info.timeout_s, delta=self._info.delta)
         aliases: dict[str, list[str]] = {}
@@ -305,7 +312,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         for t in self.targets:
             if t.alias_of is None:
                 tied = {t.components[0][0]: aliases[t.name]} if t.name in aliases else ()
-                refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
+                if t.view is not None:  # experts one by one: boxes of the buffer's 2-D view, already placed
+                    refit.add_destination(t.name, t.tensor.view(t.view), t.components, placed=True, aliases=tied)
+                else:
+                    refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
         logger.info("reshard: %d engine tensors registered (%d re-processed after each update, %d tied)",
                     len(self.targets), sum(t.processed for t in self.targets), len(aliases))
         return refit

@@ -67,6 +67,8 @@ class Target:
             parameter), that target's name: this one is not written (it shares the earlier one's `tensor`) but is
             re-processed too, and its global names are the earlier one's aliases.
         live: for a layer without post-processing (norms), the live parameter the commit copies `tensor` into.
+        view: the shape the refit writes `tensor` as (a 2-D view of an expert buffer whose components are single
+            experts, already placed: `engine_targets(per_expert=True)`); None: `tensor` itself, components fused.
     """
 
     module_name: str
@@ -79,6 +81,7 @@ class Target:
     loader_attrs: dict[str, Any] = field(default_factory=dict)
     alias_of: str | None = None
     live: torch.Tensor | None = None
+    view: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -198,7 +201,7 @@ def _vocab_layout(layer: Any, shape: Sequence[int], replicas: Sequence[Sequence[
 
 
 def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str, meta: torch.Tensor,
-                replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
+                replicas: Sequence[Sequence[int]], per_expert: bool = False) -> tuple | str:
     """The global components of one loader-format parameter, or a reason why it cannot be laid out."""
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
     from vllm.model_executor.layers.linear import (
@@ -245,7 +248,7 @@ def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str
             return "a vocabulary-parallel parameter other than weight"
         return [(full, _vocab_layout(layer, meta.shape, replicas, dtype, full))], 0
     if isinstance(getattr(layer, "quant_method", None), FusedMoEMethodBase):
-        return _expert_components(module_name, layer, pname, meta, replicas)
+        return _expert_components(module_name, layer, pname, meta, replicas, per_expert)
     loader = getattr(meta, "weight_loader", None)
     if loader is not None and getattr(loader, "__name__", "") not in ("default_weight_loader",):
         what = getattr(loader, "__qualname__", loader)
@@ -272,7 +275,7 @@ def _fused_parts(layer: Any, meta: torch.Tensor, tp: int, replicas: Sequence[Seq
 
 
 def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Tensor,
-                       replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
+                       replicas: Sequence[Sequence[int]], per_expert: bool = False) -> tuple | str:
     """`w13_weight` `[E_local, 2 I_local, H]` = `[gate; up]` along dim 1, `w2_weight` `[E_local, H, I_local]`: without
     expert parallelism every rank holds every expert (TP over I); with it, experts whole, each EP rank its own
     (`_expert_placement`)."""
@@ -283,10 +286,14 @@ def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Ten
         return f"expert parameter {pname!r} (only w13_weight and w2_weight are supported)"
     names = [f"{prefix}.{k}.weight" for k in ((gate, up) if pname == "w13_weight" else (down,))]
     e, a, b = (int(s) for s in meta.shape)
+    if per_expert and not pc.use_ep:
+        return "experts named one by one (per_expert) without expert parallelism"
     if pc.use_ep:
         placement = _expert_placement(layer, replicas)
         if isinstance(placement, str):
             return placement
+        if per_expert:
+            return _per_expert_components(prefix, pname, (gate, up, down), placement, (a, b), meta.dtype)
         rest = (a // 2, b) if pname == "w13_weight" else (a, b)
         return [(n, _expert_layout(placement, layer.global_num_experts, rest, meta.dtype, n)) for n in names], \
             1 if pname == "w13_weight" else 0
@@ -298,6 +305,29 @@ def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Ten
         shape = (e, a // 2 * tp, b)
         return [(n, _sharded(shape, 1, tp, replicas, meta.dtype, n)) for n in names], 1
     return [(names[0], _sharded((e, a, b * tp), 2, tp, replicas, meta.dtype, names[0]))], 0
+
+
+def _per_expert_components(prefix: str, pname: str, names: tuple[str, str, str], placement: dict[int, list[int]],
+                           shape: tuple[int, int], dtype: torch.dtype) -> tuple:
+    """Experts named one by one, as a Megatron export names them (`{prefix}.{e}.gate_proj.weight` `[I, H]`, ...):
+    each a box of the 2-D view of its EP rank's buffer (`w13` `[E_local * 2I, H]`: slot `j`'s gate at rows
+    `2jI .. 2jI + I`, its up after; `w2` `[E_local * H, I]`: slot `j`'s down at rows `jH .. jH + H`). Returns
+    `(components, 0, view shape)`; the components are placed in the view's coordinates."""
+    a, b = shape
+    gate, up, down = names
+    parts = ((gate, 0, a // 2), (up, a // 2, a // 2)) if pname == "w13_weight" else ((down, 0, a),)
+    step = a  # rows of one slot in the view
+    out = []
+    experts = sorted({g for ids in placement.values() for g in ids})
+    for e in experts:
+        for proj, offset, rows in parts:
+            name = f"{prefix}.{e}.{proj}.weight"
+            # every EP rank registers the buffer: each component spans them all, empty where the expert is not
+            pieces = {r: [Piece(Box((0, 0), (rows, b)), Box((ids.index(e) * step + offset, 0), (rows, b)),
+                                tensor=name)] if e in ids else [] for r, ids in placement.items()}
+            shapes = {r: (len(ids) * step, b) for r, ids in placement.items()}
+            out.append((name, ExplicitLayout((rows, b), dtype, pieces, shapes, name=name)))
+    return out, 0, None  # the view's shape differs per rank: set by the caller from the local buffer
 
 
 def _expert_placement(layer: Any, replicas: Sequence[Sequence[int]]) -> dict[int, list[int]] | str:
@@ -379,7 +409,8 @@ def _stage_replicas(replicas: Sequence[Sequence[int]], stages: Sequence[int], pp
 
 
 def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]],
-                   stages: Mapping[str, Sequence[int]] | None = None, pp: int = 1) -> list[Target]:
+                   stages: Mapping[str, Sequence[int]] | None = None, pp: int = 1,
+                   per_expert: bool = False) -> list[Target]:
     """One `Target` per loaded parameter of the live `model`, with layouts over the group ranks `replicas`
     (one list of group ranks per engine replica, `pp * tp` of them, stage-major, TP order within a stage).
 
@@ -388,6 +419,8 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]],
             that hold it (every stage's names, gathered by the caller): a parameter's copies on those stages are
             replicas of one another, and the stages without it receive none of it. Required when `pp > 1`.
         pp: the engine's pipeline-parallel size.
+        per_expert: under expert parallelism, declare the experts one by one (`...mlp.experts.{e}.gate_proj.weight`
+            `[I, H]`, as Megatron's export names them) instead of stacked (`...mlp.experts.gate_proj.weight`).
 
     Raises:
         ValueError: listing every parameter that cannot be laid out (nothing is written then).
@@ -415,11 +448,11 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]],
                 m = param
             full = f"{module_name}.{pname}" if module_name else pname
             held = _stage_replicas(replicas, stages[full], pp) if pp > 1 else replicas
-            got = _components(model, module_name, layer, pname, m, held)
+            got = _components(model, module_name, layer, pname, m, held, per_expert)
             if isinstance(got, str):
                 problems.append(f"{full}: cannot lay out {got}")
                 continue
-            components, dim = got
+            components, dim, *placed = got
             first = by_param.get(id(param))
             if first is not None:  # a parameter tied to an earlier module's (lm_head.weight = embed_tokens.weight)
                 if [lay.shape for _, lay in components] != [lay.shape for _, lay in first.components] or \
@@ -436,7 +469,8 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]],
                 dtype = getattr(layer, "params_dtype", m.dtype) if pname == "bias" else m.dtype
                 buffer = torch.zeros(tuple(m.shape), dtype=dtype, device=param.device)
                 attrs = _loader_attrs(m, layer)
-                targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs))
+                view = None if not placed else (int(m.shape[0]) * int(m.shape[1]), int(m.shape[2]))
+                targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs, view=view))
                 by_param[id(param)] = targets[-1]
             else:
                 if tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:
