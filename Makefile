@@ -73,7 +73,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # so the engine sessions and the vLLM example run one after another.
 test-vllm:
 	@if $(MAKE) vllm-env && $(VLLM_PY) -c "import vllm" >/dev/null 2>&1; then \
-		$(VLLM_PY) -m pytest -q -n 0 -m vllm tests/test_vllm_engine.py tests/test_vllm_lifecycle.py tests/test_examples.py; \
+		$(VLLM_PY) -m pytest -q -n 0 -m vllm tests/test_vllm_engine.py tests/test_vllm_lifecycle.py tests/test_vllm_pp.py \
+			tests/test_vllm_ep.py tests/test_vllm_dp_ep.py tests/test_examples.py; \
 	else \
 		echo "SKIPPED vllm tests: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
 	fi

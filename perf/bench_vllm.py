@@ -12,6 +12,12 @@ as bfloat16) and a vLLM CPU engine (TP 1, in process), over one gloo group on th
     VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. .venv-vllm/bin/python perf/bench_vllm.py --out perf/out
 
 Writes `bench_vllm.csv` and `bench_vllm.png` (without matplotlib: a message, no plot) into `--out`.
+
+`--ep-bytes`: instead, the simulator's bytes per inference rank of MoE models (DeepSeek-V3, Qwen3-235B-A22B,
+Kimi-K2) on 32-GPU engines (TP8 x 4, TP8+EP32, wide EP: DP32+EP32), reshard's against a whole-expert sender (vLLM
+`nccl_m2n`'s rule for experts); runs in the core environment:
+
+    PYTHONPATH=. .venv/bin/python perf/bench_vllm.py --ep-bytes
 """
 
 from __future__ import annotations
@@ -276,8 +282,33 @@ def plot(rows: list[dict], path: Path) -> None:
     logger.info("wrote %s", path)
 
 
+EP_SYSTEMS = ("gen=tp8,dp4", "gen=tp8,dp4,ep32", "gen=tp1,dp32,ep32")  # TP8 x 4 replicas, TP8+EP, wide EP
+EP_MODELS = ("deepseek-v3", "qwen3-235b-a22b", "kimi-k2")
+
+
+def ep_bytes_rows(train: str = "train=tp8,pp8,ep8", domain: int = 72) -> list[dict]:
+    """The simulator's bytes per inference rank (`reshard.sim.engine_bytes`) for MoE models on 32-GPU engines, with
+    and without expert parallelism: reshard's (each rank its own share) against a whole-expert sender (every routed
+    expert whole to every rank). Pure planning: no engine, no device."""
+    from reshard.models import PRESETS
+    from reshard.sim import System, engine_bytes, model_layouts
+
+    rows = []
+    for model in EP_MODELS:
+        for gen in EP_SYSTEMS:
+            system = System.parse(f"{train} {gen} domain={domain}")
+            got = engine_bytes(model_layouts(PRESETS[model], system), list(system.gen_ranks))
+            own = max(a for a, _ in got.values())
+            whole = max(b for _, b in got.values())
+            rows.append({"model": model, "engine": gen.removeprefix("gen="), "reshard_gib_per_rank": own / 2**30,
+                         "whole_expert_gib_per_rank": whole / 2**30, "ratio": whole / own})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ep-bytes", action="store_true",
+                    help="only print the simulator's bytes per inference rank for MoE engines with and without EP")
     ap.add_argument("--sizes", default="256:2:512,1024:4:2816", help="hidden:layers:intermediate, comma-separated")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lrs", default="1e-6,1e-5")
@@ -285,6 +316,11 @@ def main() -> None:
     ap.add_argument("--out", default="perf/out")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.ep_bytes:
+        for r in ep_bytes_rows():
+            print(f"{r['model']:>16} {r['engine']:>12}: reshard {r['reshard_gib_per_rank']:8.1f} GiB/rank, "  # noqa: T201
+                  f"whole-expert sender {r['whole_expert_gib_per_rank']:8.1f} GiB/rank ({r['ratio']:.1f}x)")
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

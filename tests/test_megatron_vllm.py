@@ -1,5 +1,6 @@
 """A real Megatron-core trainer (TP2 x PP2, tied embeddings, 4 gloo ranks) refits a real vLLM engine (TP2) through the
-`reshard` weight-transfer backend, with the model itself as `ReshardTrainer.trainer_init`'s source.
+`reshard` weight-transfer backend, with the model itself as `ReshardTrainer.trainer_init`'s source; and a Megatron
+PP2 x EP2 MoE trainer an expert-parallel TP2 + EP engine.
 
 The oracle is vLLM loading a checkpoint of the Megatron model's Hugging Face tensors (rebuilt from every rank's
 `sharded_state_dict()` offsets by `megatron_cases`, whose plain forward matches Megatron's logits in
@@ -26,7 +27,7 @@ from reshard.testing import RankPool  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.distributed]
 cloudpickle.register_pickle_by_value(vc)
 
-CASE, TP = "dense", 2
+TP = 2
 
 
 class _Job:
@@ -51,27 +52,31 @@ class _Job:
         return self.value
 
 
-def test_megatron_tp2_pp2_refits_a_vllm_tp2_engine_exactly(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("case, ep", [("dense", False), ("moe", True)], ids=["tp2xpp2-to-tp2", "pp2xep2-to-tp2+ep"])
+def test_megatron_tp2_pp2_refits_a_vllm_tp2_engine_exactly(tmp_path, monkeypatch, case: str, ep: bool) -> None:
+    """`dense`: Megatron TP2 x PP2 into a TP2 engine; `moe`: Megatron PP2 x EP2 (4 experts split over its EP ranks,
+    exported one by one) into a TP2 + EP engine (2 whole experts per rank, declared one by one: `experts`)."""
     pool = RankPool(4)
     llm = None
     try:
-        shards = pool.run_ok(mc.job_shards, CASE)
-        hf = mc.hf_from_megatron(mc.megatron_full(shards), CASE)
-        mc.write_checkpoint(str(tmp_path / "oracle"), CASE, hf)
+        shards = pool.run_ok(mc.job_shards, case)
+        hf = mc.hf_from_megatron(mc.megatron_full(shards), case)
+        mc.write_checkpoint(str(tmp_path / "oracle"), case, hf)
         g = torch.Generator().manual_seed(5)
-        mc.write_checkpoint(str(tmp_path / "other"), CASE, {n: torch.randn(t.shape, generator=g) * 0.05
+        mc.write_checkpoint(str(tmp_path / "other"), case, {n: torch.randn(t.shape, generator=g) * 0.05
                                                             for n, t in hf.items()})
-        ref = vc.start_engine(str(tmp_path / "oracle"), TP, monkeypatch)
+        ref = vc.start_engine(str(tmp_path / "oracle"), TP, monkeypatch, ep=ep)
         want = vc.observe(ref)
         vc.close_engine(ref)
-        llm = vc.start_engine(str(tmp_path / "other"), TP, monkeypatch)
+        llm = vc.start_engine(str(tmp_path / "other"), TP, monkeypatch, ep=ep)
         assert vc.differences(vc.observe(llm), want), "the starting weights must differ, or the test could not fail"
 
         port = vc.free_port()
-        job = _Job(pool, mc.job_trainer_init, CASE, port, TP)
+        job = _Job(pool, mc.job_trainer_init, case, port, TP)
         llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
                                                        "trainer_world_size": 4, "timeout_s": 120.0,
-                                                       "precision": "cast"}})
+                                                       "precision": "cast",
+                                                       "experts": "per_expert" if ep else "stacked"}})
         job.join()
         job = _Job(pool, mc.job_send)
         llm.start_weight_update()

@@ -207,11 +207,13 @@ def _full_weights(cfg: dict[str, Any], seed: int, hf: bool) -> dict[str, torch.T
 
 
 def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
-    """One trainer rank: `("init", port, cfg, engine_world, hf)`, `("send", seed)`, `("close",)`, `("exit",)`;
+    """One trainer rank: `("init", port, cfg, engine_world, hf)`, `("send", seed)`, `("close",)`, `("exit",)`, and
+    the bad updates `("retype", name, dtype)`, `("narrow", name, bad)`;
     `hf`: the weights are a `transformers` model's (`hf_model`), else `hf_weights`."""
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 
     trainer = weights = layouts = cfg = hf = None
+    narrowed: dict[str, torch.Tensor] = {}
     while True:
         cmd = commands.get()
         try:
@@ -239,7 +241,7 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                 results.put((rank, "ok", None))
             elif cmd[0] == "send":
                 for n, full in _full_weights(cfg, cmd[1], hf).items():  # the optimizer step: in place
-                    _fill(weights[n], full, layouts[n], rank)
+                    _fill(narrowed.get(n, weights[n]), full, layouts[n], rank)
                 report = trainer.send_weights(full=len(cmd) > 2 and cmd[2] == "full")
                 results.put((rank, "ok", (report.first_run, report.network_bytes, sum(report.encoded_bytes.values()),
                                           sum(report.dense_bytes.values()))))
@@ -253,6 +255,14 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                     results.put((rank, "ok", "sent"))
                 except BaseException as e:
                     results.put((rank, "ok", f"{type(e).__name__}: {e}"))
+            elif cmd[0] == "narrow":  # a bad update: the weight's local tensor loses its last row, or gets it back
+                _, name, bad = cmd
+                if bad:
+                    narrowed[name] = weights[name].data
+                    weights[name].data = weights[name].data[:-1].clone()
+                else:
+                    weights[name].data = narrowed.pop(name)
+                results.put((rank, "ok", None))
             elif cmd[0] == "retype":  # a bad update: the weight's local tensor becomes another dtype, or back
                 _, name, dtype = cmd
                 weights[name].data = weights[name].data.to(getattr(torch, dtype))
@@ -266,15 +276,18 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
 
 
 class Trainers:
-    """`world` trainer processes, started once and reused by every engine session."""
+    """`world` trainer processes, started once and reused by every engine session (`target(rank, world, *args,
+    commands, results)`: `_trainer` by default)."""
 
-    def __init__(self, world: int = 2) -> None:
+    what = "trainer"
+
+    def __init__(self, world: int = 2, target: Any = None, args: tuple = ()) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self.commands = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_trainer, args=(r, world, self.commands[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=target or _trainer, args=(r, world, *args, self.commands[r], self.results),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -286,7 +299,7 @@ class Trainers:
         got = sorted(self.results.get(timeout=timeout) for _ in range(self.world))
         errors = [msg for _, status, msg in got if status == "error"]
         if errors:
-            raise AssertionError("trainer failed:\n" + "\n".join(errors))
+            raise AssertionError(f"{self.what} failed:\n" + "\n".join(errors))
         return [value for _, _, value in got]
 
     def close(self) -> None:
@@ -500,30 +513,113 @@ def last_report(worker: Any) -> Any:
     return worker.weight_transfer_engine.last_report
 
 
+def received_bytes(worker: Any) -> int:
+    """The bytes this worker received in the backend's last update (its `ExecutionReport`'s counters: network and
+    local copies)."""
+    ex = worker.weight_transfer_engine.last_report.execution
+    return 0 if ex is None else ex.bytes_received + ex.bytes_copied_locally
+
+
+def stage_layers(worker: Any) -> tuple[int, int]:
+    """The live model's own `[start_layer, end_layer)` on this worker's pipeline stage."""
+    model = worker.model_runner.get_model()
+    return model.model.start_layer, model.model.end_layer
+
+
 # ---- engines for the vLLM test modules -------------------------------------------------------------------
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 17, 42]]
 """The prompts `observe` generates from."""
 
 
-def start_engine(path: str, tp: int, monkeypatch: Any, *, in_process: bool = False):
+def start_engine(path: str, tp: int, monkeypatch: Any, *, in_process: bool = False, pp: int = 1, ep: bool = False):
     """A vLLM CPU engine of the checkpoint at `path`. `in_process` (TP 1): the engine core and its worker run in
     this process (vLLM's `uni` executor without engine-core multiprocessing), which starts in ~3 s instead of ~20 s
-    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor."""
+    of spawning and importing two processes; the TP 2 engines keep vLLM's multiprocess executor. `pp`: pipeline
+    stages (multiprocess; `pp_intermediate_tensors` is applied to every worker before the first `generate`). `ep`:
+    expert parallelism over the TP ranks (`enable_expert_parallel`; `ep_expert_map` is applied likewise)."""
     from vllm import LLM
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the test's own functions
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(tp))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(tp * pp))
     extra = {}
     if in_process:
-        assert tp == 1
+        assert tp == 1 and pp == 1
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         extra["distributed_executor_backend"] = "uni"
     else:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    return LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
+    if pp > 1:
+        extra["pipeline_parallel_size"] = pp
+    if ep:
+        extra["enable_expert_parallel"] = True
+    llm = LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
+    if pp > 1:
+        llm.collective_rpc(pp_intermediate_tensors)
+    if ep:
+        llm.collective_rpc(ep_expert_map)
+    return llm
+
+
+def ep_expert_map(worker: Any) -> None:
+    """vLLM CPU workaround (test-side only), expert parallelism: `CPUUnquantizedExperts.apply`
+    (`vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:269`) never passes its `expert_map` to the kernel
+    (`cpu_fused_moe`, `cpu_moe.py:303`), so the kernel indexes this rank's local experts with global ids and the
+    second EP rank segfaults in its first forward (`csrc/cpu/cpu_fused_moe.cpp:242 fused_moe_impl`). Patched in this
+    worker's process: the top-k ids are mapped through the expert map to local slots, and other ranks' experts get
+    zero weight (the layer's all-reduce sums the ranks' partial outputs)."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    original = CPUUnquantizedExperts.apply
+    if getattr(original, "__ep_map__", False):
+        return
+
+    signature = inspect.signature(original)
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        expert_map = call.arguments["expert_map"]
+        if expert_map is not None:
+            ids, weights = call.arguments["topk_ids"], call.arguments["topk_weights"]
+            local = expert_map[ids.long()]
+            call.arguments["topk_weights"] = weights.masked_fill(local < 0, 0.0)
+            call.arguments["topk_ids"] = local.clamp(min=0).to(ids.dtype)
+        return original(*call.args, **call.kwargs)
+
+    apply.__ep_map__ = True
+    CPUUnquantizedExperts.apply = apply
+
+
+def local_experts(worker: Any) -> list[list[int]]:
+    """Per MoE layer, the global expert ids the live layer holds (`expert_map_manager.get_local_expert_ids()`)."""
+    model = worker.model_runner.get_model()
+    return [[int(g) for g in layer.mlp.experts.expert_map_manager.get_local_expert_ids()]
+            for layer in model.model.layers]
+
+
+def pp_intermediate_tensors(worker: Any) -> None:
+    """vLLM CPU workarounds (test-side only) for pipeline parallelism, on every worker before the first forward:
+    - a later stage's first forward fails at `vllm/v1/worker/gpu_model_runner.py:3174` (`assert
+      self.intermediate_tensors is not None` in `sync_and_gather_intermediate_tensors`), because
+      `CPUWorker._should_warm_up_model()` (`vllm/v1/worker/cpu_worker.py:190`) skips the warm-up `_dummy_run` for an
+      eager model with `VLLM_CPU_KVCACHE_SPACE`, and that run is what allocates them (`gpu_model_runner.py:5801`):
+      allocated here as the warm-up would;
+    - on a processor with AMX, the first stage's worker dies of SIGILL in its first attention
+      (`vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache`): `cpu_attn.py:544` picks the AMX kernel by
+      `torch.cpu._is_amx_tile_supported()` (CPUID only), and nothing in that process has asked Linux for AMX tile
+      state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`; in the TP engines another op asks first): asked here with
+      `torch._C._cpu._init_amx()` (False and harmless without AMX)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    torch._C._cpu._init_amx()
+    runner = worker.model_runner
+    if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
 def close_engine(llm) -> None:
@@ -542,22 +638,31 @@ def reload(llm, path: str) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 
 
-def observe(llm) -> tuple[list, list[dict[str, torch.Tensor]]]:
-    """Greedy tokens with their log-probs, and every worker's forward tensors."""
+def observe(llm, one_by_one: bool = False) -> tuple[list, list[dict[str, torch.Tensor]]]:
+    """Greedy tokens with their log-probs, and every worker's forward tensors. `one_by_one`: each prompt in a
+    `generate` of its own, after a prefix-cache reset (a pipelined engine's batch queue may batch the prompts
+    differently from run to run)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    if one_by_one:
+        outs = []
+        for p in PROMPTS:
+            llm.reset_prefix_cache()
+            outs.extend(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False))
+    else:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     tokens = [(list(o.outputs[0].token_ids),
                [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
     return tokens, llm.collective_rpc(forward_tensors)
 
 
-def differences(got, want) -> list[str]:
-    """What differs between two observations (empty when equal bit for bit)."""
+def differences(got, want, logprob_atol: float = 0.0) -> list[str]:
+    """What differs between two observations (empty when equal bit for bit; with `logprob_atol`, the tokens and the
+    top log-probs' token ids must be equal, their log-probs within `logprob_atol`)."""
     (gt, gtens), (wt, wtens) = got, want
-    diffs = [] if gt == wt else [f"tokens/logprobs {gt} != {wt}"]
+    diffs = [] if _close(gt, wt, logprob_atol) else [f"tokens/logprobs ({_first_difference(gt, wt)}) {gt} != {wt}"]
     for w, (a, b) in enumerate(zip(gtens, wtens)):
         if a.keys() != b.keys():
             diffs.append(f"worker {w}: tensor names differ: {sorted(a.keys() ^ b.keys())}")
@@ -569,6 +674,247 @@ def differences(got, want) -> list[str]:
     return diffs
 
 
-def assert_same(got, want) -> None:
-    diffs = differences(got, want)
+def _first_difference(got: list, want: list) -> str:
+    for i, ((gtok, gsteps), (wtok, wsteps)) in enumerate(zip(got, want)):
+        if gtok != wtok:
+            return f"prompt {i}: tokens {gtok} != {wtok}"
+        for k, (g, w) in enumerate(zip(gsteps, wsteps)):
+            if g != w:
+                return f"prompt {i} step {k}: {g} != {w}"
+    return "lengths"
+
+
+def _close(got: list, want: list, atol: float) -> bool:
+    if got == want or atol == 0.0:
+        return got == want
+    if [t for t, _ in got] != [t for t, _ in want]:
+        return False
+    for (_, gsteps), (_, wsteps) in zip(got, want):
+        for g, w in zip(gsteps, wsteps):
+            if g.keys() != w.keys() or any(abs(g[k] - w[k]) > atol for k in g):
+                return False
+    return True
+
+
+def assert_same(got, want, logprob_atol: float = 0.0) -> None:
+    diffs = differences(got, want, logprob_atol)
     assert not diffs, f"{len(diffs)} differences from the reference engine:\n" + "\n".join(d[:300] for d in diffs)
+
+
+def update(llm, trainers: Trainers, seed: int) -> list:
+    """One full update to version `seed` through vLLM's own calls; the trainers' replies."""
+    trainers.post("send", seed)
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": str(seed)}})
+    llm.finish_weight_update()
+    return trainers.wait()
+
+
+def engine_session(tmp: Any, cfg: dict[str, Any], versions: tuple[int, int], start: Any, observe_fn: Any = observe):
+    """A module's refit session (a generator for a module-scoped fixture): checkpoints of `versions` (V1, V2) in
+    `tmp`; a reference engine `start(path, monkeypatch)` of V2 observed then closed; the live engine of V1, observed,
+    and 2 trainer processes joined to it. Yields `(llm, trainers, want_v1, want_v2)`; closes everything after."""
+    import pytest
+
+    ck1, ck2 = str(tmp / "v1"), str(tmp / "v2")
+    write_checkpoint(ck1, cfg, versions[0])
+    write_checkpoint(ck2, cfg, versions[1])
+    trainers = Trainers(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            ref = start(ck2, mp)
+            try:
+                want_v2 = observe_fn(ref)
+            finally:
+                close_engine(ref)
+            llm = start(ck1, mp)
+            try:
+                want_v1 = observe_fn(llm)
+                assert differences(want_v1, want_v2), "the two versions must differ, or the test could not fail"
+                world = llm.llm_engine.vllm_config.parallel_config.world_size
+                port = free_port()
+                trainers.post("init", port, cfg, world, False)
+                llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                               "trainer_world_size": 2, "timeout_s": 120.0}})
+                trainers.wait()
+                yield llm, trainers, want_v1, want_v2
+                trainers.post("close")
+                trainers.wait()
+                llm.shutdown_weight_transfer_engine()
+            finally:
+                close_engine(llm)
+    finally:
+        trainers.close()
+
+
+def refused_then_good(llm, trainers: Trainers, bad: tuple, good: tuple, name: str, world: int,
+                      versions: tuple[int, int], wants: tuple[Any, Any], observe_fn: Any = observe,
+                      atol: float = 0.0) -> None:
+    """From V1 (`versions`, observed as `wants`): the trainer command `bad` makes the update to V2 refused before
+    data moves (naming `name`): it raises once, on the last worker, every worker's next reply is in step, the
+    engine still generates V1; after `good`, updates to V2 and back land exactly."""
+    import re
+
+    import pytest
+
+    trainers.post(*bad)
+    trainers.wait()
+    (v1, v2), (want_v1, want_v2) = versions, wants
+    trainers.post("send", v2)
+    llm.start_weight_update()
+    with pytest.raises(Exception, match=rf"update_weights failed on {world} of {world} worker(.|\n)*{re.escape(name)}"):
+        llm.update_weights({"update_info": {"version": "bad"}})
+    with pytest.raises(AssertionError, match=rf"ValueError(.|\n)*{re.escape(name)}"):
+        trainers.wait()
+    errors = llm.collective_rpc(last_error)  # one reply per worker, this call's: the RPCs are in step
+    assert len(errors) == world and all(name in e for e in errors), errors
+    assert_same(observe_fn(llm), want_v1, atol)  # generate works, on the weights it had
+    trainers.post(*good)
+    trainers.wait()
+    update(llm, trainers, v2)
+    assert llm.collective_rpc(last_error) == [None] * world
+    assert_same(observe_fn(llm), want_v2, atol)
+    update(llm, trainers, v1)
+    assert_same(observe_fn(llm), want_v1, atol)
+
+
+# ---- offline data parallelism: one `LLM` per process (`VLLM_DP_*`), driven together --------------------------------
+def dp_communicator(worker: Any = None) -> None:
+    """vLLM CPU workaround (test-side only), DP + EP: the first MoE forward fails in
+    `vllm/distributed/device_communicators/base_device_communicator.py:296` (`all_gatherv: NotImplementedError`; and
+    `:334` `reduce_scatterv`): the CPU communicator falls back to `AgRsAll2AllManager` (`cpu_communicator.py:67`),
+    which needs both. Given to `CpuCommunicator` here over its gloo group: `all_gatherv` pads to the largest size and
+    all-gathers, `reduce_scatterv` all-reduces and keeps this rank's slice."""
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):  # noqa: ANN001, ANN202
+        def one(t: torch.Tensor) -> torch.Tensor:
+            d = dim % t.dim()
+            counts = sizes or [t.shape[d]] * self.world_size
+            shape = list(t.shape)
+            shape[d] = max(counts)
+            buf = t.new_zeros(shape)
+            buf.narrow(d, 0, t.shape[d]).copy_(t)
+            out = [torch.empty_like(buf) for _ in range(self.world_size)]
+            dist.all_gather(out, buf, group=self.device_group)
+            return torch.cat([o.narrow(d, 0, n) for o, n in zip(out, counts)], dim=d)
+
+        return [one(t) for t in input_] if isinstance(input_, list) else one(input_)
+
+    def reduce_scatterv(self, input_, dim: int = -1, sizes: list[int] | None = None):  # noqa: ANN001, ANN202
+        d = dim % input_.dim()
+        counts = sizes or [input_.shape[d] // self.world_size] * self.world_size
+        total = input_.clone()
+        dist.all_reduce(total, group=self.device_group)
+        start = sum(counts[:self.rank_in_group])
+        return total.narrow(d, start, counts[self.rank_in_group]).contiguous()
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv
+
+
+def _dp_engine(dp_rank: int, dp_size: int, dp_port: int, path: str, commands: Any, results: Any) -> None:
+    """One offline DP rank's `LLM` (TP 1, expert parallel, in this process): `("observe",)`, `("init", port)`,
+    `("update", seed)`, `("update_error", seed)` (expects a failure: returns its message), `("rpc", name)` (a
+    `vllm_cases` function through `collective_rpc`), `("exit",)`."""
+    os.environ.update({"VLLM_DP_SIZE": str(dp_size), "VLLM_DP_RANK": str(dp_rank), "VLLM_DP_RANK_LOCAL": str(dp_rank),
+                       "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(dp_port),
+                       "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    llm = None
+    while True:
+        cmd = commands.get()
+        try:
+            if cmd[0] == "exit":
+                if llm is not None:
+                    close_engine(llm)
+                results.put((dp_rank, "ok", None))
+                return
+            if llm is None:
+                from vllm import LLM
+
+                llm = LLM(model=path, tensor_parallel_size=1, dtype="bfloat16", enforce_eager=True,
+                          skip_tokenizer_init=True, max_model_len=128, max_num_seqs=2, seed=0,
+                          enable_expert_parallel=True, distributed_executor_backend="uni",
+                          weight_transfer_config={"backend": "reshard"})
+                dp_communicator()
+                llm.collective_rpc(ep_expert_map)
+            if cmd[0] == "start":
+                out = None
+            elif cmd[0] == "observe":
+                out = observe(llm)
+            elif cmd[0] == "init":
+                llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": cmd[1],
+                                                               "trainer_world_size": 2, "timeout_s": 120.0}})
+                out = None
+            elif cmd[0] in ("update", "update_error"):
+                llm.start_weight_update()
+                try:
+                    llm.update_weights({"update_info": {"version": str(cmd[1])}})
+                    llm.finish_weight_update()
+                    out = None
+                except Exception as e:
+                    if cmd[0] == "update":
+                        raise
+                    out = str(e)
+            elif cmd[0] == "rpc":
+                out = llm.collective_rpc(globals()[cmd[1]])
+            elif cmd[0] == "shutdown":
+                llm.shutdown_weight_transfer_engine()
+                out = None
+            results.put((dp_rank, "ok", out))
+        except BaseException as e:  # reported to the test, which fails with it
+            results.put((dp_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class DPEngines(Trainers):
+    """`dp` offline DP ranks of one engine (`_dp_engine`), each its own process and `LLM`, driven in lockstep (MoE
+    steps need every EP rank)."""
+
+    what = "DP engine"
+
+    def __init__(self, path: str, dp: int = 2) -> None:
+        super().__init__(dp, _dp_engine, (free_port(), path))
+
+    def call(self, *cmd: Any, timeout: float = 600.0) -> list[Any]:
+        self.post(*cmd)
+        return self.wait(timeout)
+
+    def close(self) -> None:
+        try:
+            self.call("exit", timeout=60)
+        finally:
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+
+
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj")  # vLLM shards these evenly over TP
+VOCAB = ("embed_tokens", "lm_head")  # vocabulary-parallel: padded to a multiple of 64, then split evenly
+
+
+def ep_expected_bytes(cfg: dict[str, Any], version: Version, experts: list[list[int]], tp: int,
+                      rank: int) -> tuple[int, int]:
+    """From the weights of `version` themselves: (what TP rank `rank` of an expert-parallel engine holding `experts`
+    (per layer) should receive: those experts and its TP share of the rest; what a whole-expert sender (vLLM
+    `nccl_m2n`'s rule) sends it: every expert, and its TP share of the rest)."""
+    own = whole = 0
+    vocab = cfg["vocab_size"]
+    per = -(-vocab // 64) * 64 // tp
+    for name, w in hf_weights(cfg, version).items():
+        size = w.numel() * w.element_size()
+        if ".mlp.experts." in name:
+            own += size * len(experts[int(name.split(".")[2])]) // w.shape[0]
+            whole += size
+            continue
+        if tp > 1 and any(k in name for k in TP_SPLIT):
+            share = size // tp
+        elif tp > 1 and any(k in name for k in VOCAB):
+            share = size // vocab * (min(vocab, (rank + 1) * per) - rank * per)
+        else:
+            share = size
+        own += share
+        whole += share
+    return own, whole

@@ -9,6 +9,7 @@ and cost model it re-exports. Exports
   vLLM-style inference layouts per weight);
 - cost model: `LinkLoads`, `LinkKey`, `Timing`, `link_time`, `plan_loads`, `relay_fill_s`, `ring_allgather_s`,
   `chain_broadcast_s`, `gather_broadcast`, `GatherBroadcast`, `lower_bound`, `LowerBound`;
+- bytes per inference rank: `engine_bytes` (its own share, against a whole-expert sender);
 - the simulator: `simulate`, `SimResult`, `MethodResult`, `plan_items`; outputs `format_table`, `csv_rows`,
   `write_csv`, `plot`, and `main`, the command line of `python -m reshard simulate` and `perf/simulate.py`.
 """
@@ -30,6 +31,7 @@ from reshard.cost import (
     relay_fill_s,
     ring_allgather_s,
 )
+from reshard.sim._engine_bytes import engine_bytes
 from reshard.sim._layouts import WeightLayouts, model_layouts, pipeline_stage, stage_layer_counts
 from reshard.sim._report import csv_rows, format_table, main, plot, write_csv
 from reshard.sim._simulate import MethodResult, SimResult, plan_items, simulate
@@ -51,6 +53,7 @@ __all__ = [
     "WeightLayouts",
     "chain_broadcast_s",
     "csv_rows",
+    "engine_bytes",
     "format_table",
     "gather_broadcast",
     "get_hardware",

@@ -4,6 +4,8 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
 - `init_transfer_engine(info)` runs on every worker: it joins the trainer's `Group.rendezvous` as group rank
   `rank_offset + dp_index * world_size + rank` (vLLM's convention), the trainer's ranks coming first
   (`rank_offset = trainer_world_size`) or after every engine rank (`rank_offset = 0`).
+- Under pipeline parallelism the stages first exchange their parameter names (over vLLM's pipeline group), so each
+  name's layout spans exactly the stages holding it; expert-parallel layers are laid out per EP rank (`_layouts`).
 - It then reads the live model's layouts (`engine_targets`) and registers every loaded parameter as a `Refit`
   destination (the live parameter itself, or a loader-format buffer for a layer whose quantization method
   post-processes its weights); a parameter no rule covers is a `ValueError` naming it, raised here. The first
@@ -12,8 +14,9 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
   storage the forward reads. `last_report` is that update's `RefitReport`, with `seconds["process"]` the time
   spent re-processing.
 - A failed `init_weight_transfer_engine` or `update_weights` fails on every worker with every worker's reason (so
-  vLLM ends the update session on every worker alike) and is raised by the engine's last worker only, as are vLLM's
-  own refusals of these calls, so vLLM's RPC replies stay in step (`reshard.integrations.vllm._outcome`);
+  vLLM ends the update session on every worker alike) and is raised by the engine's last worker only (agreed over
+  all its stages), as are vLLM's own refusals of these calls, so vLLM's RPC replies stay in step
+  (`reshard.integrations.vllm._outcome`);
   `last_error` keeps the reason on every worker. A failed init also writes its reason as the group's verdict, so
   the trainer ranks' next `send_weights()` raises it at once. A failed transfer (any refit error, a dead trainer
   rank) leaves the forward on the previous weights: re-processing, the step that changes what the forward reads,
@@ -43,9 +46,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.comm import Group
 from reshard.integrations.vllm._facts import declare_engine_facts
-from reshard.integrations.vllm._layouts import Target, engine_targets
+from reshard.integrations.vllm._layouts import Target, engine_targets, parameter_names
 from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
-from reshard.integrations.vllm._outcome import agree, combined, keep_in_step
+from reshard.integrations.vllm._outcome import agree, combined, gather_names, keep_in_step
 from reshard.integrations.vllm._process import reprocess_layer
 from reshard.refit import Refit, RefitReport
 
@@ -71,6 +74,9 @@ class ReshardInitInfo(WeightTransferInitInfo):
         timeout_s: seconds any wait for a peer may last.
         precision: `Refit`'s precision (`"same"` or `"cast"`), the same on both sides.
         verify: check every received box against its sender's checksum.
+        experts: `"stacked"` (the trainer sends `...mlp.experts.gate_proj.weight` `[E, I, H]`, as a HuggingFace
+            MoE holds them) or `"per_expert"` (`...mlp.experts.{e}.gate_proj.weight` `[I, H]`, as Megatron's export
+            names them; expert-parallel engines only).
         delta: after the first update, only the elements that changed since the last update cross the wire
             (`Refit(delta=True)`), into loader-format buffers that still hold the last update; the same on both
             sides. Not with `verify`.
@@ -89,8 +95,11 @@ class ReshardInitInfo(WeightTransferInitInfo):
     engine_index: int = 0
     token: str | None = field(default=None, repr=False)
     prefix: str = "reshard"
+    experts: str = "stacked"
 
     def __post_init__(self) -> None:
+        if self.experts not in ("stacked", "per_expert"):
+            raise ValueError(f"reshard init_info: experts must be 'stacked' or 'per_expert', got {self.experts!r}")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 1:
             raise ValueError(f"reshard init_info: engines must be an integer >= 1, got {self.engines!r}")
         if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) \
@@ -152,6 +161,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.group: Group | None = None
         self.refit: Refit | None = None
         self.targets: list[Target] = []
+        self.stages: dict[str, list[int]] | None = None  # under PP: parameter name -> the stages holding it
         self.last_report: RefitReport | None = None
         self.last_error: str | None = None  # the last failed call's reason, every worker's (the last one raises it)
         self.updates = Updates()  # the update state machine: the stage in flight, the versions
@@ -196,8 +206,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         pc = self.parallel_config
         world = pc.world_size
         rank = get_pp_group().rank_in_group * get_tp_group().world_size + get_tp_group().rank_in_group
-        if get_pp_group().world_size > 1:
-            raise NotImplementedError("reshard vLLM backend: pipeline parallelism is not supported yet")
+        self.stages = self._stages()  # a collective of every stage: before anything one worker alone can fail
         dp_index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
         replicas = init_info.engines * pc.data_parallel_size  # every engine's DP replicas, engine by engine
         replica = init_info.engine_index * pc.data_parallel_size + dp_index
@@ -212,6 +221,20 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                                       timeout=init_info.timeout_s, prefix=init_info.prefix, token=init_info.token)
         self._info = init_info
         self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it
+
+    def _stages(self) -> dict[str, list[int]] | None:
+        """Under pipeline parallelism, parameter name -> the stages holding it (every stage's names, gathered over
+        the pipeline group: a stage holds its own layers, and what its `named_parameters()` says besides)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size == 1:
+            return None
+        stages: dict[str, list[int]] = {}
+        for stage, names in enumerate(gather_names(parameter_names(self.model), pp)):
+            for n in names:
+                stages.setdefault(n, []).append(stage)
+        return stages
 
     def start_weight_update(self) -> None:
         if self.group is None:
@@ -278,7 +301,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     # ---- reshard ------------------------------------------------------------------------------------------------
     def _build_refit(self) -> Refit:
         assert self.group is not None and self._info is not None
-        self.targets = engine_targets(self.model, self.replicas)
+        pp = 1 if self.stages is None else self.parallel_config.pipeline_parallel_size
+        self.targets = engine_targets(self.model, self.replicas, self.stages, pp,
+                                      per_expert=self._info.experts == "per_expert")
         refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
                       timeout=self._info.timeout_s, delta=self._info.delta)
         aliases: dict[str, list[str]] = {}
@@ -288,7 +313,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         for t in self.targets:
             if t.alias_of is None:
                 tied = {t.components[0][0]: aliases[t.name]} if t.name in aliases else ()
-                refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
+                if t.view is not None:  # experts one by one: boxes of the buffer's 2-D view, already placed
+                    refit.add_destination(t.name, t.tensor.view(t.view), t.components, placed=True, aliases=tied)
+                else:
+                    refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
         declare_engine_facts(refit, self.model_config)
         logger.info("reshard: %d engine tensors registered (%d re-processed after each update, %d tied)",
                     len(self.targets), sum(t.processed for t in self.targets), len(aliases))

@@ -12,9 +12,13 @@ Where the layouts come from:
   `input_dim`;
 - K/V replication: `QKVParallelLinear.num_kv_head_replicas` (TP ranks that share one KV head);
 - vocabulary padding: `VocabParallelEmbedding._get_indices`, evaluated for every TP rank;
-- experts: a layer with a `FusedMoEMethodBase` quant method (`RoutedExperts`), all experts on every rank (TP over
-  the intermediate dim), as stacked `[E, I, H]` globals named by its checkpoint prefix and names
-  (`layer_name`, `ckpt_gate_proj_name`, ...): `...mlp.experts.{gate,up,down}_proj.weight`;
+- experts: a layer with a `FusedMoEMethodBase` quant method (`RoutedExperts`), as stacked `[E, I, H]` globals named
+  by its checkpoint prefix and names (`layer_name`, `ckpt_gate_proj_name`, ...):
+  `...mlp.experts.{gate,up,down}_proj.weight`; without expert parallelism all experts on every rank (TP over the
+  intermediate dim), with it (`moe_parallel_config.use_ep`) whole experts, each EP rank (DP x TP ranks of a stage)
+  its own: vLLM's placement rule (`determine_expert_map`) for every EP rank, checked against the live layer's
+  `expert_map_manager.get_local_expert_ids()` on this one; EPLB and redundant experts are refused;
+- pipeline stages: a parameter's layout spans the stages that hold it (`engine_targets(stages=...)`);
 - fused names: the model's `packed_modules_mapping` (`qkv_proj` -> q, k, v; `gate_up_proj` -> gate, up);
 - fused checkpoint tensors: for a model whose checkpoint holds the fused tensor itself and whose loader hands it
   whole to the layer's own `weight_loader` (`FUSED_IN_CHECKPOINT`: Phi-3's `qkv_proj` and `gate_up_proj`, GPT-2's
@@ -34,7 +38,7 @@ it: the refit never skips a weight silently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -63,6 +67,8 @@ class Target:
             parameter), that target's name: this one is not written (it shares the earlier one's `tensor`) but is
             re-processed too, and its global names are the earlier one's aliases.
         live: for a layer without post-processing (norms), the live parameter the commit copies `tensor` into.
+        view: the shape the refit writes `tensor` as (a 2-D view of an expert buffer whose components are single
+            experts, already placed: `engine_targets(per_expert=True)`); None: `tensor` itself, components fused.
     """
 
     module_name: str
@@ -75,6 +81,7 @@ class Target:
     loader_attrs: dict[str, Any] = field(default_factory=dict)
     alias_of: str | None = None
     live: torch.Tensor | None = None
+    view: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -207,7 +214,7 @@ def _as_loaded(layer: torch.nn.Module, pname: str, param: torch.Tensor) -> torch
 
 
 def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str, meta: torch.Tensor,
-                replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
+                replicas: Sequence[Sequence[int]], per_expert: bool = False) -> tuple | str:
     """The global components of one loader-format parameter, or a reason why it cannot be laid out."""
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
     from vllm.model_executor.layers.linear import (
@@ -254,7 +261,7 @@ def _components(model: torch.nn.Module, module_name: str, layer: Any, pname: str
             return "a vocabulary-parallel parameter other than weight"
         return [(full, _vocab_layout(layer, meta.shape, replicas, dtype, full))], 0
     if isinstance(getattr(layer, "quant_method", None), FusedMoEMethodBase):
-        return _expert_components(module_name, layer, pname, meta, replicas)
+        return _expert_components(module_name, layer, pname, meta, replicas, per_expert)
     loader = getattr(meta, "weight_loader", None)
     if loader is not None and getattr(loader, "__name__", "") not in ("default_weight_loader",):
         what = getattr(loader, "__qualname__", loader)
@@ -281,34 +288,160 @@ def _fused_parts(layer: Any, meta: torch.Tensor, tp: int, replicas: Sequence[Seq
 
 
 def _expert_components(module_name: str, layer: Any, pname: str, meta: torch.Tensor,
-                       replicas: Sequence[Sequence[int]]) -> tuple[list[tuple[str, LayoutLike]], int] | str:
-    """`w13_weight` `[E, 2 I_local, H]` = `[gate; up]` along dim 1, `w2_weight` `[E, H, I_local]`, TP over I."""
-    num_experts = getattr(layer, "global_num_experts", None)
-    if getattr(layer, "local_num_experts", num_experts) != num_experts or getattr(layer, "use_ep", False):
-        return "expert parallelism (experts split over ranks)"
-    tp = layer.moe_config.moe_parallel_config.tp_size
+                       replicas: Sequence[Sequence[int]], per_expert: bool = False) -> tuple | str:
+    """`w13_weight` `[E_local, 2 I_local, H]` = `[gate; up]` along dim 1, `w2_weight` `[E_local, H, I_local]`: without
+    expert parallelism every rank holds every expert (TP over I); with it, experts whole, each EP rank its own
+    (`_expert_placement`)."""
+    pc = layer.moe_config.moe_parallel_config
     prefix = getattr(layer, "layer_name", module_name)  # the experts' checkpoint prefix (`...mlp.experts`)
     gate, up, down = (getattr(layer, f"ckpt_{k}_proj_name", f"{k}_proj") for k in ("gate", "up", "down"))
+    if pname not in ("w13_weight", "w2_weight"):
+        return f"expert parameter {pname!r} (only w13_weight and w2_weight are supported)"
+    names = [f"{prefix}.{k}.weight" for k in ((gate, up) if pname == "w13_weight" else (down,))]
     e, a, b = (int(s) for s in meta.shape)
+    if per_expert and not pc.use_ep:
+        return "experts named one by one (per_expert) without expert parallelism"
+    if pc.use_ep:
+        placement = _expert_placement(layer, replicas)
+        if isinstance(placement, str):
+            return placement
+        if per_expert:
+            return _per_expert_components(prefix, pname, (gate, up, down), placement, (a, b), meta.dtype)
+        rest = (a // 2, b) if pname == "w13_weight" else (a, b)
+        return [(n, _expert_layout(placement, layer.global_num_experts, rest, meta.dtype, n)) for n in names], \
+            1 if pname == "w13_weight" else 0
+    num_experts = getattr(layer, "global_num_experts", None)
+    if getattr(layer, "local_num_experts", num_experts) != num_experts:
+        return f"experts split over ranks without expert parallelism ({layer.local_num_experts} of {num_experts})"
+    tp = pc.tp_size
     if pname == "w13_weight":
-        names = [f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight"]
         shape = (e, a // 2 * tp, b)
         return [(n, _sharded(shape, 1, tp, replicas, meta.dtype, n)) for n in names], 1
-    if pname == "w2_weight":
-        n = f"{prefix}.{down}.weight"
-        return [(n, _sharded((e, a, b * tp), 2, tp, replicas, meta.dtype, n))], 0
-    return f"expert parameter {pname!r} (only w13_weight and w2_weight are supported)"
+    return [(names[0], _sharded((e, a, b * tp), 2, tp, replicas, meta.dtype, names[0]))], 0
 
 
-def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) -> list[Target]:
+def _per_expert_components(prefix: str, pname: str, names: tuple[str, str, str], placement: dict[int, list[int]],
+                           shape: tuple[int, int], dtype: torch.dtype) -> tuple:
+    """Experts named one by one, as a Megatron export names them (`{prefix}.{e}.gate_proj.weight` `[I, H]`, ...):
+    each a box of the 2-D view of its EP rank's buffer (`w13` `[E_local * 2I, H]`: slot `j`'s gate at rows
+    `2jI .. 2jI + I`, its up after; `w2` `[E_local * H, I]`: slot `j`'s down at rows `jH .. jH + H`). Returns
+    `(components, 0, view shape)`; the components are placed in the view's coordinates."""
+    a, b = shape
+    gate, up, down = names
+    parts = ((gate, 0, a // 2), (up, a // 2, a // 2)) if pname == "w13_weight" else ((down, 0, a),)
+    step = a  # rows of one slot in the view
+    out = []
+    experts = sorted({g for ids in placement.values() for g in ids})
+    for e in experts:
+        for proj, offset, rows in parts:
+            name = f"{prefix}.{e}.{proj}.weight"
+            # every EP rank registers the buffer: each component spans them all, empty where the expert is not
+            pieces = {r: [Piece(Box((0, 0), (rows, b)), Box((ids.index(e) * step + offset, 0), (rows, b)),
+                                tensor=name)] if e in ids else [] for r, ids in placement.items()}
+            shapes = {r: (len(ids) * step, b) for r, ids in placement.items()}
+            out.append((name, ExplicitLayout((rows, b), dtype, pieces, shapes, name=name)))
+    return out, 0, None  # the view's shape differs per rank: set by the caller from the local buffer
+
+
+def _expert_placement(layer: Any, replicas: Sequence[Sequence[int]]) -> dict[int, list[int]] | str:
+    """Under expert parallelism: group rank -> the global expert ids it holds, in local-slot order, for every EP
+    rank of every replica of `layer`; or why it cannot be laid out.
+
+    The EP group of a stage is its DP x TP ranks (`ep_rank = dp_rank * tp + tp_rank`: `replicas` holds each DP
+    replica's TP ranks of the stage, `dp_size` consecutive lists per engine). Every EP rank's experts come from
+    vLLM's own placement rule (`determine_expert_map` with the layer's placement strategy); this rank's must equal
+    what the live layer holds (`expert_map_manager.get_local_expert_ids()`). EPLB (whose map changes at run time)
+    and redundant or fused shared experts are refused, naming the feature."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    pc = layer.moe_config.moe_parallel_config
+    manager = getattr(layer, "expert_map_manager", None)
+    if pc.enable_eplb:
+        return "expert parallelism with EPLB (expert-parallel load balancing: the expert map changes at run time)"
+    if manager is None:
+        return "expert parallelism without an expert_map_manager on the layer"
+    if getattr(manager, "num_fused_shared_experts", 0):
+        return f"expert parallelism with {manager.num_fused_shared_experts} fused shared experts"
+    logical = int(getattr(layer.moe_config, "num_logical_experts", layer.global_num_experts))
+    if layer.global_num_experts != logical:
+        return (f"expert parallelism with redundant experts ({layer.global_num_experts} physical, {logical} "
+                "logical)")
+    dp, ep = pc.dp_size, pc.ep_size
+    if len(replicas) % dp or any(len(r) * dp != ep for r in replicas):
+        return f"an EP group of {ep} ranks over {len(replicas)} TP groups of {[len(r) for r in replicas]}, DP {dp}"
+    out: dict[int, list[int]] = {}
+    for first in range(0, len(replicas), dp):
+        group = [rank for r in replicas[first:first + dp] for rank in r]
+        for ep_rank, rank in enumerate(group):
+            _, expert_map, _ = determine_expert_map(ep, ep_rank, layer.global_num_experts,
+                                                    manager.placement_strategy)
+            assert expert_map is not None
+            slots = sorted((int(s), g) for g, s in enumerate(expert_map.tolist()) if s >= 0)
+            out[rank] = [g for _, g in slots]
+            if ep_rank == pc.ep_rank:
+                live = [int(g) for g in manager.get_local_expert_ids()]
+                if out[rank] != live:
+                    return (f"an expert placement vLLM's rule does not give: EP rank {ep_rank} holds {live}, "
+                            f"determine_expert_map gives {out[rank]} ({manager.placement_strategy})")
+    return out
+
+
+def _expert_layout(placement: dict[int, list[int]], num: int, rest: tuple[int, int], dtype: torch.dtype,
+                   name: str) -> ExplicitLayout:
+    """The global `[num, *rest]` expert tensor, each rank holding whole experts `placement[rank]` in its local slots
+    (a run of consecutive experts in consecutive slots is one piece)."""
+    pieces: dict[int, list[Piece]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for rank, ids in placement.items():
+        shapes[rank] = (len(ids), *rest)
+        runs: list[list[int]] = []  # [first global, first slot, count]
+        for slot, g in enumerate(ids):
+            if runs and runs[-1][0] + runs[-1][2] == g:
+                runs[-1][2] += 1
+            else:
+                runs.append([g, slot, 1])
+        pieces[rank] = [Piece(Box((g, 0, 0), (n, *rest)), Box((slot, 0, 0), (n, *rest)), tensor=name)
+                        for g, slot, n in runs]
+    return ExplicitLayout((num, *rest), dtype, pieces, shapes, name=name)
+
+
+def parameter_names(model: torch.nn.Module) -> list[str]:
+    """The names of the live parameters `engine_targets` lays out (`module.param`, a module seen twice once)."""
+    return [f"{mn}.{pn}" if mn else pn for mn, layer in model.named_modules()
+            for pn, p in layer._parameters.items() if p is not None]
+
+
+def _stage_replicas(replicas: Sequence[Sequence[int]], stages: Sequence[int], pp: int) -> list[list[int]]:
+    """The TP groups (group ranks) of pipeline `stages` in every replica (`replicas[d]`: `pp * tp` group ranks,
+    stage-major, as vLLM numbers its workers `pp_rank * tp + tp_rank`): one replicated copy per (replica, stage)."""
+    out = []
+    for r in replicas:
+        tp = len(r) // pp
+        out.extend(list(r[s * tp:(s + 1) * tp]) for s in stages)
+    return out
+
+
+def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]],
+                   stages: Mapping[str, Sequence[int]] | None = None, pp: int = 1,
+                   per_expert: bool = False) -> list[Target]:
     """One `Target` per loaded parameter of the live `model`, with layouts over the group ranks `replicas`
-    (one list of group ranks per engine replica, in TP order).
+    (one list of group ranks per engine replica, `pp * tp` of them, stage-major, TP order within a stage).
+
+    Args:
+        stages: under pipeline parallelism (`pp > 1`), parameter name (`parameter_names`) -> the pipeline stages
+            that hold it (every stage's names, gathered by the caller): a parameter's copies on those stages are
+            replicas of one another, and the stages without it receive none of it. Required when `pp > 1`.
+        pp: the engine's pipeline-parallel size.
+        per_expert: under expert parallelism, declare the experts one by one (`...mlp.experts.{e}.gate_proj.weight`
+            `[I, H]`, as Megatron's export names them) instead of stacked (`...mlp.experts.gate_proj.weight`).
 
     Raises:
         ValueError: listing every parameter that cannot be laid out (nothing is written then).
     """
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
+    if pp > 1 and stages is None:
+        raise ValueError("engine_targets: pp > 1 needs the stages holding each parameter")
     targets: list[Target] = []
     problems: list[str] = []
     seen: set[int] = set()
@@ -326,12 +459,13 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
             m = meta.get(pname)
             if m is None:  # built after create_weights (bias): loader format is the live one
                 m = _as_loaded(layer, pname, param) if quant else param
-            got = _components(model, module_name, layer, pname, m, replicas)
-            full = f"{module_name}.{pname}"
+            full = f"{module_name}.{pname}" if module_name else pname
+            held = _stage_replicas(replicas, stages[full], pp) if pp > 1 else replicas
+            got = _components(model, module_name, layer, pname, m, held, per_expert)
             if isinstance(got, str):
                 problems.append(f"{full}: cannot lay out {got}")
                 continue
-            components, dim = got
+            components, dim, *placed = got
             first = by_param.get(id(param))
             if first is not None:  # a parameter tied to an earlier module's (lm_head.weight = embed_tokens.weight)
                 if [lay.shape for _, lay in components] != [lay.shape for _, lay in first.components] or \
@@ -347,7 +481,8 @@ def engine_targets(model: torch.nn.Module, replicas: Sequence[Sequence[int]]) ->
             if quant:
                 buffer = torch.zeros(tuple(m.shape), dtype=m.dtype, device=param.device)
                 attrs = _loader_attrs(m, layer)
-                targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs))
+                view = None if not placed else (int(m.shape[0]) * int(m.shape[1]), int(m.shape[2]))
+                targets.append(Target(module_name, pname, layer, buffer, components, dim, True, attrs, view=view))
                 by_param[id(param)] = targets[-1]
             else:
                 if tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:

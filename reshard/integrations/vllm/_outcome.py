@@ -4,10 +4,12 @@ in step.
 vLLM's multiprocess executor (`MultiprocExecutor.collective_rpc`) reads the workers' replies in worker order and
 raises at the first failed one, leaving the later workers' replies queued: every later call then reads the
 previous call's replies. So a failed call must fail on the *last* worker only. The backend's engine raises a failed
-`init_weight_transfer_engine` / `update_weights` on every worker, with every worker's reason (`agree`: a
-fixed-size all-gather over the engine's own tensor-parallel CPU group, strings only: nothing is unpickled), so vLLM
-ends the update session on every worker alike; `keep_in_step` wraps the worker's weight-transfer calls so that
-only the last worker then raises, for the engine's failures and for vLLM's own precondition errors alike.
+`init_weight_transfer_engine` / `update_weights` on every worker, with every worker's reason (`agree`:
+fixed-size all-gathers over the engine's own tensor-parallel, then pipeline-parallel CPU groups, strings only:
+nothing is unpickled), so vLLM ends the update session on every worker alike; `keep_in_step` wraps the worker's
+weight-transfer calls so that only the last worker of the last stage then raises, for the engine's failures and for
+vLLM's own precondition errors alike. (Under pipeline parallelism a failure raised by the last worker of every stage
+left a stage's reply queued, and the next `generate` ended the engine.)
 """
 
 from __future__ import annotations
@@ -24,21 +26,34 @@ MESSAGE_BYTES = 4096
 
 
 def agree(error: BaseException | None) -> list[str | None]:
-    """Every worker's outcome of this call (None: it succeeded), in worker order, the same on every worker."""
-    from vllm.distributed.parallel_state import get_tp_group
+    """Every worker's outcome of this call (None: it succeeded), in worker order (`pp_rank * tp + tp_rank`, the
+    order vLLM's executor reads the replies in), the same on every worker of the engine: all its pipeline stages
+    and tensor-parallel ranks (one data-parallel rank's executor: each DP rank's engine reads its own replies)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    tp = get_tp_group()
     mine = None if error is None else describe(error)
-    if tp.world_size == 1:
-        return [mine]
-    raw = b"" if mine is None else mine.encode()[:MESSAGE_BYTES - 1]
-    buf = torch.zeros(MESSAGE_BYTES + 1, dtype=torch.uint8)
-    buf[0] = 0 if mine is None else 1
-    if raw:
-        buf[1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out = [torch.empty_like(buf) for _ in range(tp.world_size)]
-    torch.distributed.all_gather(out, buf, group=tp.cpu_group)
-    return [None if int(b[0]) == 0 else bytes(b[1:].tolist()).rstrip(b"\0").decode(errors="replace") for b in out]
+    stage = gather_texts([mine], get_tp_group())
+    return gather_texts(stage, get_pp_group())
+
+
+def gather_texts(texts: list[str | None], group: Any) -> list[str | None]:
+    """All-gather a list of texts (or None), the same length on every rank, over vLLM's `GroupCoordinator`
+    `group`'s CPU group: the concatenation in group-rank order. Fixed-size buffers of bytes (each text cut to
+    `MESSAGE_BYTES - 1`), so nothing is unpickled."""
+    if group.world_size == 1:
+        return list(texts)
+    buf = torch.zeros(len(texts), MESSAGE_BYTES + 1, dtype=torch.uint8)
+    for i, text in enumerate(texts):
+        if text is None:
+            continue
+        raw = text.encode()[:MESSAGE_BYTES - 1]
+        buf[i, 0] = 1
+        if raw:
+            buf[i, 1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(group.world_size)]
+    torch.distributed.all_gather(out, buf, group=group.cpu_group)
+    return [None if int(row[0]) == 0 else bytes(row[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+            for b in out for row in b]
 
 
 def describe(error: BaseException) -> str:
@@ -56,11 +71,12 @@ def describe(error: BaseException) -> str:
 
 
 def is_last_worker() -> bool:
-    """Whether this worker's reply is the last one vLLM's executor reads (the last tensor-parallel rank)."""
-    from vllm.distributed.parallel_state import get_tp_group
+    """Whether this worker's reply is the last one vLLM's executor reads (the last tensor-parallel rank of the last
+    pipeline stage)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    tp = get_tp_group()
-    return tp.rank_in_group == tp.world_size - 1
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1
 
 
 def combined(outcomes: list[str | None], what: str) -> str:
@@ -135,3 +151,22 @@ def _in_step(worker: Any, name: str, original: Any) -> Any:
     call.__reshard_in_step__ = True  # type: ignore[attr-defined]
     call.__wrapped__ = original  # type: ignore[attr-defined]
     return call
+
+
+def gather_names(names: list[str], group: Any) -> list[list[str]]:
+    """All-gather each rank's list of names over vLLM's `GroupCoordinator` `group` (its CPU group), in group-rank
+    order: lengths first, then the newline-joined UTF-8 bytes padded to the longest (nothing is unpickled)."""
+    if group.world_size == 1:
+        return [list(names)]
+    raw = "\n".join(names).encode()
+    size = torch.tensor([len(raw)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(group.world_size)]
+    torch.distributed.all_gather(sizes, size, group=group.cpu_group)
+    longest = max(int(s) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if raw:
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(group.world_size)]
+    torch.distributed.all_gather(out, buf, group=group.cpu_group)
+    texts = [bytes(b[:int(s)].tolist()).decode() for b, s in zip(out, sizes)]
+    return [t.split("\n") if t else [] for t in texts]
