@@ -334,14 +334,6 @@ INTEGRATION_IMPORTS: dict[str, frozenset[str]] = {
 }
 """Which other integrations each integration may import, besides `SHARED_INTEGRATIONS`; absent: none."""
 
-PENDING_INTEGRATION_IMPORTS: frozenset[tuple[str, str]] = frozenset({
-    # issue 42 item 1 moves Megatron registration to the trainer side's home (`integrations/trainer.py`); remove
-    # this entry when `integrations/vllm` no longer imports Megatron
-    ("reshard/integrations/vllm/_trainer.py", "megatron"),
-})
-"""`(module path, integration)` imports that break `INTEGRATION_IMPORTS` and are being moved (each with the work
-that removes it)."""
-
 
 def room_of(module: str) -> str:
     """The room of a `reshard` module: its package of `reshard/` (`reshard.comm._group` -> `comm`), or for
@@ -386,7 +378,7 @@ def integration_crossings(source: str, module: str, *, is_package: bool = False,
             continue
         others = [parts[2]] if len(parts) > 2 else [n for n in names if n in _integration_names()]
         for other in others:
-            if other != own and other not in allowed and (path, other) not in PENDING_INTEGRATION_IMPORTS:
+            if other != own and other not in allowed:
                 found.append(f"{path}:{node.lineno}: integration {own} imports integration {other}; {own} may "
                              f"import {sorted(allowed)} (integrations import each other only as INTEGRATION_IMPORTS "
                              "says)")

@@ -28,7 +28,7 @@ def pool():
 def on_rank_refit(w, tamper: bool) -> dict:
     """Trainer ranks 0, 1 (`S(0)`) -> engine ranks 2, 3 (`[R, S(1)]` over a 2x1 mesh: two replicas), two weights.
     With `tamper`, rank 2 (the engine table's owner) broadcasts a table other than the one it announced."""
-    import reshard.refit._refit as rr
+    import reshard.refit._metawire as rr  # the module of the metadata round
     from reshard import Refit
 
     src = Layout((12, 6), Mesh([0, 1]), [Shard(0)], torch.float32)

@@ -120,19 +120,19 @@ def test_trainer_finds_ties_in_a_module_and_a_state_dict() -> None:
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from reshard.integrations.vllm._trainer import _config_ties, _weights
+    from reshard.integrations.trainer import config_ties, source_weights
 
     cfg = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                num_key_value_heads=1, vocab_size=37)
     tied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **cfg))
     for source in (tied, tied.state_dict()):
-        weights, ties = _weights(source)
+        weights, ties = source_weights(source)
         assert ties == {E: [L]} and L not in weights and E in weights
     untied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **cfg))
-    weights, ties = _weights(untied)
+    weights, ties = source_weights(untied)
     assert ties == {} and L in weights  # negative control: two tensors are no tie
     # the config's tie, for a mapping that holds the embedding only (`dict(model.named_parameters())`)
     only = dict(tied.named_parameters())
-    weights, ties = _weights(only)
-    assert ties == {} and _config_ties(weights, ties, tied.config) == {E: [L]}
-    assert _config_ties(weights, {}, untied.config) == {}
+    weights, ties = source_weights(only)
+    assert ties == {} and config_ties(weights, ties, tied.config) == {E: [L]}
+    assert config_ties(weights, {}, untied.config) == {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.integrations.vllm._conv1d import transpose_weight, transposed_layout
+from reshard.integrations.trainer import transpose_weight, transposed_layout
 from reshard.integrations.vllm._layouts import fused_checkpoint_layout
 from reshard.planner import Layout, Mesh
 
@@ -64,8 +64,8 @@ def test_transposed_conv1d_weight_is_a_view() -> None:
 
 def test_trainer_finds_conv1d_weights_and_refuses_unknown_names() -> None:
     utils = pytest.importorskip("transformers.pytorch_utils")
+    from reshard.integrations.trainer import conv1d_weights
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
-    from reshard.integrations.vllm._conv1d import conv1d_weights
 
     model = torch.nn.Module()  # GPT-2's attention block: Conv1D layers (nf = out, nx = in) and a plain Linear
     model.attn = torch.nn.Module()

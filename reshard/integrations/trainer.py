@@ -9,8 +9,16 @@ Frameworks hand their weights over in one of three forms, per weight:
   byte is sent twice; a scalar or a tensor with an empty first dim is sent by trainer rank 0 alone.
 
 `stream_source` does the conversion for one item; `full_layout`, `local_of`, `contiguous_stride` are its parts,
-for callers that place the local tensors in buffers of their own (verl's bucketed stream). Tie finding, Megatron
-detection and Conv1D transposition belong here too (they still live in `reshard.integrations.vllm`).
+for callers that place the local tensors in buffers of their own (verl's bucketed stream).
+
+A whole model given to `ReshardTrainer.trainer_init` (the vLLM trainer side, which verl and TRL drive) is prepared
+here too: `is_megatron` tells a Megatron-core model, registered by `reshard.integrations.megatron.add_sources`
+(`register_source`); for the others `prepare_source` finds the ties (`find_ties`: names of one tensor;
+`config_ties`: the config's `tie_word_embeddings`) and transposes Hugging Face `Conv1D` weights (`conv1d_weights`,
+`transpose_weight`): stored `[in, out]` (GPT-2's `c_attn`, `c_proj`, `c_fc`), they are registered as the engine
+holds them, `[out, in]` (vLLM's GPT-2 loader transposes them as it reads the checkpoint; the planner moves boxes,
+never transposes), as a transposed *view* of the local tensor (no copy: an optimizer step in place is seen by the
+next run) with the layout transposed to match.
 
 Example (T = 2 trainer ranks, a full `[5, 3]` float32 weight): `full_layout("w", (5, 3), torch.float32, rank, 2)`
 gives rank 0 rows `[0, 3)` (`start` 0, local shape `(3, 3)`) and rank 1 rows `[3, 5)` (`start` 3, `(2, 3)`),
@@ -20,16 +28,18 @@ torch.chunk's split; for T = 8 ranks 5 .. 7 hold no rows (`(0, 3)`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.planner import Layout, Mesh
+from reshard.integrations.megatron import add_sources as add_megatron_sources
+from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece
 
-__all__ = ["FullBlock", "contiguous_stride", "full_layout", "full_mesh", "is_dtensor", "local_of", "spec_dtensor",
-           "stream_source"]
+__all__ = ["FullBlock", "config_ties", "contiguous_stride", "conv1d_weights", "find_ties", "full_layout", "full_mesh",
+           "is_dtensor", "is_megatron", "local_of", "prepare_source", "register_source", "source_weights",
+           "spec_dtensor", "stream_source", "transpose_weight", "transposed_layout"]
 
 
 class FullBlock(NamedTuple):
@@ -131,3 +141,175 @@ def stream_source(name: str, t: Any, spec: Any, rank: int, num_ranks: int) -> An
         return None
     local = t.narrow(0, block.start, block.local_shape[0]) if t.dim() else t
     return (local, block.layout)
+
+
+def prepare_source(source: Any, megatron: bool, transposed: Sequence[str] | None,
+                   ties: Mapping[str, Sequence[str]] | None,
+                   config: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The weights to register (transposed where asked) and their ties (found, from `config`, from `ties`).
+
+    Args:
+        source: a mapping name -> DTensor or `(local, Layout)`, a module, or a Megatron model (`is_megatron`).
+        megatron: whether `source` is a Megatron model (registered by `register_source`, nothing prepared here).
+        transposed: names registered transposed (`transpose_weight`); None: a module's `Conv1D` weights.
+        ties: more aliases, name -> other names; config: its `tie_word_embeddings` ties an embedding to `lm_head`.
+
+    Returns:
+        `(weights, ties)`: name -> weight (a view where transposed), and name -> its other names.
+    """
+    weights, found = ({}, {}) if megatron else source_weights(source)
+    if transposed is None:
+        transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and not megatron else ()
+    for name in transposed:
+        if name not in weights:
+            raise ValueError(f"ReshardTrainer.trainer_init: transposed names {name!r}, which the source does not "
+                             "hold (under its first name)")
+        weights[name] = transpose_weight(name, weights[name])
+    found = config_ties(weights, found, config if config is not None else getattr(source, "config", None))
+    for name, names in (ties or {}).items():
+        if name not in weights:
+            raise ValueError(f"ReshardTrainer.trainer_init: ties names {name!r}, which the source does not hold")
+        found.setdefault(name, [])
+        found[name] += [n for n in names if n not in found[name]]
+    return weights, found
+
+
+def is_megatron(source: Any) -> bool:
+    """A Megatron-core `GPTModel` (maybe in Megatron's wrappers, or a list of chunks), not a name -> weight source."""
+    chunk = source[0] if isinstance(source, (list, tuple)) and source else source
+    while isinstance(chunk, torch.nn.Module) and not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return hasattr(chunk, "decoder") and hasattr(chunk, "sharded_state_dict")
+
+
+def register_source(refit: Any, source: Any, weights: Mapping[str, Any], ties: Mapping[str, list[str]],
+                    megatron: bool, config: Any) -> None:
+    """Register `source` with `refit` (a `reshard.refit.Refit`): a Megatron model through
+    `reshard.integrations.megatron.add_sources` (with `config`'s `vocab_size`, the real vocabulary), anything else
+    with `weights` and `ties` as `prepare_source` gave them (see `_register`)."""
+    if megatron:
+        vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(config, "vocab_size", None)
+        add_megatron_sources(refit, source, vocab_size=vocab)
+    else:
+        _register(refit, source, weights, ties)
+
+
+def _register(refit: Any, source: Any, weights: Mapping[str, Any], ties: Mapping[str, list[str]]) -> None:
+    """Register `source` with `refit`: a module through `Refit.add_module_sources`, which follows the module (a
+    replaced parameter is read at the next send, an untied one is refused naming it), with the ties the module
+    does not show itself (`ties=`, the config's); a mapping name by name, as given."""
+    if isinstance(source, torch.nn.Module):
+        held = {n for n, _ in source.named_parameters(remove_duplicate=False)}
+        extra = {n: [a for a in names if a not in held] for n, names in ties.items()}
+        refit.add_module_sources(source, ties={n: names for n, names in extra.items() if names})
+        return
+    for name, w in weights.items():
+        aliases = ties.get(name, ())
+        if isinstance(w, tuple):
+            refit.add_source(name, w[0], w[1], aliases=aliases)
+        else:
+            refit.add_source(name, w, aliases=aliases)
+
+
+def source_weights(source: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The weights to register (one name per tensor) and the ties found among them (name -> its other names)."""
+    if source is None:
+        raise ValueError("ReshardTrainer.trainer_init: pass source= (name -> DTensor or (local, Layout), or a "
+                         "module with DTensor parameters)")
+    if isinstance(source, torch.nn.Module):
+        entries = list(source.named_parameters(remove_duplicate=False))
+    elif isinstance(source, Mapping):
+        entries = list(source.items())
+    else:
+        raise TypeError(f"ReshardTrainer.trainer_init: source must be a mapping or a torch.nn.Module, got "
+                        f"{type(source).__name__}")
+    ties = find_ties(entries)
+    aliases = {a for names in ties.values() for a in names}
+    return {n: w for n, w in entries if n not in aliases}, ties
+
+
+def find_ties(entries: Sequence[tuple[str, Any]]) -> dict[str, list[str]]:
+    """Names that hold one tensor: first name -> the later ones.
+
+    Two entries are one tensor when they are the same object, or views of the same memory with the same shape,
+    strides, dtype (and layout, for `(local, Layout)`): a module's tied parameters (`named_parameters(
+    remove_duplicate=False)`), a `state_dict()`'s tied entries. Empty tensors are never ties (they share no memory).
+    """
+    first: dict[Any, str] = {}
+    ties: dict[str, list[str]] = {}
+    for name, w in entries:
+        key = _identity(w)
+        if key is None:
+            continue
+        if key in first:
+            ties.setdefault(first[key], []).append(name)
+        else:
+            first[key] = name
+    return ties
+
+
+def _identity(w: Any) -> Any:
+    layout = None
+    if isinstance(w, tuple) and len(w) == 2:
+        w, layout = w
+    if hasattr(w, "to_local") and hasattr(w, "placements"):  # a DTensor: its local tensor, mesh and placements
+        layout = (tuple(w.placements), tuple(w.device_mesh.mesh.flatten().tolist()), tuple(w.shape))
+        w = w._local_tensor
+    if not isinstance(w, torch.Tensor) or w.numel() == 0:
+        return None
+    return (w.device, w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype,
+            repr(layout))
+
+
+def config_ties(weights: Mapping[str, Any], ties: dict[str, list[str]], config: Any) -> dict[str, list[str]]:
+    """With `tie_word_embeddings` in `config`, a source holding `...embed_tokens.weight` and no `lm_head.weight`
+    ties them (the usual HuggingFace names)."""
+    tied = config.get("tie_word_embeddings") if isinstance(config, Mapping) else getattr(
+        config, "tie_word_embeddings", None)
+    named = {a for names in ties.values() for a in names} | set(weights)
+    if not tied or "lm_head.weight" in named:
+        return ties
+    embeds = [n for n in weights if n.endswith("embed_tokens.weight")]
+    if len(embeds) == 1:
+        ties.setdefault(embeds[0], []).append("lm_head.weight")
+    return ties
+
+
+def conv1d_weights(module: torch.nn.Module) -> list[str]:
+    """The names of `module`'s Hugging Face `Conv1D` weights (by class: `transformers.pytorch_utils.Conv1D`)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # no transformers: no Conv1D layers either
+        return []
+    return [f"{n}.weight" if n else "weight" for n, m in module.named_modules(remove_duplicate=False)
+            if isinstance(m, Conv1D)]
+
+
+def _flip(box: Box) -> Box:
+    return Box(tuple(reversed(box.offsets)), tuple(reversed(box.shape)))
+
+
+def transposed_layout(layout: Any) -> ExplicitLayout:
+    """`layout` (a 2-D `Layout` or `ExplicitLayout`) of the transposed tensor: every piece's boxes and every rank's
+    local shape with their two dims swapped."""
+    if len(layout.shape) != 2:
+        raise ValueError(f"tensor {layout.name!r}: only a 2-D weight can be registered transposed, got shape "
+                         f"{tuple(layout.shape)}")
+    return ExplicitLayout(tuple(reversed(layout.shape)), layout.dtype,
+                          {r: [Piece(_flip(p.global_box), _flip(p.local_box), p.tensor) for p in layout.pieces(r)]
+                           for r in layout.ranks},
+                          {r: tuple(reversed(layout.local_shape(r))) for r in layout.ranks}, name=layout.name)
+
+
+def transpose_weight(name: str, weight: Any) -> Any:
+    """`weight` (a DTensor, or `(local tensor, layout)`) as its transpose: a view of the same memory."""
+    if isinstance(weight, tuple) and len(weight) == 2:
+        local, layout = weight
+        if not isinstance(local, torch.Tensor) or local.dim() != 2:
+            raise ValueError(f"ReshardTrainer.trainer_init: transposed weight {name!r} must be a 2-D tensor, got "
+                             f"{type(local).__name__} of shape {tuple(getattr(local, 'shape', ()))}")
+        return local.t(), transposed_layout(layout)
+    if getattr(weight, "dim", lambda: 0)() != 2:
+        raise ValueError(f"ReshardTrainer.trainer_init: transposed weight {name!r} must be 2-D, got shape "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    return weight.detach().t()  # a DTensor: its local tensor becomes the transposed view, its placements swapped

@@ -19,26 +19,17 @@ naming the tensor, the rank and the old and new values, raised on every rank bef
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-Geometry = tuple[tuple[int, ...], torch.dtype, torch.device]
+from reshard.comm import agree, as_timedelta
+from reshard.refit._build import Built
+from reshard.refit._meta import LayoutLike, changed, geometry
+from reshard.refit._rebind import rebind_error
 
-
-def geometry(t: torch.Tensor) -> Geometry:
-    """What a plan fixes about a local tensor: its shape, dtype and device."""
-    return tuple(t.shape), t.dtype, t.device
-
-
-def changed(kind: str, name: str, rank: int, old: Geometry, new: Geometry) -> str | None:
-    """The error for a registered tensor whose geometry differs from the plan's, or None when it does not."""
-    diffs = [f"{what} {o} -> {n}" for what, o, n in zip(("local shape", "dtype", "device"), old, new) if o != n]
-    if not diffs:
-        return None
-    return (f"{kind} {name!r} on rank {rank} changed since the plan was built: {', '.join(diffs)}; a refit's "
-            "tensors keep their layout (build a new Refit for the new one)")
-
+logger = logging.getLogger(__name__)
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
@@ -81,3 +72,114 @@ def dtensor_local(obj: Any) -> torch.Tensor:
     """A DTensor's local tensor as it is now (no autograd node)."""
     with torch.no_grad():
         return obj.to_local()
+
+
+def resolve(refit: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
+    """The local tensors to use now (sources, destinations, scales by name), and this rank's errors."""
+    errors: list[str] = []
+    srcs: dict[str, Any] = {}
+    for name, (obj, layout) in list(refit._sources.items()):
+        path = refit._paths.get(name)
+        if path is not None:
+            module, pname = path
+            try:
+                now = module.get_parameter(pname)
+            except AttributeError as e:
+                errors.append(f"source {name!r} on rank {refit.rank}: its module no longer has parameter "
+                              f"{pname!r} ({e})")
+                continue
+            untied = _untied(refit, name, module, pname, now)
+            if untied:
+                errors.append(untied)
+                continue
+            if now is not obj:
+                e = _adopt(refit, name, now, layout)
+                if e:
+                    errors.append(e)
+                    continue
+                obj = now
+        if name in refit._coords:
+            srcs[name] = dtensor_local(obj)
+        else:
+            srcs[name] = _current(refit, "source", name, obj, errors)
+            if srcs[name] is not obj:  # followed to new storage: keep the registration current
+                refit._sources[name] = (srcs[name], layout)
+    dsts = {n: _current(refit, "destination", n, t, errors) for n, (t, _) in refit._dests.items()}
+    scales = {n: _current(refit, "scale of destination", n, t, errors) for n, t in refit._scales.items()}
+    for n, (t, d) in list(refit._dests.items()):
+        if dsts[n] is not t:  # followed to new storage: keep the registration current
+            refit._dests[n] = (dsts[n], d)
+    refit._scales.update(scales)
+    return srcs, dsts, scales, errors
+
+
+def _current(refit: Any, kind: str, name: str, tensor: Any, errors: list[str]) -> Any:
+    """A registered plain tensor as it is now (followed to its view base's new storage), appending errors."""
+    bound = refit._follow.get((kind, name))
+    if bound is None or bound.tensor is not tensor:  # not registered through add_* (set directly)
+        return tensor
+    now, e = bound.current(kind, name, refit.rank)
+    if e:
+        errors.append(e)
+    return now
+
+
+def _untied(refit: Any, name: str, module: torch.nn.Module, pname: str, now: Any) -> str | None:
+    """Why source `name`'s tied names (registered as its aliases) are no longer its parameter, or None."""
+    gone = []
+    for alias in refit._module_ties.get(name, ()):
+        try:
+            other = module.get_parameter(alias)
+        except AttributeError:
+            other = None
+        if other is not now:
+            gone.append(alias)
+    if not gone:
+        return None
+    return (f"source {name!r} on rank {refit.rank}: its module's parameters {gone} were tied to {pname!r} when "
+            f"registered (sent as its aliases) and are now parameters of their own (untied or removed): the "
+            "plan has no registration for their values, so nothing is sent rather than the tied values. Build a "
+            "new Refit for the module's new sharing (ReshardTrainer: trainer_init again, with the engine's "
+            "init_weight_transfer_engine)")
+
+
+def _adopt(refit: Any, name: str, now: Any, layout: LayoutLike) -> str | None:
+    """Take `now`, the parameter that replaced source `name` in its module, if it fits its registration (the
+    same checks as `update_source`: see `reshard.refit._rebind`)."""
+    _, pname = refit._paths[name]
+    e = rebind_error(name, now, layout, refit._coords.get(name), refit.rank, refit._planned.get(("source", name)))
+    if e:
+        return (f"source {name!r} on rank {refit.rank}: its module's parameter {pname!r} was replaced by one of "
+                f"another layout or kind: {e}")
+    logger.debug("Refit: rank %d: source %r: its module's parameter %r was replaced; using the new one",
+                 refit.rank, name, pname)
+    refit._sources[name] = (now, layout)
+    if name not in refit._coords:
+        refit._follow[("source", name)] = Bound(now)
+    return None
+
+
+def check_live(refit: Any, b: Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
+                errors: list[str]) -> None:
+    """Raise on every rank, before data moves, if any rank's tensors no longer fit the plan."""
+    errors = list(errors)
+    for kind, ts in (("source", srcs), ("destination", dsts), ("scale of destination", scales)):
+        for n, t in ts.items():
+            if not isinstance(t, torch.Tensor):
+                errors.append(f"{kind} {n!r} on rank {refit.rank}: expected a torch.Tensor, got "
+                              f"{type(t).__name__}")
+                continue
+            e = changed(kind, n, refit.rank, refit._planned[(kind, n)], geometry(t))
+            if e:
+                errors.append(e)
+    if refit.group.size > 1:
+        td = as_timedelta(refit.timeout, default=refit.group.timeout)
+        fp = refit._agreed_fingerprint(b)
+        described = [("refit", f"{refit.label} (identity {str(refit.identity)[:12]})"),
+                     ("refit plan", b.plan.fingerprint)]
+        agree(refit.group, list(range(refit.group.size)), fp, errors, lambda: described, timeout=td,
+              what="refit live check", failure="Refit: registered tensors changed since the plan was "
+              "built, nothing was moved")
+    elif errors:
+        raise ValueError(f"Refit on rank {refit.rank}: registered tensors changed, nothing was moved:\n  "
+                         + "\n  ".join(errors))

@@ -12,8 +12,8 @@ two parts (`split_registration`):
 
 `join_registrations` rebuilds every rank's metadata in today's form from the records and the distinct tables, after
 checking each table against the digest its ranks announced; ranks of one table share its objects, so the rebuilt
-list costs memory per distinct table, not per rank. Pure functions on JSON values: the round itself is
-`Refit._exchange_metadata`.
+list costs memory per distinct table, not per rank. Pure functions on JSON values, but for the round itself:
+`exchange_metadata` (a refit's first run: this rank's registration checked, sent, and every rank's received).
 
 Example: ranks 0-3 each register `w` as `S(0)` on mesh `[0, 1, 2, 3]`: four records of ~150 bytes and one table
 (`{"layouts": [{..., "ranks_range": [0, 1]}], "sources": {"w": 0}, ...}`) instead of four copies of the layout.
@@ -27,8 +27,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from reshard.planner import encode_layout
-from reshard.refit._meta import LayoutLike
+from reshard.comm import CommError, all_gather_json, as_timedelta, broadcast_bytes
+from reshard.planner import encode_layout, flat_index
+from reshard.refit._meta import LayoutLike, aliases_ok, check_local, check_scale
 
 DIGEST_CHARS = 32
 """Hex digits of a table digest (sha256, truncated)."""
@@ -234,3 +235,80 @@ def join_registrations(records: Sequence[dict[str, Any]], tables: Mapping[str, A
         out.append({"rank": m["rank"], "sources": sources, "dests": t["dests"], "scaled": t["scaled"],
                     "aliases": t["aliases"], "errors": m["errors"], "identity": m["identity"]})
     return out
+
+
+def exchange_metadata(refit: Any, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
+                      errors: list[str]) -> list[dict]:
+    """The metadata round of `refit`'s first run: this rank's registration checked (each local tensor against its
+    layout, FP8 scales; the problems join `errors`), every rank's registration gathered (`_gather_registrations`),
+    in rank order, and the refits' identity agreed (`refit.identity` set). Raises a `ValueError` on every rank when
+    ranks run refits of different names, a `CommError` naming the rank that sent malformed metadata."""
+    errors = list(errors)
+    for name, (_, layout) in refit._sources.items():
+        coord = refit._coords.get(name)
+        own = refit.rank if coord is None else layout.mesh.ranks[flat_index(coord, layout.mesh.shape)]
+        if own not in layout.ranks:
+            errors.append(f"source {name!r}: rank {refit.rank} registered it but is not in its layout's ranks")
+        elif name in srcs:
+            e = check_local(name, srcs[name], layout, own)
+            if e:
+                errors.append("source " + e)
+    for name, (_, d) in refit._dests.items():
+        lay = d.components[0][1]
+        if refit.rank not in lay.ranks:
+            errors.append(f"destination {name!r}: rank {refit.rank} registered it but is not in its layout's "
+                          "ranks")
+            continue
+        e = check_local(name, dsts[name], lay, refit.rank)
+        if e:
+            errors.append("destination " + e)
+        errors.extend(check_scale(name, d, scales.get(name), refit.rank))
+    mine = registration(refit.rank, {n: lay for n, (_, lay) in refit._sources.items()}, refit._coords,
+                        {n: d.components for n, (_, d) in refit._dests.items()}, list(refit._scales),
+                        {"sources": refit._src_aliases, "dests": refit._dst_aliases}, errors,
+                        [refit.name, refit._nonce])
+    metas = _gather_registrations(refit, mine)
+    names = {r: m["identity"][0] for r, m in enumerate(metas)}
+    if len(set(names.values())) > 1:
+        groups: dict[Any, list[int]] = {}
+        for r, n in names.items():
+            groups.setdefault(n, []).append(r)
+        raise ValueError(f"Refit on rank {refit.rank}: ranks run different refits, nothing was moved: "
+                         + "; ".join(f"Refit {n!r} on ranks {rs}" for n, rs in groups.items())
+                         + " (call the refits of a group in the same order on every rank)")
+    refit.identity = hashlib.sha256("|".join([str(refit.name)] + [m["identity"][1] for m in metas])
+                                   .encode()).hexdigest()
+    return metas
+
+
+def _gather_registrations(refit: Any, mine: dict) -> list[dict]:
+    """Every rank's `registration`, in rank order, in two rounds (see this module's docstring): every rank's
+    record (its own facts and its table's digest) all-gathered, then each distinct table broadcast once by the
+    lowest rank holding it. What a rank receives grows with the group only by the records (~150 bytes each)."""
+    td = as_timedelta(refit.timeout, default=refit.group.timeout)
+    what = "refit metadata exchange"
+    record, _, data = split_registration(mine)
+    records = all_gather_json(refit.group, record, timeout=td, what=what)
+    for r, m in enumerate(records):
+        why = check_record(r, m)
+        if why:
+            raise CommError(f"{what}: {why}")
+    tables: dict[str, Any] = {}
+    for dg, (owner, size) in table_owners(records).items():
+        got = broadcast_bytes(refit.group, data if owner == refit.rank else None, root=owner, size=size,
+                              timeout=td, what=f"{what} (table of rank {owner})")
+        if hashlib.sha256(got).hexdigest()[:DIGEST_CHARS] != dg:
+            raise CommError(f"{what}: rank {owner}'s registration table does not match its digest {dg}")
+        try:
+            tables[dg] = json.loads(got.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CommError(f"{what}: rank {owner} sent a malformed registration table: {e}") from None
+    try:
+        metas = join_registrations(records, tables)
+    except ValueError as e:
+        raise CommError(str(e)) from None
+    for r, m in enumerate(metas):
+        if not (isinstance(m["sources"], dict) and isinstance(m["dests"], dict) and aliases_ok(m["aliases"])
+                and isinstance(m["scaled"], list)):
+            raise CommError(f"{what}: rank {r} sent malformed metadata: {str(m)[:200]}")
+    return metas

@@ -18,8 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from reshard.planner import Layout
-from reshard.refit._live import Geometry, changed, geometry
-from reshard.refit._meta import LayoutLike, check_local
+from reshard.refit._meta import Geometry, LayoutLike, changed, check_local, geometry
 
 
 def is_dtensor(t: Any) -> bool:

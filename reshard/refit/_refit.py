@@ -18,7 +18,6 @@ Runtime contract:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import secrets
 import time
@@ -33,10 +32,8 @@ from reshard.comm import (
     CommError,
     DeltaSession,
     Group,
-    agree,
     all_gather_json,
     as_timedelta,
-    broadcast_bytes,
     execute,
 )
 from reshard.planner import (
@@ -45,24 +42,14 @@ from reshard.planner import (
     Layout,
     Plan,
     Topology,
-    flat_index,
     fuse,
     relabel,
-    scale_layout,
 )
 from reshard.refit import _facts
 from reshard.refit._build import Built, build
-from reshard.refit._fp8 import BLOCK, FP8
-from reshard.refit._live import Bound, Geometry, changed, dtensor_local, geometry
-from reshard.refit._meta import LayoutLike, check_local
-from reshard.refit._metawire import (
-    DIGEST_CHARS,
-    check_record,
-    join_registrations,
-    registration,
-    split_registration,
-    table_owners,
-)
+from reshard.refit._live import Bound, check_live, resolve
+from reshard.refit._meta import Dest, Geometry, LayoutLike, alias_names, geometry
+from reshard.refit._metawire import exchange_metadata
 from reshard.refit._names import NameMap
 from reshard.refit._policy import Choice
 from reshard.refit._rebind import rebind_error
@@ -112,13 +99,6 @@ class RefitReport:
     snapshot_bytes: int = 0
     execution: Any = None
 
-
-@dataclass(frozen=True)
-class _Dest:
-    """A destination local tensor: its components (global tensor name -> layout in this local tensor's coords)."""
-
-    name: str
-    components: tuple[tuple[str, LayoutLike], ...]
 
 
 class Refit:
@@ -228,7 +208,7 @@ class Refit:
         # what was registered: a DTensor (its local tensor is read at every run) or a plain tensor, which
         # `_follow` (kind, name) follows to its view base's new storage (see reshard.refit._live)
         self._sources: dict[str, tuple[Any, LayoutLike]] = {}
-        self._dests: dict[str, tuple[torch.Tensor, _Dest]] = {}
+        self._dests: dict[str, tuple[torch.Tensor, Dest]] = {}
         self._scales: dict[str, torch.Tensor] = {}
         self._follow: dict[tuple[str, str], Bound] = {}
         self._coords: dict[str, list[int]] = {}  # DTensor sources: this process's coordinate in their mesh
@@ -276,7 +256,7 @@ class Refit:
         if name in self._sources:
             raise ValueError(f"Refit.add_source: {name!r} registered twice on rank {self.rank}")
         if aliases:
-            self._src_aliases[name] = _alias_names("add_source", name, aliases)
+            self._src_aliases[name] = alias_names("add_source", name, aliases)
         if layout is None:
             if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
                 raise ValueError(f"Refit.add_source: {name!r} is a plain tensor; pass its layout too")
@@ -401,8 +381,8 @@ class Refit:
                 raise ValueError(f"Refit.add_destination: {name!r}: aliases must be a list (one component) or a "
                                  f"mapping from its components {[g for g, _ in components]} to lists, got {aliases!r}")
             for g, names in per.items():
-                self._dst_aliases[g] = _alias_names("add_destination", g, names)
-        self._dests[name] = (tensor, _Dest(name, components))
+                self._dst_aliases[g] = alias_names("add_destination", g, names)
+        self._dests[name] = (tensor, Dest(name, components))
         self._follow[("destination", name)] = Bound(tensor)
         if scale is not None:
             self._scales[name] = scale
@@ -503,10 +483,10 @@ class Refit:
         t0 = time.perf_counter()
         for fn in self._before:
             fn()
-        srcs, dsts, scales, errors = self._resolve()
+        srcs, dsts, scales, errors = resolve(self)
         if first:
             errors = self._refusals + list(self._rebinds.values()) + errors
-            meta = self._exchange_metadata(srcs, dsts, scales, errors)
+            meta = exchange_metadata(self, srcs, dsts, scales, errors)
             # after the metadata, whose last rounds are broadcasts (a rank that sent the last table may be done
             # before the others received it): this all-rank round also brings every rank to `build` together, so a
             # refusal there is raised by each rank itself, not seen as a faster peer's fault in a wait
@@ -523,7 +503,7 @@ class Refit:
         if not first:
             # refused since the last run: raised by this one; a refused rebinding by every run until one fits
             errors, self._refusals = self._refusals + list(self._rebinds.values()) + errors, []
-            self._check_live(b, srcs, dsts, scales, errors)
+            check_live(self, b, srcs, dsts, scales, errors)
         if self.check_replicas:
             self._check_replicas(b, srcs)
         t0 = time.perf_counter()
@@ -587,225 +567,13 @@ class Refit:
             raise ValueError(f"Refit on rank {self.rank}: {len(errors)} replica mismatch(es), nothing was moved:\n  "
                              + "\n  ".join(errors))
 
-    # ---- live registrations (see reshard.refit._live) ------------------------------------------------------
-    def _resolve(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
-        """The local tensors to use now (sources, destinations, scales by name), and this rank's errors."""
-        errors: list[str] = []
-        srcs: dict[str, Any] = {}
-        for name, (obj, layout) in list(self._sources.items()):
-            path = self._paths.get(name)
-            if path is not None:
-                module, pname = path
-                try:
-                    now = module.get_parameter(pname)
-                except AttributeError as e:
-                    errors.append(f"source {name!r} on rank {self.rank}: its module no longer has parameter "
-                                  f"{pname!r} ({e})")
-                    continue
-                untied = self._untied(name, module, pname, now)
-                if untied:
-                    errors.append(untied)
-                    continue
-                if now is not obj:
-                    e = self._adopt(name, now, layout)
-                    if e:
-                        errors.append(e)
-                        continue
-                    obj = now
-            if name in self._coords:
-                srcs[name] = dtensor_local(obj)
-            else:
-                srcs[name] = self._current("source", name, obj, errors)
-                if srcs[name] is not obj:  # followed to new storage: keep the registration current
-                    self._sources[name] = (srcs[name], layout)
-        dsts = {n: self._current("destination", n, t, errors) for n, (t, _) in self._dests.items()}
-        scales = {n: self._current("scale of destination", n, t, errors) for n, t in self._scales.items()}
-        for n, (t, d) in list(self._dests.items()):
-            if dsts[n] is not t:  # followed to new storage: keep the registration current
-                self._dests[n] = (dsts[n], d)
-        self._scales.update(scales)
-        return srcs, dsts, scales, errors
-
-    def _current(self, kind: str, name: str, tensor: Any, errors: list[str]) -> Any:
-        """A registered plain tensor as it is now (followed to its view base's new storage), appending errors."""
-        bound = self._follow.get((kind, name))
-        if bound is None or bound.tensor is not tensor:  # not registered through add_* (set directly)
-            return tensor
-        now, e = bound.current(kind, name, self.rank)
-        if e:
-            errors.append(e)
-        return now
-
-    def _untied(self, name: str, module: torch.nn.Module, pname: str, now: Any) -> str | None:
-        """Why source `name`'s tied names (registered as its aliases) are no longer its parameter, or None."""
-        gone = []
-        for alias in self._module_ties.get(name, ()):
-            try:
-                other = module.get_parameter(alias)
-            except AttributeError:
-                other = None
-            if other is not now:
-                gone.append(alias)
-        if not gone:
-            return None
-        return (f"source {name!r} on rank {self.rank}: its module's parameters {gone} were tied to {pname!r} when "
-                f"registered (sent as its aliases) and are now parameters of their own (untied or removed): the "
-                "plan has no registration for their values, so nothing is sent rather than the tied values. Build a "
-                "new Refit for the module's new sharing (ReshardTrainer: trainer_init again, with the engine's "
-                "init_weight_transfer_engine)")
-
-    def _adopt(self, name: str, now: Any, layout: LayoutLike) -> str | None:
-        """Take `now`, the parameter that replaced source `name` in its module, if it fits its registration (the
-        same checks as `update_source`: see `reshard.refit._rebind`)."""
-        _, pname = self._paths[name]
-        e = rebind_error(name, now, layout, self._coords.get(name), self.rank, self._planned.get(("source", name)))
-        if e:
-            return (f"source {name!r} on rank {self.rank}: its module's parameter {pname!r} was replaced by one of "
-                    f"another layout or kind: {e}")
-        logger.debug("Refit: rank %d: source %r: its module's parameter %r was replaced; using the new one",
-                     self.rank, name, pname)
-        self._sources[name] = (now, layout)
-        if name not in self._coords:
-            self._follow[("source", name)] = Bound(now)
-        return None
-
-    def _check_live(self, b: Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
-                    errors: list[str]) -> None:
-        """Raise on every rank, before data moves, if any rank's tensors no longer fit the plan."""
-        errors = list(errors)
-        for kind, ts in (("source", srcs), ("destination", dsts), ("scale of destination", scales)):
-            for n, t in ts.items():
-                if not isinstance(t, torch.Tensor):
-                    errors.append(f"{kind} {n!r} on rank {self.rank}: expected a torch.Tensor, got "
-                                  f"{type(t).__name__}")
-                    continue
-                e = changed(kind, n, self.rank, self._planned[(kind, n)], geometry(t))
-                if e:
-                    errors.append(e)
-        if self.group.size > 1:
-            td = as_timedelta(self.timeout, default=self.group.timeout)
-            fp = self._agreed_fingerprint(b)
-            described = [("refit", f"{self.label} (identity {str(self.identity)[:12]})"),
-                         ("refit plan", b.plan.fingerprint)]
-            agree(self.group, list(range(self.group.size)), fp, errors, lambda: described, timeout=td,
-                  what="refit live check", failure="Refit: registered tensors changed since the plan was "
-                  "built, nothing was moved")
-        elif errors:
-            raise ValueError(f"Refit on rank {self.rank}: registered tensors changed, nothing was moved:\n  "
-                             + "\n  ".join(errors))
-
     def _agreed_fingerprint(self, b: Built) -> str:
         """What every later run's agreement compares: the plan and this refit's identity, so that two refits of
         the same plan run in a different order on some ranks do not agree."""
         return hashlib.sha256(f"{b.plan.fingerprint}|{self.identity}".encode()).hexdigest()[:32]
-
-    # ---- metadata --------------------------------------------------------------------------------------------
-    def _exchange_metadata(self, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
-                           errors: list[str]) -> list[dict]:
-        errors = list(errors)
-        for name, (_, layout) in self._sources.items():
-            coord = self._coords.get(name)
-            own = self.rank if coord is None else layout.mesh.ranks[flat_index(coord, layout.mesh.shape)]
-            if own not in layout.ranks:
-                errors.append(f"source {name!r}: rank {self.rank} registered it but is not in its layout's ranks")
-            elif name in srcs:
-                e = check_local(name, srcs[name], layout, own)
-                if e:
-                    errors.append("source " + e)
-        for name, (_, d) in self._dests.items():
-            lay = d.components[0][1]
-            if self.rank not in lay.ranks:
-                errors.append(f"destination {name!r}: rank {self.rank} registered it but is not in its layout's "
-                              "ranks")
-                continue
-            e = check_local(name, dsts[name], lay, self.rank)
-            if e:
-                errors.append("destination " + e)
-            errors.extend(_check_scale(name, d, scales.get(name), self.rank))
-        mine = registration(self.rank, {n: lay for n, (_, lay) in self._sources.items()}, self._coords,
-                            {n: d.components for n, (_, d) in self._dests.items()}, list(self._scales),
-                            {"sources": self._src_aliases, "dests": self._dst_aliases}, errors,
-                            [self.name, self._nonce])
-        metas = self._gather_registrations(mine)
-        names = {r: m["identity"][0] for r, m in enumerate(metas)}
-        if len(set(names.values())) > 1:
-            groups: dict[Any, list[int]] = {}
-            for r, n in names.items():
-                groups.setdefault(n, []).append(r)
-            raise ValueError(f"Refit on rank {self.rank}: ranks run different refits, nothing was moved: "
-                             + "; ".join(f"Refit {n!r} on ranks {rs}" for n, rs in groups.items())
-                             + " (call the refits of a group in the same order on every rank)")
-        self.identity = hashlib.sha256("|".join([str(self.name)] + [m["identity"][1] for m in metas])
-                                       .encode()).hexdigest()
-        return metas
-
-    def _gather_registrations(self, mine: dict) -> list[dict]:
-        """Every rank's `registration`, in rank order, in two rounds (see `reshard.refit._metawire`): every rank's
-        record (its own facts and its table's digest) all-gathered, then each distinct table broadcast once by the
-        lowest rank holding it. What a rank receives grows with the group only by the records (~150 bytes each)."""
-        td = as_timedelta(self.timeout, default=self.group.timeout)
-        what = "refit metadata exchange"
-        record, _, data = split_registration(mine)
-        records = all_gather_json(self.group, record, timeout=td, what=what)
-        for r, m in enumerate(records):
-            why = check_record(r, m)
-            if why:
-                raise CommError(f"{what}: {why}")
-        tables: dict[str, Any] = {}
-        for dg, (owner, size) in table_owners(records).items():
-            got = broadcast_bytes(self.group, data if owner == self.rank else None, root=owner, size=size,
-                                  timeout=td, what=f"{what} (table of rank {owner})")
-            if hashlib.sha256(got).hexdigest()[:DIGEST_CHARS] != dg:
-                raise CommError(f"{what}: rank {owner}'s registration table does not match its digest {dg}")
-            try:
-                tables[dg] = json.loads(got.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise CommError(f"{what}: rank {owner} sent a malformed registration table: {e}") from None
-        try:
-            metas = join_registrations(records, tables)
-        except ValueError as e:
-            raise CommError(str(e)) from None
-        for r, m in enumerate(metas):
-            if not (isinstance(m["sources"], dict) and isinstance(m["dests"], dict) and _aliases_ok(m["aliases"])
-                    and isinstance(m["scaled"], list)):
-                raise CommError(f"{what}: rank {r} sent malformed metadata: {str(m)[:200]}")
-        return metas
-
-def _aliases_ok(aliases: Any) -> bool:
-    """A peer's `aliases` field is `{"sources": {name: [alias, ...]}, "dests": {...}}` of strings."""
-    return (isinstance(aliases, dict) and set(aliases) == {"sources", "dests"}
-            and all(isinstance(side, dict) and all(isinstance(n, str) and isinstance(a, list)
-                                                    and all(isinstance(x, str) for x in a) for n, a in side.items())
-                    for side in aliases.values()))
 
 
 def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def _check_scale(name: str, d: _Dest, scale: torch.Tensor | None, rank: int) -> list[str]:
-    """Errors of this rank's scale tensor for destination `name` (FP8 block weights need one, others none)."""
-    lay = d.components[0][1]
-    if lay.dtype != FP8:
-        if scale is not None:
-            return [f"destination {name!r} on rank {rank}: a scale tensor was given, but the weight's dtype is "
-                    f"{lay.dtype}, not float8_e4m3fn"]
-        return []
-    if len(d.components) > 1:
-        return [f"destination {name!r}: fused FP8 block-quantized tensors are not supported; register each global "
-                "tensor on its own"]
-    if scale is None:
-        return [f"destination {name!r} on rank {rank}: FP8 weight registered without its scale tensor "
-                "(weight_scale_inv); pass scale=..."]
-    expected = tuple(scale_layout(lay, BLOCK).local_shape(rank))
-    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
-        return [f"destination {name!r} on rank {rank}: scale tensor of shape {tuple(scale.shape)} and dtype "
-                f"{scale.dtype}, expected {expected} and torch.float32 (one scale per 128x128 block the shard "
-                "touches)"]
-    return []
-
-
-def _alias_names(what: str, name: str, aliases: Any) -> tuple[str, ...]:
-    if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
-        raise ValueError(f"Refit.{what}: {name!r}: aliases must be a list of names, got {aliases!r}")
-    return tuple(a for a in aliases if a != name)

@@ -24,8 +24,7 @@ import torch
 
 from reshard.comm import Group
 from reshard.integrations.hf import model_facts
-from reshard.integrations.megatron import add_sources as add_megatron_sources
-from reshard.integrations.vllm._conv1d import conv1d_weights, transpose_weight
+from reshard.integrations.trainer import is_megatron, prepare_source, register_source
 from reshard.refit import NameMap, Refit, RefitReport
 
 try:  # vLLM's base classes, where vLLM is installed (the trainer may live in an environment without it)
@@ -169,12 +168,12 @@ class ReshardTrainer(_EngineBase):
         if not isinstance(init_info, ReshardTrainerInitInfo):
             raise TypeError(f"ReshardTrainer.trainer_init: init_info must be a ReshardTrainerInitInfo, got "
                             f"{type(init_info).__name__}")
-        megatron = _is_megatron(source)
+        megatron = is_megatron(source)
         cfg = config if config is not None else None if megatron else getattr(source, "config", None)
         early: Exception | None = None  # a mistake in the arguments: raised after the group forms, on every rank
         facts = None
         try:
-            weights, found = _prepare(source, megatron, transposed, ties, config)
+            weights, found = prepare_source(source, megatron, transposed, ties, config)
             facts = model_facts(cfg) if cfg is not None else None
         except (ValueError, TypeError) as e:
             early, weights, found = e, {}, {}
@@ -191,12 +190,7 @@ class ReshardTrainer(_EngineBase):
                           delta=init_info.delta)
             if facts is not None:
                 refit.declare_facts(facts, who="trainer (its config)")
-            if megatron:
-                vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(
-                    config, "vocab_size", None)
-                add_megatron_sources(refit, source, vocab_size=vocab)
-            else:
-                _register(refit, source, weights, found)
+            register_source(refit, source, weights, found, megatron, config)
         except Exception as e:
             _fail(group, init_info, e)
             raise
@@ -254,115 +248,6 @@ def _fail(group: Group, info: ReshardTrainerInitInfo, error: Exception) -> None:
     group.report_fault(group.rank, f"trainer rank {info.rank} (group rank {group.rank}): ReshardTrainer.trainer_init "
                                    f"failed: {type(error).__name__}: {error}")
     _FAILED[_key(info)] = group
-
-
-def _prepare(source: Any, megatron: bool, transposed: Sequence[str] | None,
-             ties: Mapping[str, Sequence[str]] | None, config: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """The weights to register (transposed where asked) and their ties (found, from `config`, from `ties`)."""
-    weights, found = ({}, {}) if megatron else _weights(source)
-    if transposed is None:
-        transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and not megatron else ()
-    for name in transposed:
-        if name not in weights:
-            raise ValueError(f"ReshardTrainer.trainer_init: transposed names {name!r}, which the source does not "
-                             "hold (under its first name)")
-        weights[name] = transpose_weight(name, weights[name])
-    found = _config_ties(weights, found, config if config is not None else getattr(source, "config", None))
-    for name, names in (ties or {}).items():
-        if name not in weights:
-            raise ValueError(f"ReshardTrainer.trainer_init: ties names {name!r}, which the source does not hold")
-        found.setdefault(name, [])
-        found[name] += [n for n in names if n not in found[name]]
-    return weights, found
-
-
-def _is_megatron(source: Any) -> bool:
-    """A Megatron-core `GPTModel` (maybe in Megatron's wrappers, or a list of chunks), not a name -> weight source."""
-    chunk = source[0] if isinstance(source, (list, tuple)) and source else source
-    while isinstance(chunk, torch.nn.Module) and not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return hasattr(chunk, "decoder") and hasattr(chunk, "sharded_state_dict")
-
-
-def _register(refit: Refit, source: Weights, weights: Mapping[str, Any], ties: Mapping[str, list[str]]) -> None:
-    """Register `source` with `refit`: a module through `Refit.add_module_sources`, which follows the module (a
-    replaced parameter is read at the next send, an untied one is refused naming it), with the ties the module
-    does not show itself (`ties=`, the config's); a mapping name by name, as given."""
-    if isinstance(source, torch.nn.Module):
-        held = {n for n, _ in source.named_parameters(remove_duplicate=False)}
-        extra = {n: [a for a in names if a not in held] for n, names in ties.items()}
-        refit.add_module_sources(source, ties={n: names for n, names in extra.items() if names})
-        return
-    for name, w in weights.items():
-        aliases = ties.get(name, ())
-        if isinstance(w, tuple):
-            refit.add_source(name, w[0], w[1], aliases=aliases)
-        else:
-            refit.add_source(name, w, aliases=aliases)
-
-
-def _weights(source: Weights | None) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """The weights to register (one name per tensor) and the ties found among them (name -> its other names)."""
-    if source is None:
-        raise ValueError("ReshardTrainer.trainer_init: pass source= (name -> DTensor or (local, Layout), or a "
-                         "module with DTensor parameters)")
-    if isinstance(source, torch.nn.Module):
-        entries = list(source.named_parameters(remove_duplicate=False))
-    elif isinstance(source, Mapping):
-        entries = list(source.items())
-    else:
-        raise TypeError(f"ReshardTrainer.trainer_init: source must be a mapping or a torch.nn.Module, got "
-                        f"{type(source).__name__}")
-    ties = find_ties(entries)
-    aliases = {a for names in ties.values() for a in names}
-    return {n: w for n, w in entries if n not in aliases}, ties
-
-
-def find_ties(entries: Sequence[tuple[str, Any]]) -> dict[str, list[str]]:
-    """Names that hold one tensor: first name -> the later ones.
-
-    Two entries are one tensor when they are the same object, or views of the same memory with the same shape,
-    strides, dtype (and layout, for `(local, Layout)`): a module's tied parameters (`named_parameters(
-    remove_duplicate=False)`), a `state_dict()`'s tied entries. Empty tensors are never ties (they share no memory).
-    """
-    first: dict[Any, str] = {}
-    ties: dict[str, list[str]] = {}
-    for name, w in entries:
-        key = _identity(w)
-        if key is None:
-            continue
-        if key in first:
-            ties.setdefault(first[key], []).append(name)
-        else:
-            first[key] = name
-    return ties
-
-
-def _identity(w: Any) -> Any:
-    layout = None
-    if isinstance(w, tuple) and len(w) == 2:
-        w, layout = w
-    if hasattr(w, "to_local") and hasattr(w, "placements"):  # a DTensor: its local tensor, mesh and placements
-        layout = (tuple(w.placements), tuple(w.device_mesh.mesh.flatten().tolist()), tuple(w.shape))
-        w = w._local_tensor
-    if not isinstance(w, torch.Tensor) or w.numel() == 0:
-        return None
-    return (w.device, w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype,
-            repr(layout))
-
-
-def _config_ties(weights: Mapping[str, Any], ties: dict[str, list[str]], config: Any) -> dict[str, list[str]]:
-    """With `tie_word_embeddings` in `config`, a source holding `...embed_tokens.weight` and no `lm_head.weight`
-    ties them (the usual HuggingFace names)."""
-    tied = config.get("tie_word_embeddings") if isinstance(config, Mapping) else getattr(
-        config, "tie_word_embeddings", None)
-    named = {a for names in ties.values() for a in names} | set(weights)
-    if not tied or "lm_head.weight" in named:
-        return ties
-    embeds = [n for n in weights if n.endswith("embed_tokens.weight")]
-    if len(embeds) == 1:
-        ties.setdefault(embeds[0], []).append("lm_head.weight")
-    return ties
 
 
 class _Background:
