@@ -74,9 +74,16 @@ def main() -> None:
                           reward_funcs=reward_distinct, train_dataset=Dataset.from_dict({"prompt": prompts}),
                           processing_class=AutoTokenizer.from_pretrained(args.model))
     trainer.train()
+    # the check: every trainer rank sent its own part of the weights at the last sync, and no rank sent them all (TRL's
+    # own sync gathers every weight and sends it from rank 0 alone); together they sent at least the whole model in the
+    # server's bfloat16 (the norms go to each of the server's TP workers)
     sync = trainer.vllm_generation.last_sync
+    sent = trainer.accelerator.gather(torch.tensor([sync.bytes_sent if sync else 0])).tolist()
+    model_bytes = 2 * sum(p.numel() for p in trainer.model.parameters())
+    assert min(sent) > 0 and sum(sent) >= model_bytes and max(sent) < model_bytes, (sent, model_bytes)
     if trainer.accelerator.is_main_process:
-        logging.info("last sync: %.3f s, %d bytes sent by trainer rank 0", sync.seconds, sync.bytes_sent)
+        print(f"trl_grpo verified: {args.steps} GRPO steps, bytes sent at the last sync per trainer rank {sent} "
+              f"(the model: {model_bytes} bytes in bfloat16)")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ EXPECTED = {
     "vllm_refit.py": r"^vllm_refit verified",
     "ray_refit.py": r"^ray_refit verified",
     "megatron_refit.py": r"^megatron_refit verified",
+    "trl_grpo.py": r"^trl_grpo verified",
 }
+# examples another test module runs, with what they need around them
+RUN_ELSEWHERE = {"trl_grpo.py": "tests/test_trl.py (under accelerate, against its module's `vllm serve` server)"}
 # examples that need an optional package; the vLLM one runs in `make test-vllm`'s environment (marker `vllm`), the
 # Ray one in the same environment with Ray added (`make test-frameworks`, marker `frameworks`)
 NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm", "ray_refit.py": "vllm",
@@ -99,8 +102,9 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
     return [pytest.mark.vllm] if NEEDS.get(name) == "vllm" else []
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p.name)) for p in EXAMPLES],
-                         ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p.name)) for p in EXAMPLES
+                                  if p.name not in RUN_ELSEWHERE],
+                         ids=[p.name for p in EXAMPLES if p.name not in RUN_ELSEWHERE])
 def test_example_runs_and_verifies(path: Path, tmp_path: Path) -> None:
     for need in filter(None, (NEEDS.get(path.name), FRAMEWORKS.get(path.name))):
         pytest.importorskip(need, reason=f"{path.name} needs {need}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -74,6 +75,23 @@ def launch(server: dict, out: str, steps: int) -> subprocess.CompletedProcess:
            "--out", out, "--steps", str(steps), "--timeout", "120"]
     env = dict(os.environ, PYTHONPATH=tc.ROOT, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_example_trl_grpo_runs_and_verifies(server) -> None:
+    """`examples/trl_grpo.py` as its docstring says to run it (`accelerate launch --multi_gpu --num_processes 2`),
+    against the module's server: it checks its own sync (every trainer rank sent part of the model, none all of it)
+    and prints the line `tests/test_examples.py` expects of it. First in the module: the server is still as started."""
+    from test_examples import EXPECTED
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(tc.free_port()), os.path.join(tc.ROOT, "examples", "trl_grpo.py"),
+           "--model", server["model"], "--url", server["server"].url, "--steps", "2",
+           "--out", str(server["root"] / "example")]
+    run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=tc.ROOT, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert re.search(EXPECTED["trl_grpo.py"], run.stdout, re.M), run.stdout[-3000:]
 
 
 def test_grpo_steps_sync_every_rank_its_shards(server) -> None:
