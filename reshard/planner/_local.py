@@ -120,6 +120,7 @@ class _SrcIndex:
             self.near.append(by)
         self.index = BoxIndex(self.boxes)
         self.ranks = frozenset(src.ranks)
+        self.domains = frozenset(d for by in self.near for d in by)
 
 
 class _DstIndex:
@@ -162,18 +163,31 @@ class _Geometry:
         self.itemsize = itemsize
         self.cap_numel = cap_numel
         self._needs: dict[int, list[_Need]] = {}
+        self._shared: dict[tuple, list[_Need]] = {}
+        self._by_gid: dict[int, dict[int, list[_Need]]] = {}  # by id of a list in `_shared` (kept alive there)
+        self._hits: dict[int, list[int]] = {}
         self._atoms: dict[tuple[Hashable, int], list[tuple[Box, list[tuple[int, Delta]]]]] = {}
         self._direct: dict[tuple[Hashable, int], list[tuple[Box, list[tuple[int, Delta]]]]] = {}
 
     def needs(self, q: int) -> list[_Need]:
-        """What destination rank `q` needs, cut by source groups (as `plan_many`'s recipe cuts it)."""
+        """What destination rank `q` needs, cut by source groups (as `plan_many`'s recipe cuts it). Ranks with the
+        same pieces on both sides, in domains alike for the source (replicas of one shard), share one list."""
         out = self._needs.get(q)
         if out is not None:
             return out
-        out = self._needs[q] = []
-        src = self.src
         dom = self.topology.domain(q)
-        own = self.src_layout.pieces(q) if q in src.ranks else ()
+        own = tuple(self.src_layout.pieces(q)) if q in self.src.ranks else ()
+        key = (tuple((p.global_box, p.local_box) for p in self.dst_layout.pieces(q)),
+               tuple((p.global_box, p.local_box) for p in own), dom if dom in self.src.domains else None)
+        out = self._shared.get(key)
+        if out is None:
+            out = self._shared[key] = self._cut(q, dom, own)
+        self._needs[q] = out
+        return out
+
+    def _cut(self, q: int, dom: Hashable, own: Sequence[Any]) -> list[_Need]:
+        out: list[_Need] = []
+        src = self.src
         for piece in self.dst_layout.pieces(q):
             gbox = piece.global_box
             d_delta = _delta(gbox, piece.local_box)
@@ -193,29 +207,44 @@ class _Geometry:
                     out.append(_Need(kind, gid, x, d_delta, ()))
         return out
 
+    def _meets(self, gid: int) -> list[int]:
+        """The destination's distinct boxes that meet group `gid` (indices), cached."""
+        out = self._hits.get(gid)
+        if out is None:
+            g = self.src.boxes[gid]
+            boxes = self.dst.boxes
+            out = self._hits[gid] = [k for k in self.dst.index.query(g) if intersect(boxes[k], g) is not None]
+        return out
+
     def candidates(self, dom: Hashable, gid: int) -> list[int]:
         """Destination ranks of domain `dom` whose pieces meet group `gid`, ascending."""
-        g = self.src.boxes[gid]
         out: set[int] = set()
-        for k in self.dst.index.query(g):
-            if intersect(self.dst.boxes[k], g) is not None:
-                out.update(self.dst.ranks_by_domain[k].get(dom, ()))
+        for k in self._meets(gid):
+            out.update(self.dst.ranks_by_domain[k].get(dom, ()))
         return sorted(out)
 
     def domains_of(self, gid: int) -> list[Hashable]:
         """The destination domains with a rank whose pieces meet group `gid`."""
-        g = self.src.boxes[gid]
         out: set[Hashable] = set()
-        for k in self.dst.index.query(g):
-            if intersect(self.dst.boxes[k], g) is not None:
-                out.update(self.dst.ranks_by_domain[k])
+        for k in self._meets(gid):
+            out.update(self.dst.ranks_by_domain[k])
         return sorted(out, key=repr)
+
+    def needs_of(self, q: int, gid: int) -> list[_Need]:
+        """`needs(q)` of group `gid` only (indexed by group once per rank)."""
+        needs = self.needs(q)
+        by = self._by_gid.get(id(needs))
+        if by is None:
+            by = self._by_gid[id(needs)] = {}
+            for n in needs:
+                by.setdefault(n.gid, []).append(n)
+        return by.get(gid, [])
 
     def _net_needs(self, dom: Hashable, gid: int) -> dict[Box, list[tuple[int, Delta]]]:
         needs: dict[Box, list[tuple[int, Delta]]] = {}
         for q in self.candidates(dom, gid):
-            for n in self.needs(q):
-                if n.kind == "network" and n.gid == gid:
+            for n in self.needs_of(q, gid):
+                if n.kind == "network":
                     needs.setdefault(n.box, []).append((q, n.delta))
         return needs
 
@@ -286,18 +315,19 @@ def _network(geo: _Geometry, item: int, dom: Hashable, gid: int, relay: bool, em
                     em.add(h, q, item, _translate(part, hd), _translate(part, qd), part, part.numel * size,
                            "network", 0)
         return
+    me = em.rank
     for atom, needers in geo.atoms(dom, gid):
+        mine = [(q, qd) for q, qd in needers if q == me]
         for part in geo.parts(atom):
             u = item + gid + j
             j += 1
             r, rd = needers[u % len(needers)]
             h, hd = holders[(u + o) % len(holders)]
             nbytes = part.numel * size
-            em.add(h, r, item, _translate(part, hd), _translate(part, rd), part, nbytes, "network", 0)
-            if em.rank != r and all(q != em.rank for q, _ in needers):
-                continue
             rbox = _translate(part, rd)
-            for q, qd in needers:
+            if me in (h, r):
+                em.add(h, r, item, _translate(part, hd), rbox, part, nbytes, "network", 0)
+            for q, qd in (needers if me == r else mine):  # the relay forwards to all; a needer sees its own
                 if (q, qd) != (r, rd):
                     em.add(r, q, item, rbox, _translate(part, qd), part, nbytes, "local" if q == r else "nvlink", 1)
 
@@ -334,8 +364,8 @@ def _rank_item(geo: _Geometry, item: int, rank: int, relay: bool, em: _Emitter) 
                     for q in geo.candidates(d, gid):
                         if q == rank:
                             continue
-                        for n in geo.needs(q):
-                            if n.kind == "nvlink" and n.gid == gid:
+                        for n in geo.needs_of(q, gid):
+                            if n.kind == "nvlink":
                                 _nvlink(geo, item, q, n, em)
                 elif not geo.src.near[gid].get(d):
                     _network(geo, item, d, gid, relay, em)
