@@ -51,6 +51,8 @@ def check_local_plan(items, topology, relay: bool = True, staging: int = 1 << 20
              for i, it in enumerate(items)]
     ranks = sorted({r for it in items for r in (*it.src.ranks, *it.dst.ranks)})
     parts = _parts(items, topology, relay, staging, ranks)
+    for r, part in parts.items():
+        assert len(set(part.transfers)) == len(part.transfers), f"rank {r} lists a transfer twice"
     # (a) what r says it sends to s is what s says it receives from r
     for r, part in parts.items():
         for t in part.transfers:

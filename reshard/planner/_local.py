@@ -92,6 +92,9 @@ class RankPart:
         return out
 
 
+_new_transfer = tuple.__new__  # a LocalTransfer without NamedTuple argument parsing (hot)
+
+
 def _translate(box: Box, delta: Delta) -> Box:
     return Box._make(tuple(map(operator.add, box.offsets, delta)), box.shape)
 
@@ -156,7 +159,8 @@ class _Geometry:
     lazily and kept."""
 
     def __init__(self, src: _SrcIndex, dst: _DstIndex, dst_layout: Any, src_layout: Any, topology: Topology,
-                 itemsize: int, cap_numel: int) -> None:
+                 itemsize: int, cap_numel: int, rank: int) -> None:
+        self.rank = rank  # whose part is planned
         self.src, self.dst = src, dst
         self.dst_layout, self.src_layout = dst_layout, src_layout
         self.topology = topology
@@ -168,6 +172,7 @@ class _Geometry:
         self._hits: dict[int, list[int]] = {}
         self._atoms: dict[tuple[Hashable, int], list[tuple[Box, list[tuple[int, Delta]]]]] = {}
         self._direct: dict[tuple[Hashable, int], list[tuple[Box, list[tuple[int, Delta]]]]] = {}
+        self._spans: dict[tuple[Hashable, int], list[tuple[Box, int, list[int], list[Box], list[int]]]] = {}
 
     def needs(self, q: int) -> list[_Need]:
         """What destination rank `q` needs, cut by source groups (as `plan_many`'s recipe cuts it). Ranks with the
@@ -282,21 +287,38 @@ class _Geometry:
         self._atoms[key] = atoms
         return atoms
 
+    def spans(self, dom: Hashable, gid: int) -> list[tuple[Box, int, list[int], list[Box], list[int]]]:
+        """With relays: every part of `atoms(dom, gid)` in order, as `(box, nbytes, needer ranks, the box in each
+        needer's tensor, the indices of this plan's rank among the needers)`: translated once per geometry, not
+        per item."""
+        key = (dom, gid)
+        out = self._spans.get(key)
+        if out is None:
+            out = self._spans[key] = []
+            for atom, needers in self.atoms(dom, gid):
+                ranks = [q for q, _ in needers]
+                mine = [i for i, q in enumerate(ranks) if q == self.rank]
+                for part in self.parts(atom):
+                    out.append((part, part.numel * self.itemsize, ranks, [_translate(part, qd) for _, qd in needers],
+                                mine))
+        return out
+
     def parts(self, box: Box) -> list[Box]:
         return split_to_fit(box, self.cap_numel) if box.numel > self.cap_numel else [box]
 
 
 class _Emitter:
-    """Collects rank `rank`'s transfers of one item, each once."""
+    """Collects rank `rank`'s transfers; each is emitted once by construction (a (domain, group) need is visited
+    once per item, from the destination side for the rank's own domain and from the holder side for the others)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.out: set[LocalTransfer] = set()
+        self.out: list[LocalTransfer] = []
 
     def add(self, src: int, dst: int, item: int, src_box: Box, dst_box: Box, gbox: Box, nbytes: int, link: Link,
             stage: int) -> None:
         if self.rank in (src, dst):
-            self.out.add(LocalTransfer(src, dst, item, src_box, dst_box, gbox, nbytes, link, stage))
+            self.out.append(_new_transfer(LocalTransfer, (src, dst, item, src_box, dst_box, gbox, nbytes, link, stage)))
 
 
 def _network(geo: _Geometry, item: int, dom: Hashable, gid: int, relay: bool, em: _Emitter) -> None:
@@ -316,20 +338,18 @@ def _network(geo: _Geometry, item: int, dom: Hashable, gid: int, relay: bool, em
                            "network", 0)
         return
     me = em.rank
-    for atom, needers in geo.atoms(dom, gid):
-        mine = [(q, qd) for q, qd in needers if q == me]
-        for part in geo.parts(atom):
-            u = item + gid + j
-            j += 1
-            r, rd = needers[u % len(needers)]
-            h, hd = holders[(u + o) % len(holders)]
-            nbytes = part.numel * size
-            rbox = _translate(part, rd)
-            if me in (h, r):
-                em.add(h, r, item, _translate(part, hd), rbox, part, nbytes, "network", 0)
-            for q, qd in (needers if me == r else mine):  # the relay forwards to all; a needer sees its own
-                if (q, qd) != (r, rd):
-                    em.add(r, q, item, rbox, _translate(part, qd), part, nbytes, "local" if q == r else "nvlink", 1)
+    for k, (box, nbytes, needers, dst_boxes, mine) in enumerate(geo.spans(dom, gid)):
+        u = item + gid + k
+        n = u % len(needers)
+        r = needers[n]
+        h, hd = holders[(u + o) % len(holders)]
+        rbox = dst_boxes[n]
+        if me == h or me == r:
+            em.add(h, r, item, _translate(box, hd), rbox, box, nbytes, "network", 0)
+        for i in (range(len(needers)) if me == r else mine):  # the relay forwards to all; a needer sees its own
+            if i != n:
+                q = needers[i]
+                em.add(r, q, item, rbox, dst_boxes[i], box, nbytes, "local" if q == r else "nvlink", 1)
 
 
 def _nvlink(geo: _Geometry, item: int, q: int, need: _Need, em: _Emitter) -> None:
@@ -418,7 +438,8 @@ def plan_rank(items: Iterable[Any], topology: Topology | None, rank: int, *, rel
             if size > cap:
                 raise ValueError(f"tensor {it.label!r}: staging_bytes={staging_bytes} cannot hold one element of "
                                  f"{it.dst.dtype} {PIPELINE_DEPTH} times")
-            geo = geos[(sg, dg)] = _Geometry(srcs[sg], dsts[dg], it.dst, it.src, topology, size, max(1, cap // size))
+            geo = geos[(sg, dg)] = _Geometry(srcs[sg], dsts[dg], it.dst, it.src, topology, size, max(1, cap // size),
+                                                rank)
         _rank_item(geo, i, rank, relay, em)
     return RankPart(rank, tuple(sorted(em.out, key=lambda t: (t.item, t.stage, t.src, t.dst, t.global_box.offsets,
                                                               t.dst_box.offsets, t.src_box.offsets))))
