@@ -5,6 +5,7 @@ Usage:
                                [--no-plan]
     python perf/bench_scale.py --control 2 4 8 [--rounds 30]
     python perf/bench_scale.py --profile kimi-k2 256
+    python perf/bench_scale.py --balance deepseek-v3 "train=pp2,ep8,gpus16 gen=tp8,dp2 domain=8"
 
 Layouts come from `reshard.sim.model_layouts` (Megatron-style PP x EP trainer -> vLLM-style TP8 replicas, 72-GPU
 NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model, GPUs per side, method):
@@ -210,6 +211,31 @@ def local_plan_row(model: str, gpus: int) -> dict[str, object]:
     return row
 
 
+def balance(model: str, spec: str) -> None:
+    """Every rank's `plan_rank` part next to `plan_many` on a cluster small enough for the global plan: network
+    bytes against its lower bound, and the busiest sender's and receiver's bytes against the global plan's."""
+    from collections import defaultdict
+
+    system = System.parse(spec)
+    items = plan_items(model_layouts(get_preset(model), system))
+    topology = Topology(domain_size=system.domain_size)
+    s = plan_many(items, topology).stats
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    net = 0
+    for r in sorted({r for it in items for r in (*it.src.ranks, *it.dst.ranks)}):
+        for t in plan_rank(items, topology, r).transfers:
+            if t.src == r and t.dst != r:
+                send[r] += t.nbytes
+                net += t.nbytes if t.link == "network" else 0
+            if t.dst == r and t.src != r:
+                recv[r] += t.nbytes
+    print(f"{model} {spec}: network {format_bytes(net)} local plans, {format_bytes(s.network_bytes)} global "
+          f"(lower bound {format_bytes(s.network_lower_bound)}); busiest sender {format_bytes(max(send.values()))} "
+          f"local, {format_bytes(s.max_rank_send_bytes)} global (mean {format_bytes(int(s.mean_rank_send_bytes))}); "
+          f"busiest receiver {format_bytes(max(recv.values()))} local, {format_bytes(s.max_rank_recv_bytes)} global")
+
+
 def _control_job(w, rounds: int) -> dict[str, float]:
     """On every rank of a pool: median seconds of the plan agreement (`agree`, a star rooted at rank 0) and of the
     metadata round's record all-gather and one table broadcast, over `rounds` rounds each."""
@@ -301,12 +327,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30, help="rounds per control measurement")
     ap.add_argument("--profile", nargs=2, metavar=("MODEL", "GPUS"),
                     help="instead: cProfile today's whole-model plan (the 15 costliest functions, cumulative)")
+    ap.add_argument("--balance", nargs=2, metavar=("MODEL", "SYSTEM"),
+                    help="instead: every rank's plan_rank part against plan_many on a small cluster (bytes, balance)")
     ap.add_argument("--no-local-plan", action="store_true", help="skip the rank-local plans (plan_rank)")
     ap.add_argument("--plan-child", nargs=2, metavar=("MODEL", "GPUS"), help=argparse.SUPPRESS)
     ap.add_argument("--local-child", nargs=3, metavar=("MODEL", "GPUS", "RANK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_child:
         plan_child(args.plan_child[0], int(args.plan_child[1]))
+        return
+    if args.balance:
+        balance(*args.balance)
         return
     if args.local_child:
         local_child(args.local_child[0], int(args.local_child[1]), int(args.local_child[2]))
