@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
+
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from reshard.planner._box import Box, intersect, split_to_fit, subtract
 from reshard.planner._index import BoxIndex
 from reshard.planner._item import PlanItem
-from reshard.planner._layout import _geometry_id
+from reshard.planner._layout import Layout, _geometry_id
 from reshard.planner._plan import _as_items
 from reshard.planner._topology import Topology
 from reshard.planner._types import PIPELINE_DEPTH, Link
@@ -103,14 +106,37 @@ def _delta(global_box: Box, local_box: Box) -> Delta:
     return tuple(map(operator.sub, local_box.offsets, global_box.offsets))
 
 
+def _pieces_of(layout: Any) -> Callable[[int], tuple[Any, ...]]:
+    """`layout.pieces`, computed once per distinct shard coordinate for a DTensor `Layout` (ranks that differ only
+    on replicated mesh axes hold the same pieces), so indexing a layout costs a dict lookup per rank."""
+    if type(layout) is not Layout:
+        return layout.pieces
+    axes = [a for a, p in enumerate(layout.placements) if isinstance(p, (Shard, _StridedShard))]
+    coordinate = layout.mesh.coordinate
+    cache: dict[tuple[int, ...], tuple[Any, ...]] = {}
+
+    def pieces(rank: int) -> tuple[Any, ...]:
+        c = coordinate(rank)
+        if c is None:
+            return ()
+        key = tuple(c[a] for a in axes)
+        out = cache.get(key)
+        if out is None:
+            out = cache[key] = layout.pieces(rank)
+        return out
+
+    return pieces
+
+
 class _SrcIndex:
     """A source layout's distinct global boxes (groups, sorted), their holders `(rank, delta)` ascending, and the
     holders per domain: built once per distinct layout, O(its pieces)."""
 
     def __init__(self, src: Any, topology: Topology) -> None:
         holders: dict[Box, list[tuple[int, Delta]]] = {}
+        self.pieces = _pieces_of(src)
         for r in sorted(src.ranks):
-            for p in src.pieces(r):
+            for p in self.pieces(r):
                 holders.setdefault(p.global_box, []).append((r, _delta(p.global_box, p.local_box)))
         self.boxes = sorted(holders, key=lambda b: (b.offsets, b.shape))
         self.gid = {b: i for i, b in enumerate(self.boxes)}
@@ -133,10 +159,11 @@ class _DstIndex:
     def __init__(self, dst: Any, topology: Topology) -> None:
         by_box: dict[Box, dict[Hashable, list[int]]] = {}
         domains: set[Hashable] = set()
+        self.pieces = _pieces_of(dst)
         for r in sorted(dst.ranks):
             d = topology.domain(r)
             domains.add(d)
-            for p in dst.pieces(r):
+            for p in self.pieces(r):
                 lst = by_box.setdefault(p.global_box, {}).setdefault(d, [])
                 if not lst or lst[-1] != r:
                     lst.append(r)
@@ -181,8 +208,8 @@ class _Geometry:
         if out is not None:
             return out
         dom = self.topology.domain(q)
-        own = tuple(self.src_layout.pieces(q)) if q in self.src.ranks else ()
-        key = (tuple((p.global_box, p.local_box) for p in self.dst_layout.pieces(q)),
+        own = tuple(self.src.pieces(q)) if q in self.src.ranks else ()
+        key = (tuple((p.global_box, p.local_box) for p in self.dst.pieces(q)),
                tuple((p.global_box, p.local_box) for p in own), dom if dom in self.src.domains else None)
         out = self._shared.get(key)
         if out is None:
@@ -193,7 +220,7 @@ class _Geometry:
     def _cut(self, q: int, dom: Hashable, own: Sequence[Any]) -> list[_Need]:
         out: list[_Need] = []
         src = self.src
-        for piece in self.dst_layout.pieces(q):
+        for piece in self.dst.pieces(q):
             gbox = piece.global_box
             d_delta = _delta(gbox, piece.local_box)
             remaining = [gbox]
@@ -377,7 +404,7 @@ def _rank_item(geo: _Geometry, item: int, rank: int, relay: bool, em: _Emitter) 
         for gid in sorted(net_gids):
             _network(geo, item, dom, gid, relay, em)
     if rank in geo.src.ranks:  # as a holder: NVLink to its own domain, the network to the others
-        gids = sorted({geo.src.gid[p.global_box] for p in geo.src_layout.pieces(rank)})
+        gids = sorted({geo.src.gid[p.global_box] for p in geo.src.pieces(rank)})
         for gid in gids:
             for d in geo.domains_of(gid):
                 if d == dom:
