@@ -5,6 +5,7 @@ Usage:
                                [--no-plan]
     python perf/bench_scale.py --control 2 4 8 [--rounds 30]
     python perf/bench_scale.py --profile kimi-k2 256
+    python perf/bench_scale.py --balance deepseek-v3 "train=pp2,ep8,gpus16 gen=tp8,dp2 domain=8"
 
 Layouts come from `reshard.sim.model_layouts` (Megatron-style PP x EP trainer -> vLLM-style TP8 replicas, 72-GPU
 NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model, GPUs per side, method):
@@ -18,8 +19,12 @@ NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model,
   merge that `build` runs next (`source_layouts`).
 - plan: `plan_many` of the whole model, as every rank runs it today, in a child process: wall time and peak RSS
   (`ru_maxrss`; the child's RSS after imports and layouts is `baseline_bytes`). A plan over `PlanLimits` is
-  refused; the row then says after how long and at what peak (`plan_refused_after_s`, `plan_error`). The planner
-  has no rank-local method yet, so the `local` rows leave the plan columns empty.
+  refused; the row then says after how long and at what peak (`plan_refused_after_s`, `plan_error`).
+- local plan (`local` rows): `plan_rank` of one rank, each sampled rank in a child process of its own (`SAMPLE`:
+  first, middle and last trainer and engine ranks): cold wall time, peak RSS (`ru_maxrss`, with the child's
+  `baseline_bytes` after imports and layouts) and the allocations' peak of a second, warm call (`tracemalloc`,
+  `plan_alloc_peak_bytes`). The row's plan columns are the busiest sampled rank's (most bytes sent + received,
+  `busiest_rank`), the `typical_*` columns the sampled rank of median bytes.
 
 Writes `bench_scale.csv` (machine, versions, configuration per row) and `bench_scale.png`. With `--control`, instead
 times the control rounds on a few real gloo ranks of this machine (`control.csv`): the plan agreement (a star at
@@ -46,7 +51,7 @@ from _common import machine_info, python_speed_ms, write_csv  # noqa: E402
 
 from reshard.comm._wire import encode  # noqa: E402
 from reshard.models import get_preset  # noqa: E402
-from reshard.planner import Topology, format_bytes, plan_many  # noqa: E402
+from reshard.planner import Topology, format_bytes, plan_many, plan_rank  # noqa: E402
 from reshard.refit._metawire import join_registrations, registration, split_registration, table_owners  # noqa: E402
 from reshard.refit._sources import source_layouts  # noqa: E402
 from reshard.sim import System, model_layouts, plan_items  # noqa: E402
@@ -156,6 +161,81 @@ def plan_child(model: str, gpus: int) -> None:
                       "network_lower_bound": s.network_lower_bound, "nvlink_bytes": s.nvlink_bytes}))
 
 
+def local_child(model: str, gpus: int, rank: int) -> None:
+    """Child process: rank `rank`'s part of the plan (`plan_rank`), as that rank alone computes it; prints JSON."""
+    system = System.parse(SYSTEMS[gpus])
+    items = plan_items(model_layouts(get_preset(model), system))
+    topology = Topology(domain_size=system.domain_size)
+    baseline = _peak_bytes()
+    t0 = time.perf_counter()
+    part = plan_rank(items, topology, rank)
+    seconds = time.perf_counter() - t0
+    peak = _peak_bytes()
+    del part
+    tracemalloc.start()
+    part = plan_rank(items, topology, rank)
+    alloc_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    sent, recv = part.bytes_by_link("send"), part.bytes_by_link("recv")
+    print(json.dumps({"rank": rank, "plan_seconds": round(seconds, 3), "peak_bytes": peak, "baseline_bytes": baseline,
+                      "plan_alloc_peak_bytes": alloc_peak, "transfers": len(part.transfers),
+                      "send_bytes": sent["network"] + sent["nvlink"], "recv_bytes": recv["network"] + recv["nvlink"]}))
+
+
+def sample_ranks(model: str, gpus: int) -> list[int]:
+    """`SAMPLE`: the first, middle and last rank of the trainer and of the engine."""
+    items = plan_items(model_layouts(get_preset(model), System.parse(SYSTEMS[gpus])))
+    out: list[int] = []
+    for side in ("src", "dst"):
+        ranks = sorted({r for it in items for r in getattr(it, side).ranks})
+        out += [ranks[0], ranks[len(ranks) // 2], ranks[-1]]
+    return out
+
+
+def local_plan_row(model: str, gpus: int) -> dict[str, object]:
+    """The `local` row's plan columns: every sampled rank in a child of its own; the busiest and the typical one."""
+    res = []
+    for r in sample_ranks(model, gpus):
+        out = subprocess.run([sys.executable, __file__, "--local-child", model, str(gpus), str(r)],
+                             capture_output=True, text=True, check=True)
+        res.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    res.sort(key=lambda x: x["send_bytes"] + x["recv_bytes"])
+    busiest, typical = res[-1], res[len(res) // 2]
+    row: dict[str, object] = {"sampled_ranks": " ".join(str(x["rank"]) for x in res), "busiest_rank": busiest["rank"]}
+    for k in ("plan_seconds", "peak_bytes", "baseline_bytes", "plan_alloc_peak_bytes", "transfers", "send_bytes",
+              "recv_bytes"):
+        row[k] = busiest[k]
+        row[f"typical_{k}"] = typical[k]
+    row["typical_rank"] = typical["rank"]
+    row["max_sampled_plan_seconds"] = max(x["plan_seconds"] for x in res)
+    return row
+
+
+def balance(model: str, spec: str) -> None:
+    """Every rank's `plan_rank` part next to `plan_many` on a cluster small enough for the global plan: network
+    bytes against its lower bound, and the busiest sender's and receiver's bytes against the global plan's."""
+    from collections import defaultdict
+
+    system = System.parse(spec)
+    items = plan_items(model_layouts(get_preset(model), system))
+    topology = Topology(domain_size=system.domain_size)
+    s = plan_many(items, topology).stats
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    net = 0
+    for r in sorted({r for it in items for r in (*it.src.ranks, *it.dst.ranks)}):
+        for t in plan_rank(items, topology, r).transfers:
+            if t.src == r and t.dst != r:
+                send[r] += t.nbytes
+                net += t.nbytes if t.link == "network" else 0
+            if t.dst == r and t.src != r:
+                recv[r] += t.nbytes
+    print(f"{model} {spec}: network {format_bytes(net)} local plans, {format_bytes(s.network_bytes)} global "
+          f"(lower bound {format_bytes(s.network_lower_bound)}); busiest sender {format_bytes(max(send.values()))} "
+          f"local, {format_bytes(s.max_rank_send_bytes)} global (mean {format_bytes(int(s.mean_rank_send_bytes))}); "
+          f"busiest receiver {format_bytes(max(recv.values()))} local, {format_bytes(s.max_rank_recv_bytes)} global")
+
+
 def _control_job(w, rounds: int) -> dict[str, float]:
     """On every rank of a pool: median seconds of the plan agreement (`agree`, a star rooted at rank 0) and of the
     metadata round's record all-gather and one table broadcast, over `rounds` rounds each."""
@@ -247,10 +327,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30, help="rounds per control measurement")
     ap.add_argument("--profile", nargs=2, metavar=("MODEL", "GPUS"),
                     help="instead: cProfile today's whole-model plan (the 15 costliest functions, cumulative)")
+    ap.add_argument("--balance", nargs=2, metavar=("MODEL", "SYSTEM"),
+                    help="instead: every rank's plan_rank part against plan_many on a small cluster (bytes, balance)")
+    ap.add_argument("--no-local-plan", action="store_true", help="skip the rank-local plans (plan_rank)")
     ap.add_argument("--plan-child", nargs=2, metavar=("MODEL", "GPUS"), help=argparse.SUPPRESS)
+    ap.add_argument("--local-child", nargs=3, metavar=("MODEL", "GPUS", "RANK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plan_child:
         plan_child(args.plan_child[0], int(args.plan_child[1]))
+        return
+    if args.balance:
+        balance(*args.balance)
+        return
+    if args.local_child:
+        local_child(args.local_child[0], int(args.local_child[1]), int(args.local_child[2]))
         return
     if args.profile:
         import cProfile
@@ -276,11 +366,18 @@ def main() -> None:
                 out = subprocess.run([sys.executable, __file__, "--plan-child", model, str(gpus)], capture_output=True,
                                      text=True, check=True)
                 meta[0].update(json.loads(out.stdout.strip().splitlines()[-1]))
+            if not args.no_local_plan:
+                meta[1].update(local_plan_row(model, gpus))
             for row in meta:
                 rows.append({**row, **info})
                 plan = ""
                 if row.get("plan_seconds") not in (None, ""):
                     plan = f", plan {row['plan_seconds']} s, peak {format_bytes(int(row['peak_bytes']))}"
+                    if row.get("busiest_rank") is not None:
+                        plan += (f" (busiest sampled rank {row['busiest_rank']}, baseline "
+                                 f"{format_bytes(int(row['baseline_bytes']))}, plan allocations "
+                                 f"{format_bytes(int(row['plan_alloc_peak_bytes']))}; typical rank "
+                                 f"{row['typical_rank']}: {row['typical_plan_seconds']} s)")
                 elif row.get("plan_error"):
                     plan = (f", plan refused after {row['plan_refused_after_s']} s at peak "
                             f"{format_bytes(int(row['peak_bytes']))}: {row['plan_error'][:60]}")

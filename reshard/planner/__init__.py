@@ -18,6 +18,8 @@ Exports:
     Topology: ranks -> NVLink domains.
     plan, plan_many, PlanItem, Plan, PlanData, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES:
         planning; `Plan` validates the `PlanData` it is built from; `PlanLimits` bounds what a plan may cost.
+    plan_rank, RankPart, LocalTransfer: rank-local planning: one rank's part (what it sends, receives, forwards)
+        computed from the layouts, topology and rank alone, each end of a transfer computing the same one.
     PIPELINE_DEPTH, RELAY_CHUNK_LAG: chunks in flight, the contract between planner and executor, and the relay
         lag derived from it.
     Transfer, Message, BoxList, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; a rank's program
@@ -44,6 +46,7 @@ from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_paral
 from reshard.planner._format import format_bytes, format_stats
 from reshard.planner._fp8 import FP8, Fp8Items
 from reshard.planner._layout import Layout, Piece, placement_str
+from reshard.planner._local import LocalTransfer, RankPart, plan_rank
 from reshard.planner._mesh import Mesh, flat_index
 from reshard.planner._notation import parse_layout
 from reshard.planner._plan import (
@@ -84,6 +87,7 @@ __all__ = [
     "ExplicitLayout",
     "Fp8Items",
     "Layout",
+    "LocalTransfer",
     "Mesh",
     "Message",
     "Piece",
@@ -94,6 +98,7 @@ __all__ = [
     "PlanStats",
     "RankBytes",
     "RankChunk",
+    "RankPart",
     "RankPlan",
     "Topology",
     "Transfer",
@@ -118,6 +123,7 @@ __all__ = [
     "placement_str",
     "plan",
     "plan_many",
+    "plan_rank",
     "relabel",
     "scale_box",
     "scale_layout",
