@@ -131,15 +131,18 @@ def test_every_planner_cache_is_bounded_and_cleared(monkeypatch: pytest.MonkeyPa
     """Every cache holds its documented bound; filled past a bound it stops there, not past it, and
     `clear_plan_cache()` empties them all. The bounds are lowered for the fill (each cache evicts by its own
     `maxsize`, the plan cache by `_PLAN_CACHE_SIZE`, read on every insert), so a few hundred plans overflow them."""
-    from reshard.planner import _blocks, _layout, _plan, _plan_type
+    from reshard.planner import _blocks, _layout, _plan, _plan_type, _wire
 
     clear_plan_cache()
-    assert set(_cache_sizes()) == {"layout geometries", "layout digests", "derived block layouts", "plans"}
+    assert set(_cache_sizes()) == {"layout geometries", "layout digests", "derived block layouts", "decoded meshes",
+                                   "plans"}
     caches = {c.name: c for c in _layout._CACHES}
     assert caches["layout geometries"].maxsize == _layout.GEOMETRY_CACHE_SIZE
     assert caches["layout digests"] is _plan_type._KEY_DIGESTS and caches["derived block layouts"] is _blocks._DERIVED
+    assert caches["decoded meshes"] is _wire._MESHES and _wire._MESHES.maxsize == _wire.MESH_CACHE_SIZE
     # lowered, and all different, so a cache evicting by another's bound fails
-    bounds = {"layout geometries": 96, "layout digests": 64, "derived block layouts": 24, "plans": 16}
+    bounds = {"layout geometries": 96, "layout digests": 64, "derived block layouts": 24, "decoded meshes": 40,
+              "plans": 16}
     for name, cache in caches.items():
         monkeypatch.setattr(cache, "maxsize", bounds[name])
     monkeypatch.setattr(_plan, "_PLAN_CACHE_SIZE", bounds["plans"])
@@ -148,6 +151,8 @@ def test_every_planner_cache_is_bounded_and_cleared(monkeypatch: pytest.MonkeyPa
         plan(src, dst)
     for n in range(1, bounds["derived block layouts"] + 100):
         _blocks.scale_layout(Layout((n, 256), Mesh([0, 1]), [Shard(0)]), (128, 128))
+    for n in range(bounds["decoded meshes"] + 60):  # a mesh of other ranks each time
+        _wire.decode_layout(_wire.encode_layout(Layout((4, 3), Mesh([n, n + 1]), [Shard(0)])))
     assert _cache_sizes() == bounds
     clear_plan_cache()
     assert _cache_sizes() == dict.fromkeys(bounds, 0)
