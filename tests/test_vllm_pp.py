@@ -37,7 +37,7 @@ ATOL = 1e-3
 
 def _observe(llm):
     """Each prompt generated alone (the PP engine's batch queue may batch them otherwise differently per run)."""
-    return vc.observe(llm, one_by_one=True)
+    return vc.observe(llm)
 
 
 @pytest.fixture(scope="module")

@@ -638,10 +638,12 @@ def reload(llm, path: str) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 
 
-def observe(llm, one_by_one: bool = False) -> tuple[list, list[dict[str, torch.Tensor]]]:
-    """Greedy tokens with their log-probs, and every worker's forward tensors. `one_by_one`: each prompt in a
-    `generate` of its own, after a prefix-cache reset (a pipelined engine's batch queue may batch the prompts
-    differently from run to run)."""
+def observe(llm, one_by_one: bool = True) -> tuple[list, list[dict[str, torch.Tensor]]]:
+    """Greedy tokens with their log-probs, and every worker's forward tensors. `one_by_one` (the default): each
+    prompt in a `generate` of its own, after a prefix-cache reset: how vLLM batches the prompts can change from run
+    to run (a pipelined engine's batch queue; the scheduler's timing on a loaded machine), and the CPU GEMM's result
+    depends on the batch's rows on some processors (on an Intel Xeon with AMX, a Qwen2 TP2 engine with weights
+    bit-equal to the oracle's gave log-probs up to 0.016 apart with the prompts batched together)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
