@@ -556,11 +556,23 @@ def start_engine(path: str, tp: int, monkeypatch: Any, *, in_process: bool = Fal
         extra["enable_expert_parallel"] = True
     llm = LLM(model=path, tensor_parallel_size=tp, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=128, max_num_seqs=2, seed=0, weight_transfer_config={"backend": "reshard"}, **extra)
+    llm.collective_rpc(amx_permission)
     if pp > 1:
         llm.collective_rpc(pp_intermediate_tensors)
     if ep:
         llm.collective_rpc(ep_expert_map)
     return llm
+
+
+def amx_permission(worker: Any) -> None:
+    """vLLM CPU workaround (test-side only), on every worker before the first forward: on a processor with AMX, a
+    worker dies of SIGILL in an attention (`vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache`) when its first
+    AMX instruction comes before anything in its process asked Linux for AMX tile state
+    (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): `vllm/v1/attention/backends/cpu_attn.py:544` picks the AMX kernel by
+    `torch.cpu._is_amx_tile_supported()`, which reads CPUID only. Seen on a PP engine's first stage and on an
+    in-process TP1 engine generating one prompt at a time (the pytest process itself died). Asked here with
+    `torch._C._cpu._init_amx()` (False and harmless without AMX)."""
+    torch._C._cpu._init_amx()
 
 
 def ep_expert_map(worker: Any) -> None:
@@ -608,14 +620,10 @@ def pp_intermediate_tensors(worker: Any) -> None:
       `CPUWorker._should_warm_up_model()` (`vllm/v1/worker/cpu_worker.py:190`) skips the warm-up `_dummy_run` for an
       eager model with `VLLM_CPU_KVCACHE_SPACE`, and that run is what allocates them (`gpu_model_runner.py:5801`):
       allocated here as the warm-up would;
-    - on a processor with AMX, the first stage's worker dies of SIGILL in its first attention
-      (`vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache`): `cpu_attn.py:544` picks the AMX kernel by
-      `torch.cpu._is_amx_tile_supported()` (CPUID only), and nothing in that process has asked Linux for AMX tile
-      state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`; in the TP engines another op asks first): asked here with
-      `torch._C._cpu._init_amx()` (False and harmless without AMX)."""
+    - (the first stage's SIGILL on a processor with AMX: `amx_permission`, which `start_engine` applies to every
+      engine)."""
     from vllm.distributed.parallel_state import get_pp_group
 
-    torch._C._cpu._init_amx()
     runner = worker.model_runner
     if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
         runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
