@@ -849,6 +849,7 @@ def _dp_engine(dp_rank: int, dp_size: int, dp_port: int, path: str, commands: An
                           enable_expert_parallel=True, distributed_executor_backend="uni",
                           weight_transfer_config={"backend": "reshard"})
                 dp_communicator()
+                llm.collective_rpc(amx_permission)
                 llm.collective_rpc(ep_expert_map)
             if cmd[0] == "start":
                 out = None
