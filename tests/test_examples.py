@@ -57,7 +57,9 @@ SLOW = {"fsdp_tp_refit.py": 97, "refit_demo.py": 50, "dtensor_two_groups.py": 32
 def run_script(path: Path, cwd: Path, *, nproc: int | None = None, args: tuple[str, ...] = ()) -> str:
     """Run `path` (under torchrun with `nproc` ranks if given) from `cwd`; its output, asserting exit status 0."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    # first: the vLLM CPU workaround every process of the run applies at start (tests/amx_permission/sitecustomize.py)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "amx_permission"), str(REPO),
+                                         *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, str(path), *args]
     if nproc is not None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
