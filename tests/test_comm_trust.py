@@ -375,6 +375,58 @@ def test_the_store_listens_on_the_given_host_only(caplog, monkeypatch) -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
+def on_rank_closed_while_waiting(w, shut_first: bool) -> dict:
+    """Rank 0 waits in a broadcast that rank 1 (its root) never joins; another thread of rank 0 closes the group (as
+    an engine does when it drops a stage in flight): the wait ends with a `CommError` within seconds, not at the
+    group's 60 s timeout. `shut_first`: the backends are shut down before the wait starts (the race in which a
+    thread starts a collective while another closes the group: gloo then waits out the whole timeout)."""
+    import reshard.comm._handshake as hs
+
+    group = w.new_group(f"closed-while-waiting-{shut_first}", ranks=2, timeout=60) if w.rank < 2 else None
+    if w.rank != 0:
+        time.sleep(12.0)  # rank 1 (the root) never broadcasts, nor closes (its closing would end rank 0's wait)
+        if group is not None:
+            group.close()
+        return {}
+    out: dict = {}
+    if shut_first:
+        closer, group._closer = group._closer, None
+        closer()  # what `close` does first: the wait below starts on shut-down backends, which `close` leaves be
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        try:
+            hs.broadcast_bytes(group, None, root=1, size=8, timeout=datetime.timedelta(seconds=60), what="test wait")
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["took"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=wait, name="reshard-stage-test")
+    thread.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    group.close()
+    out["close_s"] = time.monotonic() - t0
+    thread.join(20.0)
+    out["alive"], out["close_to_end"] = thread.is_alive(), time.monotonic() - t0
+    try:
+        hs.broadcast_bytes(group, None, root=1, size=8, timeout=datetime.timedelta(seconds=60), what="after close")
+        out["after"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["after"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("shut_first", [False, True], ids=["waiting", "started-on-shut-backends"])
+def test_closing_a_group_ends_another_threads_wait_on_it(pool, shut_first) -> None:
+    out = pool.run_ok(on_rank_closed_while_waiting, shut_first, timeout=120)[0]
+    assert not out["alive"], out
+    assert out["close_to_end"] < 3.0, out  # not when rank 1 leaves (11 s), nor the group's 60 s timeout
+    assert out["error"] is not None and out["error"].startswith("CommError") and "closed" in out["error"], out
+    assert out["after"] is not None and "closed" in out["after"], out
+
+
 def on_rank_killed_quietly(w, victim: int, timeout: float) -> dict:
     """Ranks 0 <-> 1 and 2 <-> 3 exchange in many chunks; `victim` (3) exits when posting its second chunk."""
     import reshard.comm._executor as ex

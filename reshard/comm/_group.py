@@ -385,20 +385,26 @@ class Group:
             raise ValueError(f"{what}: rank {rank} is outside {self} (ranks 0..{self.size - 1})")
 
     def close(self) -> None:
-        """Release the group's backends (a rendezvous group only; the default world is left alone)."""
+        """Release the group's backends (a rendezvous group only; the default world is left alone). A wait on the
+        group in another thread ends with a `CommError` within `FAULT_POLL_S`."""
+        if self._keepalive:
+            self._closed = True  # first: another thread's wait reads it while the backends shut down
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.put(None)  # ends the waiter thread after its current wait
         self.cache.clear()
-        if self._closer is not None:
-            closer, self._closer = self._closer, None
+        closer, self._closer = self._closer, None
+        if closer is not None:
             closer()
         if self._keepalive:
             # drop every reference to the backends and the store now, so a store hosted here stops serving and
-            # its port is free at once (a `TCPStore` server lives as long as its Python object)
+            # its port is free at once (a `TCPStore` server lives as long as its Python object); the last
+            # references go on a thread of their own (backends first, the store they are built on last)
+            refs: list[Any] = [closer, self._control, self._data, self._keepalive]
             self._control, self._data, self._store, self._keepalive = None, {}, None, ()
             self._verdicts = None
-            self._closed = True
+            del closer
+            _release(refs, self.name)
 
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank} of {self.size})"
@@ -499,6 +505,26 @@ def _data_backends(control: Any, base: Any, backend: str | None, rank: int, worl
     if backend == "nccl":
         data.pop("cpu")
     return data
+
+
+RELEASE_WAIT_S = 1.0  # how long `Group.close` waits for its backends' destructors
+
+
+def _release(refs: list[Any], name: str) -> None:
+    """Drop `refs` (the only references left to a closed group's backends and store) on a daemon thread, waiting
+    for it up to `RELEASE_WAIT_S`: a gloo backend's destructor joins its worker threads, which finish a receive
+    still pending (another thread's abandoned wait) only when the peer answers or the operation times out, and
+    the closing thread must not wait for that."""
+    def drop() -> None:
+        while refs:
+            refs.pop(0)  # in order: the backends before the store they are built on
+
+    thread = threading.Thread(target=drop, name=f"reshard-release-{name}", daemon=True)
+    thread.start()
+    thread.join(RELEASE_WAIT_S)
+    if thread.is_alive():
+        logger.info("%s: closed; its backends are released in the background (an abandoned wait is still "
+                    "pending in them)", name)
 
 
 def _closer(backends: list[Any], prefix: str) -> Callable[[], None]:

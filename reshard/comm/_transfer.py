@@ -66,9 +66,15 @@ def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
     `block` runs on the group's waiter thread (a daemon, started on first use), so a verdict from another rank ends
     this rank's wait at once; the abandoned wait then ends at its own timeout, on a group that is aborted anyway.
 
+    A `Group.close` from another thread (an engine dropping a stage in flight) ends the wait too, within
+    `FAULT_POLL_S`: gloo's shutdown does not always end a pending receive, and the closing thread waits for this one.
+
     Raises:
-        CommError: with the group's verdict, when some rank reported a fault before `block` finished.
+        CommError: with the group's verdict, when some rank reported a fault before `block` finished; or the group
+            was closed before or while waiting.
     """
+    if getattr(group, "_closed", False):
+        raise CommError(f"{what}: {group} was closed; rendezvous a new group")
     if getattr(group, "_store", None) is None:
         block()
         return
@@ -76,6 +82,8 @@ def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
     error: list[BaseException] = []
     _waiter(group).put((block, done, error))
     while not done.wait(FAULT_POLL_S):
+        if group._closed:
+            raise CommError(f"{what}: {group} was closed while this rank waited (its wait is abandoned)")
         verdict = group.fault()
         if verdict is not None:
             raise CommError(group.describe_fault(verdict, what))

@@ -27,8 +27,10 @@ failed part way), `staged_version` what a stage holds (None when nothing is stag
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from reshard.refit import Refit, RefitReport
@@ -192,6 +194,9 @@ def stop(stage: Stage | None, timeout: float = STOP_JOIN_S) -> bool:
         return True
     stage.thread.join(timeout)
     if stage.thread.is_alive():
-        logger.error("reshard: the dropped stage %r's thread is still running after %.0f s", stage.version, timeout)
+        frame = sys._current_frames().get(stage.thread.ident or -1)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(its stack is gone)\n"
+        logger.error("reshard: the dropped stage %r's thread is still running after %.0f s, at:\n%s",
+                     stage.version, timeout, where.rstrip())
         return False
     return True
