@@ -136,16 +136,37 @@ def local_cases(draw: st.DrawFn):
         return Layout(shape, Mesh(torch.tensor(ranks).reshape(dims)), draw(placements_for(ndim, len(dims))))
 
     src, dst = side(), side()
+    # another stage of a pipelined trainer: the same partition held by other ranks (parts of alike layers are
+    # shared between such geometries, where a domain has no source rank)
+    other = draw(st.permutations(list(range(world))))[:src.mesh.size]
+    src2 = Layout(shape, Mesh(torch.tensor(other).reshape(src.mesh.shape)), src.placements)
     domain = draw(st.sampled_from([None, 1, 2, 3, 4]))
     topology = Topology(domain_size=domain) if domain else Topology()
-    return src, dst, topology, draw(st.booleans()), draw(st.sampled_from([64, 256, 1 << 20]))
+    return src, src2, dst, topology, draw(st.booleans()), draw(st.sampled_from([64, 256, 1 << 20]))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(local_cases())
 def test_every_rank_part_agrees_covers_once_and_matches_global_bytes(case) -> None:
-    src, dst, topology, relay, staging = case
-    check_local_plan([(src, dst), (src, dst)], topology, relay, staging)
+    src, src2, dst, topology, relay, staging = case
+    check_local_plan([(src, dst), (src, dst), (src2, dst)], topology, relay, staging)
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_pipeline_stages_to_engine_domains(relay: bool) -> None:
+    """PP2 trainer (each stage `S(0)` over 2 ranks) -> TP2 x 2 replicas: two source geometries of one partition.
+    Stages on ranks 0-1 and 2-3, engine on 4-7, domains of 2 and 4: engine domains without a source rank (the
+    stages' needs are shared). Stages on ranks 0-1 and 4-5, engine on 2-3 and 6-7, domains of 4: each domain holds
+    one stage and needs the other's over the network (not shared)."""
+    stage0 = Layout((8, 6), Mesh([0, 1]), [Shard(0)])
+    stage1 = Layout((8, 6), Mesh([2, 3]), [Shard(0)])
+    dst = Layout((8, 6), Mesh(torch.arange(4, 8).reshape(2, 2)), [Replicate(), Shard(1)])
+    for domain in (2, 4):
+        check_local_plan([(stage0, dst), (stage0, dst), (stage1, dst), (stage1, dst)], Topology(domain_size=domain),
+                         relay)
+    stage1 = Layout((8, 6), Mesh([4, 5]), [Shard(0)])
+    dst = Layout((8, 6), Mesh([[2, 3], [6, 7]]), [Replicate(), Shard(1)])
+    check_local_plan([(stage0, dst), (stage1, dst), (stage0, dst), (stage1, dst)], Topology(domain_size=4), relay)
 
 
 @pytest.mark.parametrize("relay", [True, False])

@@ -27,6 +27,7 @@ forwarded to rank 2. `plan_rank(items, Topology(domain_size=2), 2)` holds rank 0
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
@@ -139,6 +140,7 @@ class _SrcIndex:
             for p in self.pieces(r):
                 holders.setdefault(p.global_box, []).append((r, _delta(p.global_box, p.local_box)))
         self.boxes = sorted(holders, key=lambda b: (b.offsets, b.shape))
+        self.partition: int = -1  # which distinct partition of the tensor `boxes` are (set by `plan_rank`)
         self.gid = {b: i for i, b in enumerate(self.boxes)}
         self.holders = [holders[b] for b in self.boxes]
         self.near: list[dict[Hashable, list[tuple[int, Delta]]]] = []
@@ -186,7 +188,7 @@ class _Geometry:
     lazily and kept."""
 
     def __init__(self, src: _SrcIndex, dst: _DstIndex, dst_layout: Any, src_layout: Any, topology: Topology,
-                 itemsize: int, cap_numel: int, rank: int) -> None:
+                 itemsize: int, cap_numel: int, rank: int, shared: dict[str, dict], dst_id: int) -> None:
         self.rank = rank  # whose part is planned
         self.src, self.dst = src, dst
         self.dst_layout, self.src_layout = dst_layout, src_layout
@@ -196,10 +198,13 @@ class _Geometry:
         self._needs: dict[int, list[_Need]] = {}
         self._shared: dict[tuple, list[_Need]] = {}
         self._by_gid: dict[int, dict[int, list[_Need]]] = {}  # by id of a list in `_shared` (kept alive there)
-        self._hits: dict[int, list[int]] = {}
+        self._hits: dict[int, tuple[int, ...]] = {}
+        self._cands: dict[tuple[Hashable, tuple[int, ...]], tuple[list[int], list[tuple[int, list[int]]]]] = {}
         self._atoms: dict[tuple[Hashable, int], list[tuple[Box, list[tuple[int, Delta]]]]] = {}
-        self._direct: dict[tuple[Hashable, int], list[tuple[Box, list[tuple[int, Delta]]]]] = {}
-        self._spans: dict[tuple[Hashable, int], list[tuple[Box, int, list[int], list[Box], list[int]]]] = {}
+        self._direct: dict[tuple, list[tuple[Box, list[tuple[int, Delta]]]]] = shared.setdefault("direct", {})
+        self._spans: dict[tuple, list[tuple[Box, int, list[int], list[Delta], list[int]]]] = \
+            shared.setdefault("spans", {})
+        self._dst_id = dst_id
 
     def needs(self, q: int) -> list[_Need]:
         """What destination rank `q` needs, cut by source groups (as `plan_many`'s recipe cuts it). Ranks with the
@@ -245,15 +250,34 @@ class _Geometry:
         if out is None:
             g = self.src.boxes[gid]
             boxes = self.dst.boxes
-            out = self._hits[gid] = [k for k in self.dst.index.query(g) if intersect(boxes[k], g) is not None]
+            out = self._hits[gid] = tuple(k for k in self.dst.index.query(g) if intersect(boxes[k], g) is not None)
         return out
 
     def candidates(self, dom: Hashable, gid: int) -> list[int]:
-        """Destination ranks of domain `dom` whose pieces meet group `gid`, ascending."""
-        out: set[int] = set()
-        for k in self._meets(gid):
-            out.update(self.dst.ranks_by_domain[k].get(dom, ()))
-        return sorted(out)
+        """Destination ranks of domain `dom` whose pieces meet group `gid`, ascending (cached per set of
+        destination boxes met: most groups meet the same few)."""
+        return self._alike(dom, gid)[0]
+
+    def _alike(self, dom: Hashable, gid: int) -> tuple[list[int], list[tuple[int, list[int]]]]:
+        """`candidates(dom, gid)`, and the same ranks grouped by their needs list (ranks sharing one: replicas of
+        one shard) as `(a rank of the group, the group's ranks)`, groups in order of their lowest rank."""
+        key = (dom, self._meets(gid))
+        out = self._cands.get(key)
+        if out is None:
+            ranks: set[int] = set()
+            for k in key[1]:
+                ranks.update(self.dst.ranks_by_domain[k].get(dom, ()))
+            cands = sorted(ranks)
+            alike: dict[int, tuple[int, list[int]]] = {}  # id of a needs list -> (a rank holding it, the ranks)
+            for q in cands:
+                needs = self.needs(q)
+                group = alike.get(id(needs))
+                if group is None:
+                    alike[id(needs)] = (q, [q])
+                else:
+                    group[1].append(q)
+            out = self._cands[key] = (cands, list(alike.values()))
+        return out
 
     def domains_of(self, gid: int) -> list[Hashable]:
         """The destination domains with a rank whose pieces meet group `gid`."""
@@ -273,16 +297,28 @@ class _Geometry:
         return by.get(gid, [])
 
     def _net_needs(self, dom: Hashable, gid: int) -> dict[Box, list[tuple[int, Delta]]]:
+        """What domain `dom`'s ranks need of group `gid` over the network: box -> needers `(rank, delta)`, ranks
+        ascending. Ranks that share one needs list (replicas of one shard) are visited together."""
         needs: dict[Box, list[tuple[int, Delta]]] = {}
-        for q in self.candidates(dom, gid):
-            for n in self.needs_of(q, gid):
+        for first, ranks in self._alike(dom, gid)[1]:
+            for n in self.needs_of(first, gid):
                 if n.kind == "network":
-                    needs.setdefault(n.box, []).append((q, n.delta))
+                    needs.setdefault(n.box, []).extend(zip(ranks, itertools.repeat(n.delta, len(ranks))))
+        for needers in needs.values():
+            needers.sort()
         return needs
+
+    def _key(self, dom: Hashable, gid: int) -> tuple:
+        """The key of `(dom, gid)`'s needs across geometries: in a domain without a rank of the source, they depend
+        on the destination layout and the source's partition only, not on which ranks hold it (the stages of a
+        pipelined trainer send the same pieces of alike layers to each domain)."""
+        if dom in self.src.domains:
+            return (id(self), dom, gid)
+        return (self._dst_id, self.src.partition, self.cap_numel, self.itemsize, dom, gid)
 
     def direct(self, dom: Hashable, gid: int) -> list[tuple[Box, list[tuple[int, Delta]]]]:
         """Without relays: the needed boxes of group `gid` in domain `dom` and their needers, boxes sorted."""
-        key = (dom, gid)
+        key = self._key(dom, gid)
         out = self._direct.get(key)
         if out is None:
             needs = self._net_needs(dom, gid)
@@ -298,6 +334,7 @@ class _Geometry:
             return out
         atoms: list[tuple[Box, list[tuple[int, Delta]]]] = []
         for box, needers in self.direct(dom, gid):
+            needers = sorted(set(needers))
             rest = [box]
             nxt: list[tuple[Box, list[tuple[int, Delta]]]] = []
             for a, who in atoms:
@@ -305,29 +342,32 @@ class _Geometry:
                 if x is None:
                     nxt.append((a, who))
                     continue
-                nxt.append((x, sorted(set(who) | set(needers))))
+                nxt.append((x, sorted(set(who).union(needers))))
                 nxt.extend((y, who) for y in subtract(a, x))
                 rest = [y for r in rest for y in subtract(r, x)]
-            nxt.extend((r, sorted(set(needers))) for r in rest)
+            nxt.extend((r, needers) for r in rest)
             atoms = nxt
         atoms.sort(key=lambda a: (a[0].offsets, a[0].shape))
         self._atoms[key] = atoms
         return atoms
 
-    def spans(self, dom: Hashable, gid: int) -> list[tuple[Box, int, list[int], list[Box], list[int]]]:
-        """With relays: every part of `atoms(dom, gid)` in order, as `(box, nbytes, needer ranks, the box in each
-        needer's tensor, the indices of this plan's rank among the needers)`: translated once per geometry, not
-        per item."""
-        key = (dom, gid)
+    def spans(self, dom: Hashable, gid: int) -> list[tuple[Box, int, list[int], list[Delta], list[int]]]:
+        """With relays: every part of `atoms(dom, gid)` in order, as `(box, nbytes, needer ranks, each needer's
+        delta, the indices of this plan's rank among the needers)`: cut once per geometry, not per item."""
+        key = self._key(dom, gid)
         out = self._spans.get(key)
         if out is None:
             out = self._spans[key] = []
+            split: dict[int, tuple[list[int], list[Delta], list[int]]] = {}  # atoms often share a needers list
             for atom, needers in self.atoms(dom, gid):
-                ranks = [q for q, _ in needers]
-                mine = [i for i, q in enumerate(ranks) if q == self.rank]
+                cut = split.get(id(needers))
+                if cut is None:
+                    ranks = [q for q, _ in needers]
+                    cut = split[id(needers)] = (ranks, [qd for _, qd in needers],
+                                                [i for i, q in enumerate(ranks) if q == self.rank])
+                ranks, deltas, mine = cut
                 for part in self.parts(atom):
-                    out.append((part, part.numel * self.itemsize, ranks, [_translate(part, qd) for _, qd in needers],
-                                mine))
+                    out.append((part, part.numel * self.itemsize, ranks, deltas, mine))
         return out
 
     def parts(self, box: Box) -> list[Box]:
@@ -365,18 +405,21 @@ def _network(geo: _Geometry, item: int, dom: Hashable, gid: int, relay: bool, em
                            "network", 0)
         return
     me = em.rank
-    for k, (box, nbytes, needers, dst_boxes, mine) in enumerate(geo.spans(dom, gid)):
+    for k, (box, nbytes, needers, deltas, mine) in enumerate(geo.spans(dom, gid)):
         u = item + gid + k
         n = u % len(needers)
         r = needers[n]
         h, hd = holders[(u + o) % len(holders)]
-        rbox = dst_boxes[n]
+        if me != r and me != h and not mine:
+            continue  # not this rank's (most parts of a domain's needs, for any one rank)
+        rbox = _translate(box, deltas[n])
         if me == h or me == r:
             em.add(h, r, item, _translate(box, hd), rbox, box, nbytes, "network", 0)
         for i in (range(len(needers)) if me == r else mine):  # the relay forwards to all; a needer sees its own
             if i != n:
                 q = needers[i]
-                em.add(r, q, item, rbox, dst_boxes[i], box, nbytes, "local" if q == r else "nvlink", 1)
+                em.add(r, q, item, rbox, _translate(box, deltas[i]), box, nbytes, "local" if q == r else "nvlink",
+                       1)
 
 
 def _nvlink(geo: _Geometry, item: int, q: int, need: _Need, em: _Emitter) -> None:
@@ -450,6 +493,8 @@ def plan_rank(items: Iterable[Any], topology: Topology | None, rank: int, *, rel
     srcs: dict[int, _SrcIndex] = {}
     dsts: dict[int, _DstIndex] = {}
     geos: dict[tuple[int, int], _Geometry] = {}
+    partitions: dict[tuple[Box, ...], int] = {}
+    shared: dict[str, dict] = {}
     em = _Emitter(rank)
     for i, it in enumerate(items_t):
         if rank not in it.src.ranks and rank not in it.dst.ranks:
@@ -459,6 +504,7 @@ def plan_rank(items: Iterable[Any], topology: Topology | None, rank: int, *, rel
         if geo is None:
             if sg not in srcs:
                 srcs[sg] = _SrcIndex(it.src, topology)
+                srcs[sg].partition = partitions.setdefault(tuple(srcs[sg].boxes), len(partitions))
             if dg not in dsts:
                 dsts[dg] = _DstIndex(it.dst, topology)
             size = it.dst.dtype.itemsize
@@ -466,7 +512,7 @@ def plan_rank(items: Iterable[Any], topology: Topology | None, rank: int, *, rel
                 raise ValueError(f"tensor {it.label!r}: staging_bytes={staging_bytes} cannot hold one element of "
                                  f"{it.dst.dtype} {PIPELINE_DEPTH} times")
             geo = geos[(sg, dg)] = _Geometry(srcs[sg], dsts[dg], it.dst, it.src, topology, size, max(1, cap // size),
-                                                rank)
+                                                rank, shared, dg)
         _rank_item(geo, i, rank, relay, em)
     return RankPart(rank, tuple(sorted(em.out, key=lambda t: (t.item, t.stage, t.src, t.dst, t.global_box.offsets,
                                                               t.dst_box.offsets, t.src_box.offsets))))
