@@ -27,8 +27,9 @@ NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model,
   `busiest_rank`), the `typical_*` columns the sampled rank of median bytes.
 
 Writes `bench_scale.csv` (machine, versions, configuration per row) and `bench_scale.png`. With `--control`, instead
-times the control rounds on a few real gloo ranks of this machine (`control.csv`): the plan agreement (a star at
-the lowest rank), the metadata round's record all-gather and a 100 kB table broadcast, to see how each grows with
+times the control rounds on a few real gloo ranks of this machine (`control.csv`): the plan agreement (a binomial
+tree rooted at the lowest rank; the messages its busiest rank handles are counted from the tree's shape, also at
+1,024-4,096 ranks), the metadata round's record all-gather and a 100 kB table broadcast, to see how each grows with
 the ranks.
 """
 
@@ -237,8 +238,8 @@ def balance(model: str, spec: str) -> None:
 
 
 def _control_job(w, rounds: int) -> dict[str, float]:
-    """On every rank of a pool: median seconds of the plan agreement (`agree`, a star rooted at rank 0) and of the
-    metadata round's record all-gather and one table broadcast, over `rounds` rounds each."""
+    """On every rank of a pool: median seconds of the plan agreement (`agree`, a binomial tree rooted at rank 0)
+    and of the metadata round's record all-gather and one table broadcast, over `rounds` rounds each."""
     import datetime
     import statistics
 
@@ -268,15 +269,31 @@ def _control_job(w, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def agree_messages(n: int) -> tuple[int, int]:
+    """Messages the busiest rank sends and receives in one agreement round of `n` ranks when all agree: over
+    `agree`'s binomial tree (a header up and a reply down per tree edge), and over a star rooted at the lowest rank
+    (the round before the tree). Counted from the tree's shape (`_tree`), not measured."""
+    from reshard.comm._handshake import _tree
+
+    ranks = list(range(n))
+    tree = max(2 * len(_tree(ranks, r)[1]) + (2 if r else 0) for r in ranks)
+    return tree, 2 * (n - 1)
+
+
 def control_rows(sizes: list[int], rounds: int) -> list[dict[str, object]]:
     """The control rounds on `sizes` gloo ranks of this machine: the slowest rank's median per round."""
     from reshard.testing import RankPool
 
+    for n in (1024, 2048, 4096):
+        tree, star = agree_messages(n)
+        print(f"agreement round of {n} ranks: the busiest rank handles {tree} messages over the tree, {star} as a "
+              "star's root (counted from the tree's shape)", flush=True)
     rows: list[dict[str, object]] = []
     for n in sizes:
         with RankPool(n, timeout_s=120) as pool:
             res = pool.run_ok(_control_job, rounds, timeout=600)
         row: dict[str, object] = {"control_ranks": n, "rounds": rounds}
+        row["agree_busiest_messages"], row["agree_star_root_messages"] = agree_messages(n)
         for k in ("agree", "records", "table"):
             row[f"{k}_seconds"] = round(max(r[k] for r in res), 6)
         rows.append(row)

@@ -220,9 +220,9 @@ def test_default_thresholds_split_the_many_tensor_refit() -> None:
 
 def on_rank_plan_changes_after_agreement(w) -> None:
     """The strided-source plan runs twice (its checks, prepared copies and staging are cached by then, and the
-    non-root sources pack their first part while the handshake is in flight), bit-exact both times; then rank 2, a
-    source that packs ahead, changes its plan (half the staging budget) with the same tensors: every rank raises,
-    every destination stays untouched and every source unchanged."""
+    sources that are leaves of the handshake's tree pack their first part while the handshake is in flight),
+    bit-exact both times; then rank 3, a source that packs ahead, changes its plan (half the staging budget) with
+    the same tensors: every rank raises, every destination stays untouched and every source unchanged."""
     from reshard.comm import execute
 
     with small_thresholds():
@@ -240,12 +240,13 @@ def on_rank_plan_changes_after_agreement(w) -> None:
                     as_bytes(d).fill_(SENTINEL)
                 rep = execute(p, w.rank, srcs, dsts, w.group, timeout=30)
                 assert dsts is None or torch.equal(as_bytes(dsts[0]), as_bytes(expected)), (w.rank, k)
-                if w.rank in (1, 2, 3):  # non-root sources: the first part was packed during the handshake
-                    assert rep.sends_packed_early == 1, (w.rank, k, rep)
+                # sources that are leaves of the handshake's tree (ranks 1, 3) packed their first part during it;
+                # the root (0) and rank 2 (rank 3's parent) answer or forward, so they pack after it
+                assert rep.sends_packed_early == (1 if w.rank in (1, 3) else 0), (w.rank, k, rep)
             before = [s.clone() for s in srcs] if srcs else None
             for d in dsts or ():
                 as_bytes(d).fill_(SENTINEL)
-            changed = plan_many(items, topology, staging_bytes=staging // 2 if w.rank == 2 else staging,
+            changed = plan_many(items, topology, staging_bytes=staging // 2 if w.rank == 3 else staging,
                                 min_split_bytes=64)
             try:
                 execute(changed, w.rank, srcs, dsts, w.group, timeout=30)
@@ -259,5 +260,5 @@ def on_rank_plan_changes_after_agreement(w) -> None:
 
 def test_a_plan_changed_on_one_rank_after_agreement_leaves_destinations_untouched(pool) -> None:
     outs = pool.run(on_rank_plan_changes_after_agreement)
-    expect_all_raise(outs, "ValueError", "ranks hold different plans", "staging_bytes: rank 0 has 65536, rank 2 has "
+    expect_all_raise(outs, "ValueError", "ranks hold different plans", "staging_bytes: rank 0 has 65536, rank 3 has "
                      "32768")

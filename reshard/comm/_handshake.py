@@ -1,8 +1,9 @@
 """Agreement before and after data moves: plan fingerprints, bad-input flags, a JSON all-gather, and a byte
 broadcast (`broadcast_bytes`, gloo's binomial tree: what a refit's metadata round sends once to every rank).
 
-`agree` is a star exchange over the control backend among the ranks of a plan, rooted at the lowest of them: every
-rank sends its plan fingerprint and its local errors, the root decides, and every rank gets the same verdict. So
+`agree` runs over a binomial tree of the ranks of a plan, rooted at the lowest of them (`PendingAgreement`): every
+rank sends its plan fingerprint and its local errors up (a subtree's summarised), the root decides, and every rank
+gets the same verdict down the tree. So
 when the plans differ or some rank got bad input, every rank raises the same error, and no rank hangs. Only ranks
 that take part in the plan talk, so ranks of the group outside the plan need not call.
 
@@ -149,16 +150,55 @@ def agree(
                          error_type=error_type, failure=failure).finish()
 
 
+def _tree(ranks: Sequence[int], me: int) -> tuple[int | None, list[int], int, int]:
+    """`me`'s place in the binomial tree over `ranks` (sorted, distinct) rooted at the lowest: `(parent or None,
+    children, first, end)`, where the subtree of `me` is `ranks[first:end]` (contiguous) and `len(children)` is its
+    height. Index `i`'s parent is `i` without its lowest set bit; its children are `i + 2**k` below that bit."""
+    i = ranks.index(me)
+    n = len(ranks)
+    low = i & -i if i else 1 << n.bit_length()
+    children = []
+    k = 1
+    while k < low and i + k < n:
+        children.append(ranks[i + k])
+        k <<= 1
+    return (ranks[i & (i - 1)] if i else None), children, i, min(i + low, n)
+
+
+def tree_grace(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How much longer a rank of `agree`'s tree waits for its children per level of its subtree's height: 5% of
+    `timeout` (0.5 s to 10 s), so that a rank that never joins is named by its parent, whose wait ends first."""
+    return datetime.timedelta(seconds=min(max(0.05 * timeout.total_seconds(), 0.5), 10.0))
+
+
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """Sorted indices as `[first, end]` runs: `[0, 1, 2, 5]` -> `[[0, 3], [5, 6]]`."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
 class PendingAgreement:
-    """`agree` in two steps: constructing it posts this rank's first messages (a non-root rank its header and the
-    receive of the root's reply, the root the receives of every header) and returns; `finish()` completes the round
-    (and raises as `agree` does). In between the caller may do local work that writes nothing another rank or a
-    destination can see (packing from source tensors into staging). Arguments as in `agree`; construct and finish it
-    inside `group.exclusive`.
+    """`agree` in two steps: constructing it posts this rank's first messages and returns; `finish()` completes the
+    round (and raises as `agree` does). In between the caller may do local work that writes nothing another rank or
+    a destination can see (packing from source tensors into staging). Arguments as in `agree`; construct and finish
+    it inside `group.exclusive`.
+
+    The round runs over a binomial tree of the ranks rooted at the lowest (`_tree`): each rank sends its parent one
+    header (its fingerprint) and, only when its subtree holds another fingerprint or errors, a summary of the
+    subtree (fingerprints as runs of rank indices, errors per rank); the root decides and the verdict travels back
+    down. So no rank handles more than `log2(ranks)` peers' messages per round, where a star's root handled every
+    rank's. When plans differ, the root asks the first few differing ranks (named in the reply) for a description
+    of their plan inputs, directly.
 
     Attributes:
-        is_root: whether this rank is the round's root (the lowest rank): it answers the others, so work done
-            between construction and `finish` there delays every rank's verdict.
+        is_root: whether this rank is the round's root (the lowest rank).
+        relays: whether this rank has children in the tree (the root included): it answers or forwards for them,
+            so work done between construction and `finish` there delays their verdict.
     """
 
     def __init__(self, group: Group, ranks: Sequence[int], fingerprint: str, errors: Sequence[str],
@@ -166,97 +206,198 @@ class PendingAgreement:
                  error_type: type[Exception] = ValueError, failure: str = "bad input, nothing was moved") -> None:
         self.group, self.describe, self.timeout = group, describe, timeout
         self.error_type, self.failure = error_type, failure
-        self.root = min(ranks)
+        self.ranks = sorted(set(ranks))
+        self.root = self.ranks[0]
         self.me = group.rank
         self.is_root = self.me == self.root
+        self.parent, self.children, self.first, self.end = _tree(self.ranks, self.me)
+        self.relays = bool(self.children)
         self.fp = fingerprint.encode()[:_FP_BYTES].ljust(_FP_BYTES, b"\0")
         self.errors = [str(e) for e in errors]
         self.label = f"{what} (root rank {self.root})"
         self.what = what
-        self.others = [r for r in sorted(set(ranks)) if r != self.me]
-        if self.is_root:
-            self._recvs = [(r, torch.empty(_HEADER.size, dtype=torch.uint8)) for r in self.others]
-            sends: list[tuple[int, torch.Tensor]] = []
-        else:
-            # the header (and the errors, if any) and the receive of the root's reply, in one post: one wait
-            payload = encode("errors", self.errors) if self.errors else b""
-            sends = [(self.root, _to_tensor(_HEADER.pack(_MAGIC, self.fp, len(payload))))]
+        grace = tree_grace(timeout)
+        # a rank waits for its children longer the higher its subtree, so that the lowest waiting rank, the parent
+        # of one that never joined, is the one that names it; a rank waits for its parent's answer longer than the
+        # root waits for all
+        self._up_timeout = timeout + grace * len(self.children)
+        self._down_timeout = member_timeout(timeout + grace * max(len(self.ranks) - 1, 1).bit_length())
+        self._recvs = [(c, torch.empty(_HEADER.size, dtype=torch.uint8)) for c in self.children]
+        sends: list[tuple[int, torch.Tensor]] = []
+        if not self.children and self.parent is not None:
+            # a leaf: the header (and its errors, if any) and the receive of the parent's reply, in one post
+            payload = self._summary({self.fp: [self.first]}, {self.first: self.errors} if self.errors else {})
+            sends = [(self.parent, _to_tensor(_HEADER.pack(_MAGIC, self.fp, len(payload))))]
             if payload:
-                sends.append((self.root, _to_tensor(payload)))
-            self._recvs = [(self.root, torch.empty(_REPLY.size, dtype=torch.uint8))]
-        # a member waits a little longer than the root, so that when a rank never joins the round, the root's
-        # timeout (which names that rank) is the verdict, not a member's (which could only name the live root)
+                sends.append((self.parent, _to_tensor(payload)))
+            self._recvs = [(self.parent, torch.empty(_REPLY.size, dtype=torch.uint8))]
         self._handle = post(sends, self._recvs, group, tag=TAG_CONTROL,
-                            timeout=timeout if self.is_root else member_timeout(timeout), what=self.label,
+                            timeout=self._down_timeout if not self.children else self._up_timeout, what=self.label,
                             control=True)
+
+    def _summary(self, fps: dict[bytes, list[int]], errors: dict[int, list[str]]) -> bytes:
+        """What this rank tells its parent of its subtree: nothing when every rank holds this rank's fingerprint
+        and none has errors; else `{"fps": [[fingerprint, [[first, end], ...]], ...], "errors": [[index, [...]]]}`
+        (rank indices into the sorted ranks)."""
+        if set(fps) == {self.fp} and not errors:
+            return b""
+        return encode("agreement", {
+            "fps": [[f.rstrip(b"\0").decode("ascii", errors="replace"), _runs(sorted(ix))] for f, ix in fps.items()],
+            "errors": [[i, e] for i, e in sorted(errors.items())]})
+
+    def _gather(self) -> tuple[dict[bytes, list[int]], dict[int, list[str]]]:
+        """Wait for the children's headers and summaries; this subtree's fingerprints (fingerprint -> rank indices)
+        and errors (rank index -> messages). Raises `CommError` naming a child that sent a malformed summary."""
+        group, label = self.group, self.label
+        self._handle.wait()
+        got = {c: t.numpy().tobytes() for c, t in self._recvs}
+        heads: dict[int, tuple[bytes, int]] = {}
+        for c in self.children:
+            fp, size = _unpack(_HEADER, got[c], c, group, label)
+            heads[c] = (fp, _size(group, size, c, "agreement", label))
+        own = len(encode("errors", self.errors)) if self.errors else 0
+        _allowance(group, {c: n for c, (_, n) in heads.items()}, "agreement", label, own=own)
+        blobs = _exchange(group, [], [(c, n) for c, (_, n) in heads.items() if n], self._up_timeout, label)
+        fps: dict[bytes, list[int]] = {self.fp: [self.first]}
+        errors: dict[int, list[str]] = {self.first: self.errors} if self.errors else {}
+        for c in self.children:
+            _, first, end = _tree(self.ranks, c)[1:]
+            fp, size = heads[c]
+            if not size:
+                fps.setdefault(fp, []).extend(range(first, end))
+                continue
+            sub_fps, sub_errors = self._parse(blobs[c], c, first, end)
+            for f, ix in sub_fps.items():
+                fps.setdefault(f, []).extend(ix)
+            errors.update(sub_errors)
+        return fps, errors
+
+    def _parse(self, data: bytes, child: int, first: int, end: int) -> tuple[dict[bytes, list[int]],
+                                                                              dict[int, list[str]]]:
+        """A child's summary, checked: its runs cover its subtree `[first, end)` exactly once, fingerprints are
+        ASCII of at most `_FP_BYTES`, errors are lists of strings of ranks in the subtree."""
+        group, label = self.group, self.label
+        value = _payload(group, data, child, "agreement", label)
+
+        def bad(why: str) -> CommError:
+            return _refused(group, child, CommError(f"rank {self.me} of {group}: {label}: rank {child} sent a "
+                                                    f"malformed agreement summary ({why})"), label)
+
+        if not isinstance(value, dict) or set(value) != {"fps", "errors"} \
+                or not isinstance(value["fps"], list) or not isinstance(value["errors"], list):
+            raise bad("not {fps, errors} lists")
+        fps: dict[bytes, list[int]] = {}
+        seen = 0
+        for entry in value["fps"]:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0].isascii()
+                    and len(entry[0]) <= _FP_BYTES and isinstance(entry[1], list)):
+                raise bad("a fingerprint entry is not [ASCII fingerprint, runs]")
+            ix = fps.setdefault(entry[0].encode().ljust(_FP_BYTES, b"\0"), [])
+            for run in entry[1]:
+                if not (isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run)
+                        and first <= run[0] < run[1] <= end):
+                    raise bad(f"a run outside its subtree, ranks {self.ranks[first]}..{self.ranks[end - 1]}")
+                ix.extend(range(run[0], run[1]))
+                seen += run[1] - run[0]
+        covered = {i for ix in fps.values() for i in ix}
+        if seen != end - first or len(covered) != seen:
+            raise bad("its runs do not cover its subtree exactly once")
+        errors: dict[int, list[str]] = {}
+        for entry in value["errors"]:
+            if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
+                    and first <= entry[0] < end and entry[0] not in errors):
+                raise bad("an error entry is not [rank index in its subtree, errors], once per rank")
+            errors[entry[0]] = _strings(entry[1], child, group, "errors", label)
+        return fps, errors
+
+    def _send_down(self, reply: bytes, payload: bytes) -> None:
+        sends = [(c, reply) for c in self.children]
+        if payload:
+            sends = [m for c in self.children for m in ((c, reply), (c, payload))]
+        _exchange(self.group, sends, [], self.timeout, self.label)
+
+    def _receive_down(self, reply: bytes | None = None) -> tuple[int, bytes, bytes]:
+        """The parent's reply (already received, or received now) and its payload, forwarded to the children."""
+        group, label, parent = self.group, self.label, self.parent
+        assert parent is not None
+        if reply is None:
+            reply = _exchange(group, [], [(parent, _REPLY.size)], self._down_timeout, label)[parent]
+        status, size = _unpack(_REPLY, reply, parent, group, label)
+        data = b""
+        if size:
+            data = _exchange(group, [], [(parent, _size(group, size, parent, "verdict", label))], self.timeout,
+                             label)[parent]
+        self._send_down(reply, data)
+        return status, reply, data
 
     def finish(self) -> None:
         """Complete the round: return when every rank agrees, else raise (see `agree`)."""
         group, label = self.group, self.label
-        self._handle.wait()
-        got = {p: t.numpy().tobytes() for p, t in self._recvs}
-        if not self.is_root:
-            self._finish_member(got[self.root])
+        if self.children:
+            fps, errors = self._gather()
+            if not self.is_root:
+                payload = self._summary(fps, errors)
+                assert self.parent is not None
+                _exchange(group, [(self.parent, _HEADER.pack(_MAGIC, self.fp, len(payload))), (self.parent, payload)],
+                          [], self.timeout, label)
+                self._finish_member(None)
+                return
+            self._finish_root(fps, errors)
             return
-        fps: dict[int, bytes] = {self.me: self.fp}
-        sizes: dict[int, int] = {}
-        for r in self.others:
-            fps[r], size = _unpack(_HEADER, got[r], r, group, label)
-            sizes[r] = _size(group, size, r, "errors", label)
-        own = len(encode("errors", self.errors)) if self.errors else 0
-        _allowance(group, {**sizes, self.me: own}, "errors", label)
-        self._finish_root(fps, sizes)
+        if self.parent is None:  # alone
+            if self.errors:
+                raise self.error_type(_describe_errors({self.me: self.errors}, self.failure))
+            return
+        self._handle.wait()
+        self._finish_member(self._recvs[0][1].numpy().tobytes())
 
-    def _finish_member(self, reply: bytes) -> None:
+    def _finish_member(self, reply: bytes | None) -> None:
         group, label, root, timeout = self.group, self.label, self.root, self.timeout
-        status, size = _unpack(_REPLY, reply, root, group, label)
-        if status in (_DESCRIBE, _WAIT):
-            if status == _DESCRIBE:
+        status, _, data = self._receive_down(reply)
+        if status == _DESCRIBE:
+            asked = _payload(group, data, self.parent, "describers", label) if data else []
+            if not (isinstance(asked, list) and all(type(r) is int for r in asked)):
+                raise _refused(group, self.parent, CommError(f"rank {self.me} of {group}: {label}: rank "
+                                                             f"{self.parent} forwarded a malformed list of ranks"),
+                               label)
+            if self.me in asked:
                 desc = encode("describe", [[str(k), str(v)] for k, v in self.describe()])
                 _exchange(group, [(root, _LENGTH.pack(_MAGIC, len(desc))), (root, desc)], [], timeout, label)
-            reply = _exchange(group, [], [(root, _REPLY.size)], timeout, label)[root]
-            status, size = _unpack(_REPLY, reply, root, group, label)
+            status, _, data = self._receive_down()
         if status == _OK:
             return
-        data = _exchange(group, [], [(root, _size(group, size, root, "verdict", label))], timeout, label)[root]
-        message = _payload(group, data, root, "verdict", label)
+        message = _payload(group, data, self.parent, "verdict", label)
         if status != _FAIL or not isinstance(message, str):
-            raise _refused(group, root, CommError(f"rank {self.me} of {group}: {label}: the root sent status "
-                                                  f"{status} with a {type(message).__name__} verdict"), label)
+            raise _refused(group, self.parent, CommError(f"rank {self.me} of {group}: {label}: rank {self.parent} "
+                                                         f"sent status {status} with a {type(message).__name__} "
+                                                         "verdict"), label)
         raise self.error_type(message)
 
-    def _finish_root(self, fps: dict[int, bytes], sizes: dict[int, int]) -> None:
-        group, label, timeout, me, others = self.group, self.label, self.timeout, self.me, self.others
-        blobs = _exchange(group, [], [(r, n) for r, n in sizes.items() if n], timeout, label)
-        all_errors: dict[int, list[str]] = {me: self.errors} if self.errors else {}
-        for r, b in blobs.items():
-            if b:
-                all_errors[r] = _strings(_payload(group, b, r, "errors", label), r, group, "errors", label)
-        differ = [r for r in others if fps[r] != self.fp]
+    def _finish_root(self, index_fps: dict[bytes, list[int]], index_errors: dict[int, list[str]]) -> None:
+        group, label, timeout, me = self.group, self.label, self.timeout, self.me
+        ranks = self.ranks
+        fps = {ranks[i]: f for f, ix in index_fps.items() for i in ix}
+        all_errors = {ranks[i]: e for i, e in index_errors.items()}
+        differ = [r for r in ranks if fps[r] != self.fp]
         message = ""
         if differ:
-            _exchange(group, [(r, _REPLY.pack(_MAGIC, _DESCRIBE if r in differ else _WAIT, 0)) for r in others], [],
-                      timeout, label)
-            lens = _exchange(group, [], [(r, _LENGTH.size) for r in differ], timeout, label)
+            asked = differ[:_MAX_RANKS_SHOWN]  # the ranks whose plan inputs the verdict shows
+            names = encode("describers", asked)
+            self._send_down(_REPLY.pack(_MAGIC, _DESCRIBE, len(names)), names)
+            lens = _exchange(group, [], [(r, _LENGTH.size) for r in asked], timeout, label)
             want = {r: _size(group, _unpack(_LENGTH, lens[r], r, group, label)[0], r, "describe", label)
-                    for r in differ}
+                    for r in asked}
             mine = [(str(k), str(v)) for k, v in self.describe()]
             _allowance(group, want, "describe", label, own=len(encode("describe", [list(p) for p in mine])))
             descs = _exchange(group, [], list(want.items()), timeout, label)
-            theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in differ}
-            message = _describe_difference(me, mine, theirs, fps, self.what)
+            theirs = {r: _pairs(_payload(group, descs[r], r, "describe", label), r, group, label) for r in asked}
+            message = _describe_difference(me, mine, theirs, fps, self.what, differing=len(differ))
             if all_errors:
                 message += "\n" + _describe_errors(all_errors, self.failure)
         elif all_errors:
             message = _describe_errors(all_errors, self.failure)
         data = encode("verdict", message) if message else b""
-        status = _FAIL if message else _OK
-        sends: list[tuple[int, bytes]] = []
-        for r in others:
-            sends.append((r, _REPLY.pack(_MAGIC, status, len(data))))
-            if data:
-                sends.append((r, data))
-        _exchange(group, sends, [], timeout, label)
+        self._send_down(_REPLY.pack(_MAGIC, _FAIL if message else _OK, len(data)), data)
         if message:
             raise self.error_type(message)
 
@@ -269,7 +410,9 @@ def _describe_errors(all_errors: dict[int, list[str]], failure: str) -> str:
 
 
 def _describe_difference(root: int, mine: list[tuple[str, str]], theirs: dict[int, list[tuple[str, str]]],
-                         fps: dict[int, bytes], what: str) -> str:
+                         fps: dict[int, bytes], what: str, *, differing: int | None = None) -> str:
+    """The verdict when plans differ: the fingerprints and the ranks holding each, then what differs between the
+    root's inputs and each described rank's (`theirs`: the first differing ranks; `differing`: how many differ)."""
     def fp_str(b: bytes) -> str:
         return b.rstrip(b"\0").decode(errors="replace")[:12]
 
@@ -296,8 +439,9 @@ def _describe_difference(root: int, mine: list[tuple[str, str]], theirs: dict[in
             lines.append(f"  {k}: rank {root} has {a}, rank {r} has {b}")
         if len(diffs) > _MAX_FIELDS_SHOWN:
             lines.append(f"  ... and {len(diffs) - _MAX_FIELDS_SHOWN} more differences on rank {r}")
-    if len(theirs) > _MAX_RANKS_SHOWN:
-        lines.append(f"  ... and {len(theirs) - _MAX_RANKS_SHOWN} more ranks differ from rank {root}")
+    total = len(theirs) if differing is None else differing
+    if total > _MAX_RANKS_SHOWN:
+        lines.append(f"  ... and {total - _MAX_RANKS_SHOWN} more ranks differ from rank {root}")
     return "\n".join(lines)
 
 

@@ -296,7 +296,7 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
         with group.exclusive("plan handshake"):
             pending = PendingAgreement(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
                                        timeout=timeout, what="plan handshake")
-            if early is not None and staging is not None and not errs and not pending.is_root:
+            if early is not None and staging is not None and not errs and not pending.relays:
                 try:
                     early(staging)
                 except Exception:  # redone after the verdict, where it raises as usual

@@ -33,6 +33,13 @@ the peer: gloo closes every connection of a rank whose wait timed out, so the pe
 for an absent rank see closed connections first, and the verdict must name the absent rank, not the one that
 noticed."""
 
+def closed_by_peer(error: BaseException) -> bool:
+    """Whether gloo's `error` says the peer closed the connection (it failed or gave up, maybe on its own timeout:
+    evidence about the peer, not this rank's timeout, however long this rank waited)."""
+    text = str(error)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
 def blame(group: Group, failed: int | None, message: str, what: str, *, timed_out: bool) -> CommError:
     """`fault`, after waiting up to `CLOSED_GRACE_S` for another rank's verdict unless this rank's own wait timed
     out (a timeout is this rank's evidence; a closed connection may be the consequence of the peer's timeout)."""
@@ -197,7 +204,7 @@ class TransferHandle:
                        f"{waited:.1f} s (timeout {limit.total_seconds():.1f} s); the peer died, is stuck, or ranks run "
                        f"different plans: {e}")
             raise blame(self._group, peer, message, self._what,
-                        timed_out=waited >= 0.9 * limit.total_seconds()) from e
+                        timed_out=waited >= 0.9 * limit.total_seconds() and not closed_by_peer(e)) from e
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (every operation finished or failed)."""
