@@ -87,6 +87,21 @@ def test_all_agree_then_deep_differences_and_errors_reach_every_rank(pool) -> No
     assert pool.run_ok(on_rank_agree, [], []) == ["agreed"] * 8
 
 
+@pytest.mark.parametrize("differ, shown, more", [
+    ([4], [4], None),  # a child of the root that forwards for ranks 5-7, describing itself
+    ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4], "... and 2 more ranks differ from rank 0"),
+], ids=["inner-child", "more-than-shown"])
+def test_differing_inner_ranks_and_more_than_shown(pool, differ, shown, more) -> None:
+    outs = pool.run(on_rank_agree, differ, [])
+    same = [r for r in range(8) if r not in differ]
+    expect_all_raise(outs, "ValueError", f"ffffffffffff on ranks {same}", f"eeeeeeeeeeee on ranks {differ}",
+                     *[f"rank 0 has same, rank {r} has layouts of rank {r}" for r in shown], *([more] if more else []))
+    assert len({o.error for o in outs}) == 1
+    if more:
+        assert "rank 5 has layouts" not in outs[0].error  # only the first differing ranks are described
+    assert pool.run_ok(on_rank_agree, [], []) == ["agreed"] * 8
+
+
 def on_rank_forges(w, forger: int, summary: dict, tag: str) -> str:
     """Rank `forger` sends a summary that claims ranks outside its subtree (or is malformed otherwise)."""
     import reshard.comm._handshake as hs
