@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_planner_plan import placements_for  # the planner tests' placement strategy
+from test_planner_plan import draw_mesh, placements_for  # the planner tests' mesh and placement strategies
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard.planner import (
@@ -127,13 +127,8 @@ def local_cases(draw: st.DrawFn):
     world = draw(st.integers(2, 12))
 
     def side() -> Layout:
-        mesh_ndim = draw(st.integers(1, 2))
-        dims = [draw(st.integers(1, 3)) for _ in range(mesh_ndim)]
-        n = dims[0] * (dims[1] if mesh_ndim == 2 else 1)
-        if n > world:
-            dims, n = [world], world
-        ranks = draw(st.permutations(list(range(world))))[:n]
-        return Layout(shape, Mesh(torch.tensor(ranks).reshape(dims)), draw(placements_for(ndim, len(dims))))
+        mesh = draw_mesh(draw, world)
+        return Layout(shape, Mesh(mesh), draw(placements_for(ndim, mesh.dim())))
 
     src, dst = side(), side()
     # another stage of a pipelined trainer: the same partition held by other ranks (parts of alike layers are

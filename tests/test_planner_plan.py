@@ -40,6 +40,18 @@ def placements_for(draw: st.DrawFn, ndim: int, mesh_ndim: int) -> list:
     return out
 
 
+def draw_mesh(draw: st.DrawFn, world: int) -> torch.Tensor:
+    """A 1-D or 2-D mesh (at most 3 ranks per axis, or all `world` ranks in 1-D when that is fewer) of distinct
+    ranks below `world`, in a drawn order."""
+    mesh_ndim = draw(st.integers(1, 2))
+    dims = [draw(st.integers(1, 3)) for _ in range(mesh_ndim)]
+    n = dims[0] * (dims[1] if mesh_ndim == 2 else 1)
+    if n > world:
+        dims, n = [world], world
+    ranks = draw(st.permutations(list(range(world))))[:n]
+    return torch.tensor(ranks).reshape(dims)
+
+
 @st.composite
 def plan_cases(draw: st.DrawFn):
     ndim = draw(st.integers(0, 4))
@@ -47,13 +59,8 @@ def plan_cases(draw: st.DrawFn):
     world = draw(st.integers(2, 12))
 
     def side():
-        mesh_ndim = draw(st.integers(1, 2))
-        dims = [draw(st.integers(1, 3)) for _ in range(mesh_ndim)]
-        n = dims[0] * (dims[1] if mesh_ndim == 2 else 1)
-        if n > world:
-            dims, n = [world], world
-        ranks = draw(st.permutations(list(range(world))))[:n]
-        return torch.tensor(ranks).reshape(dims), draw(placements_for(ndim, len(dims)))
+        mesh = draw_mesh(draw, world)
+        return mesh, draw(placements_for(ndim, mesh.dim()))
 
     src_mesh, src_pl = side()
     dst_mesh, dst_pl = side()

@@ -32,7 +32,7 @@ _HEADER = struct.Struct(f"<I{_FP_BYTES}sq")  # magic, fingerprint, payload lengt
 _REPLY = struct.Struct("<Iqq")  # magic, status, payload length
 _LENGTH = struct.Struct("<Iq")  # magic, payload length
 
-_OK, _FAIL, _DESCRIBE, _WAIT = 0, 1, 2, 3
+_OK, _FAIL, _DESCRIBE = 0, 1, 2
 EXACT_SUFFIX = " (exact)"
 """A described field `NAME (exact)` repeats field `NAME` exactly; it is reported only when `NAME` itself agrees."""
 _MAX_RANKS_SHOWN = 4
@@ -210,7 +210,10 @@ class PendingAgreement:
         self.root = self.ranks[0]
         self.me = group.rank
         self.is_root = self.me == self.root
-        self.parent, self.children, self.first, self.end = _tree(self.ranks, self.me)
+        self.parent, self.children, self.first, _ = _tree(self.ranks, self.me)
+        # child k (`ranks[first + 2**k]`) roots `ranks[first + 2**k : first + 2**(k + 1)]`, clipped at the end
+        self._spans = [(c, self.first + (1 << k), min(self.first + (2 << k), len(self.ranks)))
+                       for k, c in enumerate(self.children)]
         self.relays = bool(self.children)
         self.fp = fingerprint.encode()[:_FP_BYTES].ljust(_FP_BYTES, b"\0")
         self.errors = [str(e) for e in errors]
@@ -260,8 +263,7 @@ class PendingAgreement:
         blobs = _exchange(group, [], [(c, n) for c, (_, n) in heads.items() if n], self._up_timeout, label)
         fps: dict[bytes, list[int]] = {self.fp: [self.first]}
         errors: dict[int, list[str]] = {self.first: self.errors} if self.errors else {}
-        for c in self.children:
-            _, first, end = _tree(self.ranks, c)[1:]
+        for c, first, end in self._spans:
             fp, size = heads[c]
             if not size:
                 fps.setdefault(fp, []).extend(range(first, end))

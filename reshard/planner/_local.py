@@ -133,14 +133,15 @@ class _SrcIndex:
     """A source layout's distinct global boxes (groups, sorted), their holders `(rank, delta)` ascending, and the
     holders per domain: built once per distinct layout, O(its pieces)."""
 
-    def __init__(self, src: Any, topology: Topology) -> None:
+    def __init__(self, src: Any, topology: Topology, partitions: dict[tuple[Box, ...], int]) -> None:
+        """`partitions`: the distinct partitions seen so far (boxes -> number), shared by one `plan_rank` call."""
         holders: dict[Box, list[tuple[int, Delta]]] = {}
         self.pieces = _pieces_of(src)
         for r in sorted(src.ranks):
             for p in self.pieces(r):
                 holders.setdefault(p.global_box, []).append((r, _delta(p.global_box, p.local_box)))
         self.boxes = sorted(holders, key=lambda b: (b.offsets, b.shape))
-        self.partition: int = -1  # which distinct partition of the tensor `boxes` are (set by `plan_rank`)
+        self.partition = partitions.setdefault(tuple(self.boxes), len(partitions))  # alike layouts share it
         self.gid = {b: i for i, b in enumerate(self.boxes)}
         self.holders = [holders[b] for b in self.boxes]
         self.near: list[dict[Hashable, list[tuple[int, Delta]]]] = []
@@ -503,8 +504,7 @@ def plan_rank(items: Iterable[Any], topology: Topology | None, rank: int, *, rel
         geo = geos.get((sg, dg))
         if geo is None:
             if sg not in srcs:
-                srcs[sg] = _SrcIndex(it.src, topology)
-                srcs[sg].partition = partitions.setdefault(tuple(srcs[sg].boxes), len(partitions))
+                srcs[sg] = _SrcIndex(it.src, topology, partitions)
             if dg not in dsts:
                 dsts[dg] = _DstIndex(it.dst, topology)
             size = it.dst.dtype.itemsize
