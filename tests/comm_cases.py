@@ -46,6 +46,7 @@ class Case:
     min_split: int = 1 << 20
     verify: bool = False
     expect: dict = field(default_factory=dict)  # plan statistics the case must have, e.g. {"messages": 0}
+    local: bool = False  # each rank plans its own part (`plan_local`), form "plan" only
 
 
 class Hooked:
@@ -122,7 +123,12 @@ def run_one(w: Any, case: Case) -> dict:
     kw = {"relay": case.relay, "staging_bytes": case.staging, "min_split_bytes": case.min_split}
     src_layout = Layout(case.shape, Mesh(src_t), list(case.src_pl), case.dtype)
     dst_layout = Layout(case.shape, Mesh(dst_t), list(case.dst_pl), case.dtype)
-    p = plan(src_layout, dst_layout, topology, **kw)
+    if case.local:
+        from reshard.planner import plan_local
+
+        p = plan_local([(src_layout, dst_layout)], topology, w.rank, **kw)
+    else:
+        p = plan(src_layout, dst_layout, topology, **kw)
     if case.form == "plan":
         reshard(src_dt.to_local() if in_src else None, out if in_dst else None, p, w.group, verify=case.verify,
                 timeout=30)
@@ -270,6 +276,16 @@ def build_cases() -> list[Case]:
                                   form, c.domain_size, c.relay, c.staging, c.min_split, c.verify, c.expect))
     cases.extend(forms)
     cases.extend(random_cases(24, seed=7))
+    # rank-local plans (`plan_local`): each rank schedules its own part; relays, tiny chunks (many batches per
+    # pair), every rank to every rank, verify, overlapping groups, and random cases
+    local = []
+    for c in cases:
+        if c.form == "plan" and (c.id.startswith(("relay-", "no-relay", "m2m-", "verify-", "overlap", "identical-",
+                                                  "ratio-", "strided-", "3dmesh-", "0d", "5d-empty", "1d-empty"))
+                                 or c.id in {"random-1", "random-4", "random-9", "random-13", "random-20"}):
+            local.append(Case(f"{c.id}[local]", c.shape, c.dtype, c.src_mesh, c.src_pl, c.dst_mesh, c.dst_pl,
+                              c.form, c.domain_size, c.relay, c.staging, c.min_split, c.verify, local=True))
+    cases.extend(local)
     return cases
 
 

@@ -20,6 +20,7 @@ Exports:
         planning; `Plan` validates the `PlanData` it is built from; `PlanLimits` bounds what a plan may cost.
     plan_rank, RankPart, LocalTransfer: rank-local planning: one rank's part (what it sends, receives, forwards)
         computed from the layouts, topology and rank alone, each end of a transfer computing the same one.
+    plan_local, LocalPlan: that part scheduled into chunks, for `execute` (each rank plans and runs its own).
     PIPELINE_DEPTH, RELAY_CHUNK_LAG: chunks in flight, the contract between planner and executor, and the relay
         lag derived from it.
     Transfer, Message, BoxList, PlanStats, RankBytes, RankChunk, RankPlan: what a plan holds; a rank's program
@@ -47,6 +48,7 @@ from reshard.planner._format import format_bytes, format_stats
 from reshard.planner._fp8 import FP8, Fp8Items
 from reshard.planner._layout import Layout, Piece, placement_str
 from reshard.planner._local import LocalTransfer, RankPart, plan_rank
+from reshard.planner._local_plan import LocalPlan, plan_local
 from reshard.planner._mesh import Mesh, flat_index
 from reshard.planner._notation import parse_layout
 from reshard.planner._plan import (
@@ -87,6 +89,7 @@ __all__ = [
     "ExplicitLayout",
     "Fp8Items",
     "Layout",
+    "LocalPlan",
     "LocalTransfer",
     "Mesh",
     "Message",
@@ -122,6 +125,7 @@ __all__ = [
     "parse_layout",
     "placement_str",
     "plan",
+    "plan_local",
     "plan_many",
     "plan_rank",
     "relabel",

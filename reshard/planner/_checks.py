@@ -134,8 +134,7 @@ def check_items(items: Sequence[Any], staging_bytes: int, limits: PlanLimits) ->
             if gid not in seen:
                 seen.add(gid)
                 _check_sizes(layout, side, it.label, limits)
-    _check_destinations(items)
-    _check_coverage(items)
+    check_destinations_and_coverage(items)
     _check_size_bound(items, staging_bytes // 2, staging_bytes, limits)
 
 
@@ -209,6 +208,13 @@ def _check_coverage(items: Sequence[Any]) -> None:
         if held < needed:
             raise ValueError(f"tensor {it.label!r} (item {i}): the source layout holds {held} of the {needed} elements "
                              f"the destination layout needs (expected every needed element on some source rank)")
+
+
+def check_destinations_and_coverage(items: Sequence[Any]) -> None:
+    """The checks of `check_items` that hold for any plan of the items, not its size: no destination element
+    written by two items, and a source that holds what the destination needs."""
+    _check_destinations(items)
+    _check_coverage(items)
 
 
 def _check_size_bound(items: Sequence[Any], chunk_cap: int, staging_bytes: int, limits: PlanLimits) -> None:

@@ -15,8 +15,8 @@ from reshard.planner._chunks import RELAY_CHUNK_LAG, TransferColumns, Unit, _Col
 from reshard.planner._data import PlanData
 from reshard.planner._format import format_bytes, format_stats
 from reshard.planner._layout import _geometry_id
-from reshard.planner._messages import _box_list, _contiguous_in, _messages
-from reshard.planner._types import LINKS, PlanStats, RankBytes, RankChunk, RankPlan, Transfer
+from reshard.planner._program import rank_program
+from reshard.planner._types import LINKS, PlanStats, RankBytes, RankPlan, Transfer
 from reshard.planner._validate import _check_chunks, _validate
 
 __all__ = ["PLAN_VERSION", "Plan"]
@@ -232,45 +232,7 @@ class Plan:
                 recvs[t.src_rank].append(t)
             if t.src_rank == rank and t.stage > 0:
                 deps[t.chunk] = max(deps.get(t.chunk, -1), t.chunk - RELAY_CHUNK_LAG)
-        chunks = []
-        peers: set[int] = set()
-        shapes: dict[tuple[bool, int], tuple[int, ...]] = {}
-
-        def contiguous_at(t: Transfer, sending: bool) -> bool:
-            """Whether the box is read from (written to) the local tensor of its sender (receiver) as it is:
-            contiguous there, no cast while packing. Pure geometry of the plan, so both ends compute the same."""
-            item = self.items[t.item]
-            if sending and t.stage == 0 and item.casts:
-                return False
-            on_dst = not sending or t.stage > 0
-            end = t.src_rank if sending else t.dst_rank
-            key = (on_dst, t.item, end)
-            shape = shapes.get(key)
-            if shape is None:
-                shape = shapes[key] = tuple((item.dst if on_dst else item.src).local_shape(end))
-            return _contiguous_in(t.src_box if sending else t.dst_box, shape)
-
-        for c in sorted(per_chunk):
-            local, sends, recvs = per_chunk[c]
-            send_msgs = _messages(sends, lambda t: contiguous_at(t, True), contiguous_at)
-            recv_msgs = _messages(recvs, lambda t: contiguous_at(t, False), contiguous_at)
-            peers.update(sends)
-            peers.update(recvs)
-            chunks.append(RankChunk(c, send_msgs, recv_msgs, tuple(local), sum(m.nbytes for m in send_msgs),
-                                    sum(m.nbytes for m in recv_msgs), deps.get(c, -1),
-                                    _box_list(self.items, send_msgs, sending=True),
-                                    _box_list(self.items, recv_msgs, sending=False)))
-        rp = RankPlan(
-            rank,
-            tuple(chunks),
-            max((c.send_bytes for c in chunks), default=0),
-            max((c.recv_bytes for c in chunks), default=0),
-            tuple(sorted(peers)),
-            max_chunk_bytes=max((c.send_bytes + c.recv_bytes for c in chunks), default=0),
-            max_send_boxes=max((len(c.pack.boxes) for c in chunks), default=0),
-            max_recv_boxes=max((len(c.unpack.boxes) for c in chunks), default=0),
-            local_bytes=sum(t.nbytes for c in chunks for t in c.local),
-        )
+        rp = rank_program(self.items, rank, ((c, *per_chunk[c], deps.get(c, -1)) for c in sorted(per_chunk)))
         self._rank_plans[rank] = rp
         return rp
 
