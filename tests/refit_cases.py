@@ -128,6 +128,13 @@ def job_refit(w, model: str, system: str, seed: int, new_seed: int | None = None
     }
 
 
+def job_refit_mixed_planning(w) -> None:
+    """Half the ranks plan the whole model, the other half their own part: the plan handshake must refuse."""
+    refit, _, _, _, _ = setup("tiny-deepseek", "train=ep2,dp2 gen=tp2,dp2 domain=4", w.rank, 3,
+                              planning="local" if w.rank % 2 else "global")
+    refit.run()
+
+
 def _verify(rank: int, dests: dict, sysm, config, seed: int) -> list[str]:
     if rank not in sysm.gen_ranks:
         return []

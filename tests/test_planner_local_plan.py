@@ -35,12 +35,13 @@ def _sl(box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))
 
 
-def run_local_plans(items, topology, relay: bool, staging: int) -> dict:
+def run_local_plans(items, topology, relay: bool, staging: int, single: bool = False) -> dict:
     """Plan every rank locally and run the programs together (see the module docstring); returns statistics."""
     items = [it if isinstance(it, PlanItem) else PlanItem(it[0], it[1], src_tensor=i, dst_tensor=i)
              for i, it in enumerate(items)]
     ranks = sorted({r for it in items for r in (*it.src.ranks, *it.dst.ranks)})
-    plans = {r: plan_local(items, topology, r, relay=relay, staging_bytes=staging) for r in ranks}
+    plans = {r: plan_local(items, topology, r, relay=relay, staging_bytes=staging, single_batch_chunks=single)
+             for r in ranks}
     fingerprints = {p.fingerprint for p in plans.values()}
     assert len(fingerprints) == 1, "ranks with the same inputs must agree on the fingerprint"
     progs = {r: p.for_rank(r) for r, p in plans.items()}
@@ -49,6 +50,8 @@ def run_local_plans(items, topology, relay: bool, staging: int) -> dict:
         for c in prog.chunks:
             assert c.send_bytes + c.recv_bytes <= cap, f"rank {r} chunk {c.index} over the staging share"
             assert c.unpack_before_pack < c.index, f"rank {r} chunk {c.index} forwards what it receives itself"
+            if single:
+                assert len({(True, m.peer) for m in c.sends} | {(False, m.peer) for m in c.recvs}) <= 1
     fulls = [_global(i, it.src) for i, it in enumerate(items)]
     # local tensors: sources from the global tensor, destinations empty (NaN where floating)
     src: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -145,6 +148,14 @@ def test_items_within_and_across_blocks_with_relays(relay: bool, staging: int, n
     items = [(src if i % 3 else src2, dst) for i in range(num_items)]
     out = run_local_plans(items, Topology(domain_size=4), relay, staging)
     assert out["chunks"] > (3 if staging == 256 else 1 if relay else 0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(local_cases())
+def test_single_batch_chunks_for_delta_runs(case) -> None:
+    """One batch (one peer, one direction) per chunk, as delta runs need: the same bytes, no deadlock."""
+    src, src2, dst, topology, relay, staging = case
+    run_local_plans([(src, dst), (src2, dst)], topology, relay, staging, single=True)
 
 
 def test_fused_destination_and_overlapping_groups() -> None:

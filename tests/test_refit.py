@@ -4,7 +4,7 @@ from the full model by hand."""
 from __future__ import annotations
 
 import pytest
-from refit_cases import job_precision, job_refit, job_refit_error
+from refit_cases import job_precision, job_refit, job_refit_error, job_refit_mixed_planning
 
 pytestmark = pytest.mark.distributed
 
@@ -43,6 +43,31 @@ def test_gather_broadcast_policy_is_also_exact(pool) -> None:
         assert o["choices"] == ["gather_broadcast"] and o["num_items"] == 0
     resharded = pool.run_ok(job_refit, "tiny-deepseek", MOE_SYSTEM, 5)
     assert out[0]["gather_broadcast_bytes"] > resharded[0]["network_bytes"] > 0
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_rank_local_planning_is_bit_exact_and_moves_the_global_plans_bytes(pool, delta: bool) -> None:
+    """`planning="local"`: each rank plans its own part (no whole-model plan); two runs (new weights in between),
+    every engine tensor bit for bit, and the bytes per rank sum to the global plan's."""
+    local = pool.run_ok(job_refit, "tiny-deepseek", MOE_SYSTEM, 7, 8, planning="local", delta=delta)
+    for o in local:
+        assert o["mismatches"] == [], o["mismatches"]
+        assert o["first_run"] == [True, False]
+        assert o["choices"] == ["reshard"]  # `auto` weights reshard: the per-weight model needs the whole plan
+    whole = pool.run_ok(job_refit, "tiny-deepseek", MOE_SYSTEM, 7, None, planning="global", policy="reshard")
+    assert sum(o["network_bytes"] for o in local) == whole[0]["network_bytes"] > 0
+
+
+def test_ranks_planning_differently_are_refused_on_every_rank(pool) -> None:
+    """Even ranks plan the whole model, odd ranks their own part: every rank of the plan refuses, naming how each
+    planned (ranks 2 and 3, trainer replicas that send nothing in this plan, take no part and return)."""
+    outs = pool.run(job_refit_mixed_planning)
+    refused = {o.rank for o in outs if not o.ok}
+    assert refused == {0, 1, 4, 5, 6, 7}, [(o.rank, o.ok, o.error) for o in outs]
+    for o in outs:
+        if not o.ok:
+            assert "planning: rank 0 has 'global', rank 1 has 'local'" in o.error, o.error
+            assert "nothing was moved" in o.error, o.error
 
 
 @pytest.mark.parametrize("case,pattern", [

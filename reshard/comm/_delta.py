@@ -537,6 +537,10 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
     if verify:
         errors.append(f"rank {rank}: verify=True is not supported with delta (delta boxes carry checked headers "
                       "and versions; run without delta to verify by checksums)")
+    if getattr(plan, "planning", "global") == "local" and not getattr(plan, "single_batch_chunks", False):
+        errors.append(f"rank {rank}: a delta run of a rank-local plan needs one batch per chunk "
+                      "(plan_local(..., single_batch_chunks=True)): the size round of a chunk waits for all its sizes "
+                      "before data moves, which with several peers per chunk can wait on a peer waiting on this rank")
     srcs, dsts = src_tensors or (), dst_tensors or ()
     states: list[RankState] = []
 

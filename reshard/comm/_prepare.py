@@ -192,6 +192,7 @@ def check_tensors(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
 def describe_plan(plan: Plan) -> list[tuple[str, str]]:
     """What a plan was built from, field by field, for saying what differs between ranks."""
     out = [
+        ("planning", repr(getattr(plan, "planning", "global"))),
         ("topology", repr(plan.topology)),
         ("relay", repr(plan.relay)),
         ("staging_bytes", repr(plan.staging_bytes)),

@@ -88,10 +88,11 @@ def _batches(part: RankPart, limit: int) -> list[tuple[tuple, bool, int, list[Lo
     return out
 
 
-def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int) -> list[ChunkWork]:
+def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int,
+             single_batch_chunks: bool = False) -> list[ChunkWork]:
     """`part` in chunks (see the module docstring): `(index, local copies, sends by peer, receives by peer,
     unpack_before_pack)` per chunk, indices from 0, each chunk's send + receive bytes within `chunk_cap` (a
-    transfer is at most `chunk_cap`, as `plan_rank` cuts them)."""
+    transfer is at most `chunk_cap`, as `plan_rank` cuts them). `single_batch_chunks`: one batch per chunk."""
     rank = part.rank
     chunks: list[list] = []  # [bytes, (sending, peer) used, batches, latest arrival forwarded]
     arrived: dict[tuple[int, tuple, tuple], int] = {}  # (item, global box offsets, shape) of an arrival -> its chunk
@@ -100,7 +101,8 @@ def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int) -> list[
         dep = max((arrived[(t.item, t.global_box.offsets, t.global_box.shape)] for t in ts if t.stage),
                   default=-1) if sending else -1
         cur = chunks[-1] if chunks else None
-        if cur is None or (sending, peer) in cur[1] or cur[0] + nbytes > chunk_cap or dep >= len(chunks) - 1:
+        if (cur is None or single_batch_chunks or (sending, peer) in cur[1] or cur[0] + nbytes > chunk_cap
+                or dep >= len(chunks) - 1):
             cur = [0, set(), [], -1]
             chunks.append(cur)
         cur[0] += nbytes
@@ -150,14 +152,19 @@ class LocalPlan:
         rank: whose part this is.
         items, topology, relay, staging_bytes, min_split_bytes: the inputs, as for `plan_many`.
         part: the rank's transfers (`RankPart`), unscheduled.
+        single_batch_chunks: every chunk holds one batch (one peer, one direction): what delta runs need, whose
+            per-chunk size round would otherwise tie a chunk's messages to each other.
         stats: this rank's share (`PlanStats`): the transfers it *receives* (local copies included), so that the
             sums over all ranks are the plan's bytes and transfers; `max_*` / `mean_*` and `per_rank` are this
             rank's sends and receives; `network_lower_bound` is not computed (0).
         fingerprint: a digest of the inputs and the scheduling rule.
     """
 
+    planning = "local"
+    """How it was planned: this rank's part only (`Plan.planning` is `"global"`)."""
+
     def __init__(self, items: Sequence[PlanItem], topology: Topology, relay: bool, staging_bytes: int,
-                 min_split_bytes: int, rank: int, part: RankPart) -> None:
+                 min_split_bytes: int, rank: int, part: RankPart, single_batch_chunks: bool = False) -> None:
         self.items = tuple(items)
         self.topology = topology
         self.relay = relay
@@ -165,15 +172,17 @@ class LocalPlan:
         self.min_split_bytes = min_split_bytes
         self.rank = rank
         self.part = part
+        self.single_batch_chunks = single_batch_chunks
         self._ranks: tuple[int, ...] | None = None
         self.fingerprint = self._compute_fingerprint()
-        self._program = rank_program(self.items, rank, schedule(part, self.items, staging_bytes // PIPELINE_DEPTH))
+        self._program = rank_program(self.items, rank, schedule(part, self.items, staging_bytes // PIPELINE_DEPTH,
+                                                                single_batch_chunks))
         self.stats = self._compute_stats()
 
     def _compute_fingerprint(self) -> str:
         h = hashlib.sha256()
-        h.update(repr(("local", LOCAL_VERSION, BLOCK_ITEMS, BATCH_SHARE, PLAN_VERSION, self.topology.key, self.relay,
-                       self.staging_bytes, self.min_split_bytes)).encode())
+        h.update(repr(("local", LOCAL_VERSION, BLOCK_ITEMS, BATCH_SHARE, self.single_batch_chunks, PLAN_VERSION,
+                       self.topology.key, self.relay, self.staging_bytes, self.min_split_bytes)).encode())
         for it in self.items:
             h.update(_layout_digest(it.src))
             h.update(_layout_digest(it.dst))
@@ -255,8 +264,8 @@ class LocalPlan:
 
 
 def plan_local(items: Iterable[Any], topology: Topology | None, rank: int, *, relay: bool = True,
-               staging_bytes: int = DEFAULT_STAGING_BYTES,
-               min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES) -> LocalPlan:
+               staging_bytes: int = DEFAULT_STAGING_BYTES, min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+               single_batch_chunks: bool = False) -> LocalPlan:
     """Rank `rank`'s part of the plan of `items`, ready for `execute`: `plan_rank`'s transfers, scheduled.
 
     Every rank of the plan calls it with the same arguments but `rank`; the parts fit together (each transfer in
@@ -268,6 +277,9 @@ def plan_local(items: Iterable[Any], topology: Topology | None, rank: int, *, re
         items, topology, relay, staging_bytes: as for `plan_many`.
         rank: the rank whose part to plan.
         min_split_bytes: kept for the handshake's description; the rotation splits parts by `staging_bytes` only.
+        single_batch_chunks: one batch (one peer, one direction) per chunk, as delta runs (`execute(...,
+            delta=...)`) need: their size round waits for every size of a chunk before its data moves, which with
+            several peers per chunk could wait on a peer that waits on this rank.
     """
     items_t = _as_items(items)
     _checks.check_call(topology, relay, None)
@@ -280,4 +292,6 @@ def plan_local(items: Iterable[Any], topology: Topology | None, rank: int, *, re
         _check_item(it, i)
     _checks.check_destinations_and_coverage(items_t)
     part = plan_rank(items_t, topology, rank, relay=relay, staging_bytes=staging_bytes)
-    return LocalPlan(items_t, topology, relay, staging_bytes, min_split_bytes, rank, part)
+    if not isinstance(single_batch_chunks, bool):
+        raise TypeError(f"plan_local: single_batch_chunks must be a bool, got {single_batch_chunks!r}")
+    return LocalPlan(items_t, topology, relay, staging_bytes, min_split_bytes, rank, part, single_batch_chunks)

@@ -71,6 +71,9 @@ class Plan:
         fingerprint: a stable hex digest of the inputs and the result.
     """
 
+    planning = "global"
+    """How it was planned: the whole plan on every rank (`LocalPlan.planning` is `"local"`)."""
+
     def __init__(self, data: PlanData) -> None:
         if not isinstance(data, PlanData):
             raise TypeError(f"Plan: expected a PlanData (plans come from plan / plan_many), got {type(data).__name__}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from reshard.planner._box import Box
 from reshard.planner._item import PlanItem
 from reshard.planner._messages import _box_list, _contiguous_in, _messages
 from reshard.planner._types import RankChunk, RankPlan, Transfer
@@ -19,6 +20,7 @@ def rank_program(items: Sequence[PlanItem], rank: int, chunks: Iterable[ChunkWor
     """`rank`'s program from its chunks (given in increasing index): per chunk its messages (`_messages`: by peer,
     boxes in the given order), its local copies and the box lists of its pack and unpack calls."""
     shapes: dict[tuple[bool, int, int], tuple[int, ...]] = {}
+    known: dict[tuple[tuple[int, ...], Box], bool] = {}  # (local shape, box) -> contiguous: items repeat both
 
     def contiguous_at(t: Transfer, sending: bool) -> bool:
         """Whether the box is read from (written to) the local tensor of its sender (receiver) as it is:
@@ -32,7 +34,11 @@ def rank_program(items: Sequence[PlanItem], rank: int, chunks: Iterable[ChunkWor
         shape = shapes.get(key)
         if shape is None:
             shape = shapes[key] = tuple((item.dst if on_dst else item.src).local_shape(end))
-        return _contiguous_in(t.src_box if sending else t.dst_box, shape)
+        box = t.src_box if sending else t.dst_box
+        out = known.get((shape, box))
+        if out is None:
+            out = known[(shape, box)] = _contiguous_in(box, shape)
+        return out
 
     out = []
     peers: set[int] = set()

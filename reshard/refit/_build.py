@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reshard.cost import get_hardware
-from reshard.planner import Plan, PlanItem, Topology, decode_layout, plan_many
+from reshard.planner import LocalPlan, Plan, PlanItem, Topology, decode_layout, plan_local, plan_many
 from reshard.refit._fp8 import FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._meta import LayoutLike
@@ -36,6 +36,8 @@ class BuildOptions(Protocol):
     relay: bool
     staging_bytes: int
     hardware: Any
+    planning: str  # "global" or "local" (resolved)
+    delta: Any  # a DeltaSession or None
 
 
 @dataclass
@@ -43,7 +45,7 @@ class Built:
     source_layouts: dict[str, LayoutLike]
     source_names: list[str]
     dest_names: list[str]
-    plan: Plan
+    plan: Plan | LocalPlan
     choices: dict[str, str]
     gather_broadcast: list[Any]
     scale_names: list[str]
@@ -161,6 +163,16 @@ def build(refit: BuildOptions, meta: list[dict]) -> Built:
             items.append(item)
         else:
             gather_broadcast.append(GatherBroadcastWeight(item))
+    if refit.planning == "local":
+        # each rank plans its own part; `auto` needs the whole plan's per-weight times, so those weights reshard
+        for sname, item in pending:
+            choices[sname] = Choice("reshard")
+            items.append(item)
+        p: Plan | LocalPlan = plan_local(items, refit.topology, refit.rank, relay=refit.relay,
+                                         staging_bytes=refit.staging_bytes,
+                                         single_batch_chunks=refit.delta is not None)
+        return Built(src_layouts, source_names, dest_names, p, choices, gather_broadcast, scale_names, fp8, extra_src,
+                     extra_dst)
     p = plan_many(items + [it for _, it in pending], refit.topology, relay=refit.relay,
                   staging_bytes=refit.staging_bytes)
     if pending:

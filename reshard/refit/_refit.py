@@ -40,6 +40,7 @@ from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     ExplicitLayout,
     Layout,
+    LocalPlan,
     Plan,
     Topology,
     fuse,
@@ -58,6 +59,12 @@ from reshard.refit._replicas import replica_digests, replica_errors
 logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "reshard", "gather_broadcast")
+PLANNINGS = ("auto", "global", "local")
+
+LOCAL_PLANNING_RANKS = 512
+"""`Refit(planning="auto")` plans rank-locally on groups of at least this many ranks: there the whole-model plan
+takes every rank seconds and grows with the cluster (`perf/bench_scale.py`), below it the greedy balance is
+cheap."""
 
 
 @dataclass
@@ -66,10 +73,11 @@ class RefitReport:
 
     Attributes:
         seconds: per phase: `metadata` (exchange and checks), `plan`, `transfer` (0 for phases a cached run skips).
-        network_bytes, nvlink_bytes, local_bytes: bytes the whole-model plan moves per link kind.
+        network_bytes, nvlink_bytes, local_bytes: bytes the whole-model plan moves per link kind; with rank-local
+            planning (`Refit(planning=...)`), what this rank receives (sum them over ranks for the whole model).
         gather_broadcast_bytes: bytes of the weights that went by gather-and-broadcast.
         num_tensors: destination global tensors written.
-        messages: messages of the reshard plan (all ranks).
+        messages: messages of the reshard plan (all ranks; with rank-local planning, those this rank receives).
         first_run: whether metadata was exchanged and the plan built in this run.
         choices: trainer name -> its method: `"reshard"`, `"gather_broadcast"` or an FP8 note. Under
             `policy="auto"` each is a `reshard.refit.Choice` (a `str`) carrying the modelled seconds and
@@ -116,6 +124,12 @@ class Refit:
         policy: `"auto"` (per weight, whichever the cost model says is faster), `"reshard"` or
             `"gather_broadcast"`; `policies` overrides it per trainer name.
         hardware: the cost model's link figures (`reshard.cost.Hardware`), default the H100 preset.
+        planning: how the first run plans: `"global"`, every rank builds the whole-model plan (`plan_many`: the
+            greedy balance, and `policy="auto"` models each weight on it), or `"local"`, each rank plans only its
+            own part (`reshard.planner.plan_local`: time and memory grow with the rank's own transfers, not with
+            the cluster; the same bytes per link kind; `auto` weights go by reshard). `"auto"` (default): `"local"`
+            on groups of at least `LOCAL_PLANNING_RANKS` ranks. Every rank must plan the same way (the plan
+            handshake refuses a mix).
         verify: check every received box against its sender's checksum.
         check_replicas: before every run, compare by hash the copies of each trainer box that its layout says are
             equal (TP replicas of a norm, sub-mesh copies); a difference raises a `ValueError` on every rank naming
@@ -168,7 +182,10 @@ class Refit:
         delta_snapshot: str = "device",
         delta_check: str = "checksum",
         name: str | None = None,
+        planning: str = "auto",
     ) -> None:
+        if planning not in PLANNINGS:
+            raise ValueError(f"Refit: planning must be one of {PLANNINGS}, got {planning!r}")
         if policy not in POLICIES:
             raise ValueError(f"Refit: policy must be one of {POLICIES}, got {policy!r}")
         for n, p in (policies or {}).items():
@@ -200,6 +217,9 @@ class Refit:
         self.relay = relay
         self.policy = policy
         self.policies = dict(policies or {})
+        self.planning = planning if planning != "auto" else \
+            "local" if self.group.size >= LOCAL_PLANNING_RANKS else "global"
+        """How the first run plans: `"global"` or `"local"` (`planning="auto"` resolved on the group's size)."""
         self.hardware = hardware
         self.verify = verify
         self.check_replicas = check_replicas
@@ -459,8 +479,8 @@ class Refit:
 
     # ---- running ---------------------------------------------------------------------------------------------
     @property
-    def plan(self) -> Plan:
-        """The whole-model reshard plan (after the first `run()`)."""
+    def plan(self) -> Plan | LocalPlan:
+        """The whole-model reshard plan (after the first `run()`); with rank-local planning, this rank's part."""
         if self._built is None:
             raise ValueError("Refit.plan: call run() first")
         return self._built.plan
