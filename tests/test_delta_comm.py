@@ -39,6 +39,9 @@ CASES = [
      None, {}),
     ("cast-f32-to-bf16", (64, 48), torch.float32, A, (S0,), B2, (R, S1), torch.bfloat16, {}),
 ]
+# rank-local plans (`plan_local(..., single_batch_chunks=True)`): each rank schedules its own part
+CASES += [(f"{c[0]}[local]", *c[1:8], {**c[8], "local": True}) for c in CASES
+          if c[0] in ("relay-S0-to-R-domain4", "m2m-tiny-chunks", "overlap-local-copies", "cast-f32-to-bf16")]
 STEPS = ("first", "same", "few", "all", "overwritten", "few-after")
 OVERWRITTEN_RANK = 5  # a destination rank of every case
 
@@ -65,8 +68,9 @@ def _values(case, step: int) -> torch.Tensor:
 
 
 def on_rank(w, cases: list, check: str) -> list:
-    from reshard import Layout, Mesh, Topology, plan
+    from reshard import Layout, Mesh, PlanItem, Topology, plan
     from reshard.comm import DeltaSession, execute
+    from reshard.planner import plan_local
 
     out = []
     for case in cases:
@@ -76,7 +80,11 @@ def on_rank(w, cases: list, check: str) -> list:
             topo = Topology(domain_size=opts.pop("domain_size", None))
             src = Layout(shape, Mesh(torch.as_tensor(sm)), list(sp), sdt)
             dst = Layout(shape, Mesh(torch.as_tensor(dm)), list(dp), ddt or sdt)
-            p = plan(src, dst, topo, precision="cast" if ddt else "same", **opts)
+            if opts.pop("local", False):
+                item = PlanItem(src, dst, precision="cast" if ddt else "same")
+                p = plan_local([item], topo, w.rank, single_batch_chunks=True, **opts)
+            else:
+                p = plan(src, dst, topo, precision="cast" if ddt else "same", **opts)
             session = DeltaSession(check=check)
             d = torch.zeros(dst.local_shape(w.rank), dtype=dst.dtype) if w.rank in dst.ranks else None
             steps = []
@@ -178,6 +186,31 @@ def on_rank_mismatch(w) -> tuple[str, str, bool]:
     except Exception as e:  # noqa: BLE001 - reported to the test process
         return type(e).__name__, str(e), d is None or bool((d == 7.0).all())
     return "", "", d is None or bool((d == 7.0).all())
+
+
+def on_rank_local_without_single_batches(w) -> tuple[str, str, bool]:
+    """A rank-local plan scheduled with several peers per chunk: a delta run must refuse it on every rank."""
+    from reshard import Layout, Mesh
+    from reshard.comm import DeltaSession, execute
+    from reshard.planner import plan_local
+
+    src = Layout((16, 8), Mesh(A), [S0], torch.float32)
+    dst = Layout((16, 8), Mesh(B), [S1], torch.float32)
+    p = plan_local([(src, dst)], None, w.rank, staging_bytes=4096)
+    full = full_tensor((16, 8), torch.float32, "local")
+    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
+    d = torch.full(dst.local_shape(w.rank), 7.0) if w.rank in dst.ranks else None
+    try:
+        execute(p, w.rank, s, None if d is None else [d], w.group, delta=DeltaSession(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        return type(e).__name__, str(e), d is None or bool((d == 7.0).all())
+    return "", "", d is None or bool((d == 7.0).all())
+
+
+def test_a_rank_local_plan_without_single_batch_chunks_is_refused_on_every_rank(pool) -> None:
+    for r, (kind, msg, untouched) in enumerate(pool.run_ok(on_rank_local_without_single_batches)):
+        assert kind == "ValueError" and "single_batch_chunks=True" in msg, (r, kind, msg[:500])
+        assert untouched, r
 
 
 def test_mismatched_plans_raise_on_every_rank_and_leave_destinations(pool) -> None:
