@@ -20,7 +20,8 @@ NVLink domains; `SYSTEMS` below), one process standing for one rank. Per (model,
 - plan: `plan_many` of the whole model, as every rank runs it today, in a child process: wall time and peak RSS
   (`ru_maxrss`; the child's RSS after imports and layouts is `baseline_bytes`). A plan over `PlanLimits` is
   refused; the row then says after how long and at what peak (`plan_refused_after_s`, `plan_error`).
-- local plan (`local` rows): `plan_rank` of one rank, each sampled rank in a child process of its own (`SAMPLE`:
+- local plan (`local` rows): `plan_local` of one rank (its part, `plan_rank`, scheduled into the chunks and messages
+  the executor runs: what `Refit(planning="local")` builds), each sampled rank in a child process of its own (`SAMPLE`:
   first, middle and last trainer and engine ranks): cold wall time, peak RSS (`ru_maxrss`, with the child's
   `baseline_bytes` after imports and layouts) and the allocations' peak of a second, warm call (`tracemalloc`,
   `plan_alloc_peak_bytes`). The row's plan columns are the busiest sampled rank's (most bytes sent + received,
@@ -52,7 +53,7 @@ from _common import machine_info, python_speed_ms, write_csv  # noqa: E402
 
 from reshard.comm._wire import encode  # noqa: E402
 from reshard.models import get_preset  # noqa: E402
-from reshard.planner import Topology, format_bytes, plan_many, plan_rank  # noqa: E402
+from reshard.planner import Topology, format_bytes, plan_local, plan_many, plan_rank  # noqa: E402
 from reshard.refit._metawire import join_registrations, registration, split_registration, table_owners  # noqa: E402
 from reshard.refit._sources import source_layouts  # noqa: E402
 from reshard.sim import System, model_layouts, plan_items  # noqa: E402
@@ -163,23 +164,27 @@ def plan_child(model: str, gpus: int) -> None:
 
 
 def local_child(model: str, gpus: int, rank: int) -> None:
-    """Child process: rank `rank`'s part of the plan (`plan_rank`), as that rank alone computes it; prints JSON."""
+    """Child process: rank `rank`'s plan (`plan_local`: its part, scheduled), as that rank alone computes it;
+    prints JSON."""
     system = System.parse(SYSTEMS[gpus])
     items = plan_items(model_layouts(get_preset(model), system))
     topology = Topology(domain_size=system.domain_size)
     baseline = _peak_bytes()
     t0 = time.perf_counter()
-    part = plan_rank(items, topology, rank)
+    lp = plan_local(items, topology, rank)
     seconds = time.perf_counter() - t0
     peak = _peak_bytes()
-    del part
+    del lp
     tracemalloc.start()
-    part = plan_rank(items, topology, rank)
+    lp = plan_local(items, topology, rank)
     alloc_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    part = lp.part
+    prog = lp.for_rank(rank)
     sent, recv = part.bytes_by_link("send"), part.bytes_by_link("recv")
     print(json.dumps({"rank": rank, "plan_seconds": round(seconds, 3), "peak_bytes": peak, "baseline_bytes": baseline,
                       "plan_alloc_peak_bytes": alloc_peak, "transfers": len(part.transfers),
+                      "chunks": len(prog.chunks), "messages": sum(len(c.sends) + len(c.recvs) for c in prog.chunks),
                       "send_bytes": sent["network"] + sent["nvlink"], "recv_bytes": recv["network"] + recv["nvlink"]}))
 
 
@@ -203,8 +208,8 @@ def local_plan_row(model: str, gpus: int) -> dict[str, object]:
     res.sort(key=lambda x: x["send_bytes"] + x["recv_bytes"])
     busiest, typical = res[-1], res[len(res) // 2]
     row: dict[str, object] = {"sampled_ranks": " ".join(str(x["rank"]) for x in res), "busiest_rank": busiest["rank"]}
-    for k in ("plan_seconds", "peak_bytes", "baseline_bytes", "plan_alloc_peak_bytes", "transfers", "send_bytes",
-              "recv_bytes"):
+    for k in ("plan_seconds", "peak_bytes", "baseline_bytes", "plan_alloc_peak_bytes", "transfers", "chunks",
+              "messages", "send_bytes", "recv_bytes"):
         row[k] = busiest[k]
         row[f"typical_{k}"] = typical[k]
     row["typical_rank"] = typical["rank"]

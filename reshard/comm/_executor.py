@@ -25,11 +25,14 @@ One call, on every rank of the plan:
    a last agreement round makes every rank raise if any box was corrupted.
 
 Deadlock freedom. Every rank posts the messages of a chunk before it waits on any message of that chunk or of a
-later one, and it waits on chunks in increasing index. Sender and receiver of a message put it in the same chunk
-(the plan says so). Take the lowest chunk index `c` some rank is blocked on: its peer in that message only blocks
-on chunks >= `c`, and only after posting every chunk <= the one it blocks on, so it has posted its side of the
-message in chunk `c`; both sides are posted, and the transport (gloo's threads, NCCL's kernels, which see groups
-in the same chunk order on every rank) completes it. Hence no cycle of waits, for any plan.
+later one, and it waits on chunks in increasing index. In a `Plan`, sender and receiver of a message put it in the
+same chunk. Take the lowest chunk index `c` some rank is blocked on: its peer in that message only blocks on chunks
+>= `c`, and only after posting every chunk <= the one it blocks on, so it has posted its side of the message in
+chunk `c`; both sides are posted, and the transport (gloo's threads, NCCL's kernels, which see groups in the same
+chunk order on every rank) completes it. Hence no cycle of waits, for any plan. A rank-local plan
+(`reshard.planner.plan_local`) numbers each rank's chunks on its own; there the same induction runs over one global
+order of the pairs' batches, of which every rank's chunks are consecutive runs (see `reshard.planner._local_plan`),
+and messages match by their order per peer, which both ends share.
 
 The program. `Plan.for_rank` gives the rank's whole program (`RankPlan`): per chunk its messages, local copies and
 the box lists of its one pack and one unpack call, and the staging sizes. The executor runs it as it is.

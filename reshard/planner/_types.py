@@ -38,7 +38,8 @@ class Transfer(NamedTuple):
         nbytes: bytes on the wire (`global_box.numel * itemsize`).
         link: `"local"`, `"nvlink"` or `"network"`.
         stage: 0 reads the source layout; >= 1 forwards (NVLink relay).
-        chunk: the chunk this transfer is sent in; equal on sender and receiver.
+        chunk: the chunk this transfer is sent in; equal on sender and receiver in a `Plan` (in a `LocalPlan`, each
+            end's own chunk).
         item: index of the (source, destination) layout pair in the plan.
         src_tensor, dst_tensor: indices of the local tensors on sender and receiver (several items may share one
             destination tensor, as fused tensors do).
@@ -145,7 +146,8 @@ class RankChunk:
     """One rank's work in one chunk: messages to send, messages to receive, and local copies.
 
     Attributes:
-        index: the chunk index, equal on every rank that takes part in the chunk.
+        index: the chunk index, equal on every rank that takes part in the chunk (in a `Plan`; a `LocalPlan`
+            numbers each rank's chunks on its own, and messages match by their order per peer).
         sends, recvs: the messages, by peer (none of zero bytes: every one is posted); a peer may have several
             (see `Message`).
         local: local copies (never a message); a stage >= 1 copy reads the destination tensor.
