@@ -167,3 +167,28 @@ def test_fused_destination_and_overlapping_groups() -> None:
     fq, fk, fv = fuse([dst_q, dst_k, dst_k], dim=0)
     items = [PlanItem(q, fq, 0, 0), PlanItem(k, fk, 1, 0), PlanItem(k, fv, 2, 0)]
     run_local_plans(items, Topology(domain_size=2), True, 512)
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_custom_layouts_overlapping_needs_and_a_box_held_twice(relay: bool) -> None:
+    """Ranks of one domain need partially overlapping rows (a custom layout); and a rank that holds one global box at
+    two places of its tensor, so a relay forwards to itself (a local copy once the box has arrived)."""
+    from reshard.planner import Box, ExplicitLayout, Piece
+
+    src = Layout((10, 2), Mesh([0, 1]), "S(0)")
+    windows = {2: (0, 6), 3: (3, 6), 4: (5, 5)}
+    dst = ExplicitLayout((10, 2), torch.float32,
+                         {r: [Piece(Box((a, 0), (n, 2)), Box((0, 0), (n, 2)))] for r, (a, n) in windows.items()},
+                         {r: (n, 2) for r, (a, n) in windows.items()})
+    twice = ExplicitLayout((10, 2), torch.float32,
+                           {5: [Piece(Box((0, 0), (4, 2)), Box((0, 0), (4, 2))),
+                                Piece(Box((0, 0), (4, 2)), Box((4, 0), (4, 2)))],
+                            6: [Piece(Box((0, 0), (4, 2)), Box((0, 0), (4, 2)))]},
+                           {5: (8, 2), 6: (4, 2)})
+    topology = Topology(domain_of={0: "a", 1: "b", 2: "c", 3: "c", 4: "c", 5: "d", 6: "d"})
+    items = [(src, dst), (src, twice), (src, twice)]
+    run_local_plans(items, topology, relay, 1 << 20)
+    if relay:
+        copies = [t for r in (5, 6) for t in plan_local(items, topology, r).part.transfers
+                  if t.stage and t.src == t.dst]
+        assert copies, "expected a relay forwarding to itself"

@@ -109,3 +109,31 @@ def test_precision_scale_errors_raise_on_every_rank(pool, case: str, pattern: st
     for r, o in enumerate(out):
         assert not o.ok and o.error_type == "ValueError", (r, o)
         assert re.search(pattern, o.message), (r, o.message[:2000])
+
+
+class _SizedGroup:
+    """What `Refit.__init__` reads of a group: its size and rank, and the refit ordinal."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.rank = size, 0
+
+    def next_ordinal(self, kind: str) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("size,want", [(8, "global"), (511, "global"), (512, "local"), (4096, "local")])
+def test_planning_auto_is_local_on_large_groups(size: int, want: str) -> None:
+    from reshard import Refit
+    from reshard.refit._refit import LOCAL_PLANNING_RANKS
+
+    assert LOCAL_PLANNING_RANKS == 512
+    assert Refit(_SizedGroup(size)).planning == want
+    assert Refit(_SizedGroup(size), planning="global").planning == "global"
+    assert Refit(_SizedGroup(size), planning="local").planning == "local"
+
+
+def test_an_unknown_planning_is_refused() -> None:
+    from reshard import Refit
+
+    with pytest.raises(ValueError, match=r"planning must be one of \('auto', 'global', 'local'\), got 'rank'"):
+        Refit(_SizedGroup(8), planning="rank")
