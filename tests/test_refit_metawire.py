@@ -151,6 +151,8 @@ class _Options:
     relay = True
     staging_bytes = 1 << 20
     hardware = None
+    planning = "global"
+    delta = None
 
 
 def _trainer_and_engine(engine_layouts: list) -> list[dict]:
