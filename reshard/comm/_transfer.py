@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 TAG_DATA = 1
 """Tag of staging-buffer messages. Matching per (peer, tag) is first-in first-out, and both ends of a pair post
-their messages in the same (chunk, peer) order, so equal tags never mismatch."""
+their messages in the same order ((chunk, peer) in a `Plan`; the pair's batches in a rank-local plan), so equal tags
+never mismatch."""
 TAG_CHECKSUM = 2
 TAG_CONTROL = 3
 
