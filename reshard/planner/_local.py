@@ -15,8 +15,8 @@ of every transfer compute it identically, because every choice is a rotation ove
 So network bytes equal the network lower bound, and the bytes per link kind and the relay forwards equal
 `plan_many`'s (which chooses by running loads: the same amounts, a different balance). Cost: each distinct layout's
 pieces are indexed once (`_SrcIndex`, `_DstIndex`); a rank then computes only the needs of its own domain and, as a
-sender, of the ranks that need its boxes. No chunks are assigned: a per-link chunk schedule the executor follows is
-not built (see docs/planner.md "At thousands of ranks").
+sender, of the ranks that need its boxes. No chunks are assigned here: `plan_local` (`reshard.planner._local_plan`)
+schedules the part into the chunks and messages the executor runs.
 
 Example (worked by hand): a `(4, 4)` fp32 tensor on ranks `[0, 1]` as `S(0)` to ranks `[2, 3]` as `R`, domains of
 2. Domain 1 (number 1 of the destination's domains, `o = 1`) needs group 0 (rows 0:2, held by rank 0) and group 1

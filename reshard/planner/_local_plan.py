@@ -19,6 +19,10 @@ that order that some pair has not completed: both its ends have completed every 
 chunk holding it (it only waits on earlier chunks, and a forward only on arrivals in earlier chunks, which hold
 earlier batches); both ends post it, and it completes. So every batch completes.
 
+Delta runs wait for all of a chunk's sizes before its data moves, which ties the chunk's messages together (a rank
+could wait on a size whose sender waits on this rank's data); for them, `single_batch_chunks=True` puts one batch in
+each chunk, so the induction above holds as it stands.
+
 What it does not have: the global plan's greedy balance (the rotation of `plan_rank` spreads the load instead) and
 its overlap of relay forwards `RELAY_CHUNK_LAG` chunks behind their arrival (here a forward waits for its arrival's
 chunk to be unpacked, which is at least one chunk earlier). Bytes per link kind equal the global plan's.
