@@ -210,7 +210,7 @@ def special_floats(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return x
 
 
-def job_precision(w, case: str = "ok", seed: int = 11) -> dict:
+def job_precision(w, case: str = "ok", seed: int = 11, planning: str = "global") -> dict:
     """Refit FP8 block weights (source- and destination-side quantization) and one cast weight; check them
     bit for bit against quantizing (casting) the full tensor in one process and slicing it by hand."""
     from reshard import Layout, Mesh, Replicate
@@ -220,7 +220,7 @@ def job_precision(w, case: str = "ok", seed: int = 11) -> dict:
     rank = w.rank
 
     refit = Refit(Group.world(), precision=lambda n: "cast" if n == CAST_WEIGHT[0] else "fp8_block",
-                  staging_bytes=1 << 16)
+                  staging_bytes=1 << 16, planning=planning)
     fulls = {n: special_floats(FP8_WEIGHTS[n][0], seed + i) for i, n in enumerate(FP8_WEIGHTS)}
     dests = {}
     for n in FP8_WEIGHTS:

@@ -85,12 +85,13 @@ def test_refit_errors_raise_on_every_rank(pool, case: str, pattern: str) -> None
         assert re.search(pattern, o.message, re.S), (r, o.message[:2000])
 
 
-def test_precision_fp8_block_and_cast_are_bit_exact(pool) -> None:
+@pytest.mark.parametrize("planning", ["global", "local"])
+def test_precision_fp8_block_and_cast_are_bit_exact(pool, planning: str) -> None:
     """FP8 block weights equal quantizing the full tensor and slicing it, whether quantized on the source
     (block-aligned trainer shards) or on the destination (a trainer cut inside a block), with an inference TP3 that
     cuts blocks (boundary blocks' scales on both ranks); a float32 -> bfloat16 cast weight equals torch's `.to()`
-    with NaN, Inf, subnormals and ties."""
-    out = pool.run_ok(job_precision)
+    with NaN, Inf, subnormals and ties. With the whole plan on every rank, and with each rank planning its part."""
+    out = pool.run_ok(job_precision, planning=planning)
     for o in out:
         assert o["bad"] == [], o["bad"]
     choices = out[0]["choices"]
