@@ -46,7 +46,7 @@ def _update(llm, trainers: vc.Trainers, seed: int) -> list:
 
 def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int = 1000, tp: int,
              negative: bool = False, moe: bool = False, family: str | None = None, gemm: str | None = None,
-             faults: bool = False, record_property=None):
+             faults: bool = False, record_property=None, planning: str = "auto"):
     """Refit a live engine V1 -> V2 -> V1 and compare it with vLLM's own loading of each version (module docstring).
 
     Args:
@@ -59,6 +59,7 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
         record_property: pytest's fixture, to report the GEMM branches the engine took in the run's summary.
         faults: after the refits, a bad update (a float32 norm) then a good one, and an engine whose init fails
             (a parameter no rule covers) with the trainer hearing why (`_faults`).
+        planning: `Refit`'s planning on both sides (`"local"`: each rank plans only its own part).
     """
     if family is not None:
         cfg = vc.family_config(family)
@@ -90,9 +91,10 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
 
     try:
         port = vc.free_port()
-        trainers.post("init", port, cfg, tp, family is not None)
+        trainers.post("init", port, cfg, tp, family is not None, False, planning)
         llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
-                                                       "trainer_world_size": 2, "timeout_s": 120.0}})
+                                                       "trainer_world_size": 2, "timeout_s": 120.0,
+                                                       "planning": planning}})
         trainers.wait()
         if family is not None and family not in vc.HF_INTEGRATION_DIFFERS:
             # the backend and reshard.integrations.hf name the same engine tensors
@@ -107,6 +109,8 @@ def _session(tmp_path, monkeypatch, trainers, *, kv_heads: int = 4, vocab: int =
             vc.assert_same(got_v2, want_v2)
         report = llm.collective_rpc(vc.last_report)[0]
         assert report.first_run and report.seconds["process"] > 0 and report.network_bytes > 0
+        want = "global" if planning == "auto" else planning  # `auto` is global on groups this small
+        assert llm.collective_rpc(vc.planning) == [want] * tp
 
         second = _update(llm, trainers, V1)
         assert not any(r[0] for r in second)  # the plan is cached
@@ -242,6 +246,13 @@ def test_refit_tp2_moe(tmp_path, monkeypatch, trainers, record_property) -> None
     _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=2, moe=True, record_property=record_property)
 
 
+def test_refit_tp2_moe_planned_rank_locally(tmp_path, monkeypatch, trainers, record_property) -> None:
+    """The TP2 MoE refit with `planning="local"` on both sides: each trainer rank and engine worker plans only its
+    own part (`reshard.planner.plan_local`); the engine must equal vLLM's own loading of each version all the same."""
+    _session(tmp_path, monkeypatch, trainers, kv_heads=4, vocab=1000, tp=2, moe=True, record_property=record_property,
+             planning="local")
+
+
 def test_plugin_entry_point_registers_the_backend() -> None:
     from importlib.metadata import entry_points
 
@@ -266,6 +277,9 @@ def test_init_info_ranks_and_bad_values() -> None:
     assert first.group_rank == 1 and ReshardInitInfo(**first.engine_init_info()).rank_offset == 2
     with pytest.raises(ValueError, match="trainer_ranks must be one of"):
         ReshardTrainerInitInfo(rank=0, trainer_ranks="middle")
+    with pytest.raises(ValueError, match="planning must be one of"):
+        ReshardTrainerInitInfo(rank=0, planning="each")
+    assert ReshardInitInfo(**ReshardTrainerInitInfo(rank=0, planning="local").engine_init_info()).planning == "local"
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\), got 2"):
         ReshardTrainerInitInfo(rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank_offset 3 disagrees"):
@@ -279,7 +293,8 @@ def test_init_info_ranks_and_bad_values() -> None:
     assert "token" not in ReshardTrainerInitInfo(rank=0).engine_init_info()  # from RESHARD_TOKEN on each side
     for bad, match in (({"engines": 0}, "engines must be an integer >= 1"),
                        ({"engines": 2, "engine_index": 2}, r"engine_index must be an integer in \[0, 2\)"),
-                       ({"prefix": ""}, "prefix must be a non-empty string")):
+                       ({"prefix": ""}, "prefix must be a non-empty string"),
+                       ({"planning": "rank"}, r"planning must be one of \('auto', 'global', 'local'\)")):
         with pytest.raises(ValueError, match=match):
             ReshardInitInfo(master_address="h", master_port=1, trainer_world_size=2, **bad)
 

@@ -207,8 +207,8 @@ def _full_weights(cfg: dict[str, Any], seed: int, hf: bool) -> dict[str, torch.T
 
 
 def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
-    """One trainer rank: `("init", port, cfg, engine_world, hf)`, `("send", seed)`, `("close",)`, `("exit",)`, and
-    the bad updates `("retype", name, dtype)`, `("narrow", name, bad)`;
+    """One trainer rank: `("init", port, cfg, engine_world, hf[, delta, planning])`, `("send", seed)`, `("close",)`,
+    `("exit",)`, and the bad updates `("retype", name, dtype)`, `("narrow", name, bad)`;
     `hf`: the weights are a `transformers` model's (`hf_model`), else `hf_weights`."""
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 
@@ -226,7 +226,8 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                 weights = {n: torch.zeros(lay.local_shape(rank), dtype=torch.bfloat16) for n, lay in layouts.items()}
                 info = ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port,
                                               world_size=world, engine_world_size=engine_world, timeout_s=120.0,
-                                              delta=bool(rest and rest[0]))
+                                              delta=bool(rest and rest[0]),
+                                              planning=rest[1] if len(rest) > 1 else "auto")
                 source = {n: (weights[n], layouts[n]) for n in weights}
                 conv1d = []
                 if hf:  # a state_dict's view: a tied parameter under each of its names, the same local tensor
@@ -511,6 +512,11 @@ def unreachable_error(worker: Any) -> str:
 
 def last_report(worker: Any) -> Any:
     return worker.weight_transfer_engine.last_report
+
+
+def planning(worker: Any) -> str:
+    """How the backend's refit plans (`Refit.planning`): `"global"` or `"local"`."""
+    return worker.weight_transfer_engine.refit.planning
 
 
 def received_bytes(worker: Any) -> int:

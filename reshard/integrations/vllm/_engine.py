@@ -50,7 +50,7 @@ from reshard.integrations.vllm._layouts import Target, engine_targets, parameter
 from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
 from reshard.integrations.vllm._outcome import agree, combined, gather_names, keep_in_step
 from reshard.integrations.vllm._process import reprocess_layer
-from reshard.refit import Refit, RefitReport
+from reshard.refit import PLANNINGS, Refit, RefitReport
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
         delta: after the first update, only the elements that changed since the last update cross the wire
             (`Refit(delta=True)`), into loader-format buffers that still hold the last update; the same on both
             sides. Not with `verify`.
+        planning: `Refit`'s planning (`"auto"`, `"global"` or `"local"`), the same on both sides.
     """
 
     master_address: str
@@ -96,10 +97,13 @@ class ReshardInitInfo(WeightTransferInitInfo):
     token: str | None = field(default=None, repr=False)
     prefix: str = "reshard"
     experts: str = "stacked"
+    planning: str = "auto"
 
     def __post_init__(self) -> None:
         if self.experts not in ("stacked", "per_expert"):
             raise ValueError(f"reshard init_info: experts must be 'stacked' or 'per_expert', got {self.experts!r}")
+        if self.planning not in PLANNINGS:
+            raise ValueError(f"reshard init_info: planning must be one of {PLANNINGS}, got {self.planning!r}")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 1:
             raise ValueError(f"reshard init_info: engines must be an integer >= 1, got {self.engines!r}")
         if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) \
@@ -305,7 +309,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.targets = engine_targets(self.model, self.replicas, self.stages, pp,
                                       per_expert=self._info.experts == "per_expert")
         refit = Refit(self.group, precision=self._info.precision, verify=self._info.verify,
-                      timeout=self._info.timeout_s, delta=self._info.delta)
+                      timeout=self._info.timeout_s, delta=self._info.delta, planning=self._info.planning)
         aliases: dict[str, list[str]] = {}
         for t in self.targets:
             if t.alias_of is not None:

@@ -25,7 +25,7 @@ import torch
 from reshard.comm import Group
 from reshard.integrations.hf import model_facts
 from reshard.integrations.trainer import is_megatron, prepare_source, register_source
-from reshard.refit import NameMap, Refit, RefitReport
+from reshard.refit import PLANNINGS, NameMap, Refit, RefitReport
 
 try:  # vLLM's base classes, where vLLM is installed (the trainer may live in an environment without it)
     from vllm.distributed.weight_transfer.base import TrainerInitInfo as _InitBase
@@ -61,6 +61,8 @@ class ReshardTrainerInitInfo(_InitBase):
         verify: check every received box against its sender's checksum.
         delta: after the first update, send only the elements that changed since the last one (the engine gets
             the same); `send_weights(full=True)` sends one update whole.
+        planning: `Refit`'s planning (`"auto"`, `"global"` or `"local"`: each rank plans only its own part; the
+            engine gets the same).
         token: the group's job token (default: `RESHARD_TOKEN`); `engine_init_info()` then carries it to the
             engine workers.
         prefix: the group's namespace in the store (a fresh one per group when one store serves several).
@@ -82,11 +84,14 @@ class ReshardTrainerInitInfo(_InitBase):
     token: str | None = field(default=None, repr=False)
     prefix: str = "reshard"
     host_store: bool = True
+    planning: str = "auto"
 
     def __post_init__(self) -> None:
         if self.trainer_ranks not in TRAINER_RANKS:
             raise ValueError(f"ReshardTrainerInitInfo: trainer_ranks must be one of {TRAINER_RANKS}, got "
                              f"{self.trainer_ranks!r}")
+        if self.planning not in PLANNINGS:
+            raise ValueError(f"ReshardTrainerInitInfo: planning must be one of {PLANNINGS}, got {self.planning!r}")
         for what in ("world_size", "engine_world_size"):
             v = getattr(self, what)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -105,7 +110,8 @@ class ReshardTrainerInitInfo(_InitBase):
         return {"master_address": self.master_address, "master_port": self.master_port,
                 "trainer_world_size": self.world_size, "trainer_ranks": self.trainer_ranks,
                 "timeout_s": self.timeout_s, "precision": self.precision, "verify": self.verify,
-                "delta": self.delta, "prefix": self.prefix, **({"token": self.token} if self.token else {})}
+                "delta": self.delta, "prefix": self.prefix, "planning": self.planning,
+                **({"token": self.token} if self.token else {})}
 
 
 Weights = Mapping[str, Any] | torch.nn.Module
@@ -187,7 +193,7 @@ class ReshardTrainer(_EngineBase):
                 raise early
             refit = Refit(group, precision=init_info.precision, verify=init_info.verify,
                           timeout=init_info.timeout_s, name_map=name_map, ignore_sources=ignore_sources,
-                          delta=init_info.delta)
+                          delta=init_info.delta, planning=init_info.planning)
             if facts is not None:
                 refit.declare_facts(facts, who="trainer (its config)")
             register_source(refit, source, weights, found, megatron, config)
