@@ -155,7 +155,9 @@ def test_readme_markers_are_honoured(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="NameError"):
         run_script(bad, tmp_path)
     ranks = tmp_path / "ranks.py"
-    ranks.write_text("import os\nprint('world', os.environ['WORLD_SIZE'])\n")
+    # one write per rank (a pipe takes a short write whole): `print('world', n)` writes its parts one by one, and
+    # two ranks' parts interleaved ('worldworld 2\n 2\n') in one fresh-clone run
+    ranks.write_text("import os, sys\nsys.stdout.write(f\"world {os.environ['WORLD_SIZE']}\\n\")\n")
     assert run_script(ranks, tmp_path, nproc=2).count("world 2") == 2
     assert TORCHRUN.match("# torchrun --nproc-per-node 4").group(1) == "4"
     assert NOT_RUN.match("# not run: needs 8 GPUs").group(1) == "needs 8 GPUs"
