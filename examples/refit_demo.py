@@ -60,15 +60,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
 
 
-def refit_job(w, model: str, system: str, policy: str, layers: int | None) -> dict:
+def refit_job(w, model: str, system: str, policy: str, layers: int | None, planning: str = "auto") -> dict:
     """One rank (`w`, a `reshard.testing.Worker`) of the refit demo: register, run twice (metadata + plan, then the
-    steady state), verify."""
+    steady state), verify. `planning`: `Refit(planning=...)` (`"local"`: each rank plans only its own part)."""
     rank = w.rank
     config = PRESETS[model] if layers is None else PRESETS[model].replace(num_hidden_layers=layers)
     sysm = System.parse(system)
     weights = model_layouts(config, sysm, stack_experts=True)
     refit = Refit(Group.world(), topology=Topology(domain_size=sysm.domain_size), policy=policy,
-                  staging_bytes=64 << 20)
+                  staging_bytes=64 << 20, planning=planning)
     sources = {}
     for w in weights:
         if rank in w.train.ranks:
