@@ -173,12 +173,19 @@ def test_overwrite_check_is_what_keeps_the_destination_right(pool) -> None:
 def on_rank_mismatch(w) -> tuple[str, str, bool]:
     """Ranks plan with different staging budgets: every rank must raise before any byte moves."""
     from reshard import Layout, Mesh, plan
-    from reshard.comm import DeltaSession, execute
 
     src = Layout((16, 8), Mesh(A), [S0], torch.float32)
     dst = Layout((16, 8), Mesh(B), [S1], torch.float32)
     p = plan(src, dst, staging_bytes=4096 if w.rank != 6 else 2048)
-    full = full_tensor((16, 8), torch.float32, "mismatch")
+    return _delta_run_16x8(w, p, src, dst, "mismatch")
+
+
+def _delta_run_16x8(w, p, src, dst, seed: str) -> tuple[str, str, bool]:
+    """One delta run of plan `p` of a `(16, 8)` float32 tensor into destinations filled with 7.0: `(error type,
+    message, whether this rank's destination is untouched)`, empty strings when it returned."""
+    from reshard.comm import DeltaSession, execute
+
+    full = full_tensor((16, 8), torch.float32, seed)
     s = [dtensor_local(full, src)] if w.rank in src.ranks else None
     d = torch.full(dst.local_shape(w.rank), 7.0) if w.rank in dst.ranks else None
     try:
@@ -191,20 +198,12 @@ def on_rank_mismatch(w) -> tuple[str, str, bool]:
 def on_rank_local_without_single_batches(w) -> tuple[str, str, bool]:
     """A rank-local plan scheduled with several peers per chunk: a delta run must refuse it on every rank."""
     from reshard import Layout, Mesh
-    from reshard.comm import DeltaSession, execute
     from reshard.planner import plan_local
 
     src = Layout((16, 8), Mesh(A), [S0], torch.float32)
     dst = Layout((16, 8), Mesh(B), [S1], torch.float32)
     p = plan_local([(src, dst)], None, w.rank, staging_bytes=4096)
-    full = full_tensor((16, 8), torch.float32, "local")
-    s = [dtensor_local(full, src)] if w.rank in src.ranks else None
-    d = torch.full(dst.local_shape(w.rank), 7.0) if w.rank in dst.ranks else None
-    try:
-        execute(p, w.rank, s, None if d is None else [d], w.group, delta=DeltaSession(), timeout=30)
-    except Exception as e:  # noqa: BLE001 - reported to the test process
-        return type(e).__name__, str(e), d is None or bool((d == 7.0).all())
-    return "", "", d is None or bool((d == 7.0).all())
+    return _delta_run_16x8(w, p, src, dst, "local")
 
 
 def test_a_rank_local_plan_without_single_batch_chunks_is_refused_on_every_rank(pool) -> None:

@@ -37,10 +37,9 @@ from typing import Any, Iterable, Sequence
 from reshard.planner import _checks
 from reshard.planner._format import format_bytes
 from reshard.planner._item import PlanItem, _check_item
-from reshard.planner._layout import _geometry_id
 from reshard.planner._local import LocalTransfer, RankPart, plan_rank
 from reshard.planner._plan import DEFAULT_MIN_SPLIT_BYTES, DEFAULT_STAGING_BYTES, _as_items
-from reshard.planner._plan_type import PLAN_VERSION, _layout_digest
+from reshard.planner._plan_type import PLAN_VERSION, digest_items, ranks_of
 from reshard.planner._program import ChunkWork, rank_program
 from reshard.planner._topology import Topology
 from reshard.planner._types import PIPELINE_DEPTH, PlanStats, RankBytes, RankPlan, Transfer
@@ -92,6 +91,11 @@ def _batches(part: RankPart, limit: int) -> list[tuple[tuple, bool, int, list[Lo
     return out
 
 
+def _arrival(t: LocalTransfer) -> tuple:
+    """What a forward and the arrival it forwards share: the item and the global box."""
+    return (t.item, t.global_box.offsets, t.global_box.shape)
+
+
 def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int,
              single_batch_chunks: bool = False) -> list[ChunkWork]:
     """`part` in chunks (see the module docstring): `(index, local copies, sends by peer, receives by peer,
@@ -102,7 +106,7 @@ def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int,
     arrived: dict[tuple[int, tuple, tuple], int] = {}  # (item, global box offsets, shape) of an arrival -> its chunk
     for _, sending, peer, ts, nbytes in _batches(part, max(1, chunk_cap // BATCH_SHARE)):
         # a batch may hold forwards of earlier items next to the arrivals of its own block's items
-        dep = max((arrived[(t.item, t.global_box.offsets, t.global_box.shape)] for t in ts if t.stage),
+        dep = max((arrived[_arrival(t)] for t in ts if t.stage),
                   default=-1) if sending else -1
         cur = chunks[-1] if chunks else None
         if (cur is None or single_batch_chunks or (sending, peer) in cur[1] or cur[0] + nbytes > chunk_cap
@@ -116,7 +120,7 @@ def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int,
         if not sending:
             for t in ts:
                 if t.stage == 0:
-                    arrived[(t.item, t.global_box.offsets, t.global_box.shape)] = len(chunks) - 1
+                    arrived[_arrival(t)] = len(chunks) - 1
     local0 = [t for t in part.transfers if t.src == t.dst == rank and t.stage == 0]
     local1 = [t for t in part.transfers if t.src == t.dst == rank and t.stage > 0]
     if (local0 or local1) and not chunks:
@@ -124,7 +128,7 @@ def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int,
     copies: dict[int, list[LocalTransfer]] = defaultdict(list)
     copies[0].extend(local0)
     for t in local1:  # a relay that also needs the box elsewhere in its tensor: copied once it has arrived
-        c = arrived[(t.item, t.global_box.offsets, t.global_box.shape)] + 1
+        c = arrived[_arrival(t)] + 1
         if c == len(chunks):
             chunks.append([0, set(), [], -1])
         copies[c].append(t)
@@ -187,10 +191,7 @@ class LocalPlan:
         h = hashlib.sha256()
         h.update(repr(("local", LOCAL_VERSION, BLOCK_ITEMS, BATCH_SHARE, self.single_batch_chunks, PLAN_VERSION,
                        self.topology.key, self.relay, self.staging_bytes, self.min_split_bytes)).encode())
-        for it in self.items:
-            h.update(_layout_digest(it.src))
-            h.update(_layout_digest(it.dst))
-            h.update(repr((it.src_tensor, it.dst_tensor, it.name, it.precision)).encode())
+        digest_items(h, self.items)
         return h.hexdigest()[:32]
 
     def _compute_stats(self) -> PlanStats:
@@ -221,15 +222,7 @@ class LocalPlan:
     def ranks(self) -> tuple[int, ...]:
         """Every rank that takes part: holds a source or a destination of some item."""
         if self._ranks is None:
-            out: set[int] = set()
-            seen: set[int] = set()
-            for it in self.items:
-                for lay in (it.src, it.dst):
-                    g = _geometry_id(lay)
-                    if g not in seen:
-                        seen.add(g)
-                        out.update(lay.ranks)
-            self._ranks = tuple(sorted(out))
+            self._ranks = ranks_of(self.items)
         return self._ranks
 
     @property

@@ -43,6 +43,28 @@ def _layout_digest(layout: Any) -> bytes:
     return d
 
 
+def digest_items(h: Any, items: Any) -> None:
+    """Feed `h` (a `hashlib` hash) every item's layouts (by digest), tensor indices, name and precision: the
+    inputs part of a plan's fingerprint, whole (`Plan`) or rank-local (`LocalPlan`)."""
+    for it in items:
+        h.update(_layout_digest(it.src))
+        h.update(_layout_digest(it.dst))
+        h.update(repr((it.src_tensor, it.dst_tensor, it.name, it.precision)).encode())
+
+
+def ranks_of(items: Any) -> tuple[int, ...]:
+    """Every rank that holds a source or a destination of some item, ascending (each distinct layout read once)."""
+    out: set[int] = set()
+    seen: set[int] = set()
+    for it in items:
+        for lay in (it.src, it.dst):
+            g = _geometry_id(lay)
+            if g not in seen:
+                seen.add(g)
+                out.update(lay.ranks)
+    return tuple(sorted(out))
+
+
 def _unit_transfers(u: Unit, chunk: int) -> list[Transfer]:
     """The transfers of unit `u` in `chunk`: one per member tensor, same ranks and boxes."""
     return [Transfer(u.src, u.dst, u.src_box, u.dst_box, u.global_box, u.nbytes, u.link, u.stage, chunk, item,
@@ -178,10 +200,7 @@ class Plan:
     def _compute_fingerprint(self) -> str:
         h = hashlib.sha256()
         h.update(repr((PLAN_VERSION, self.topology.key, self.relay, self.staging_bytes, self.min_split_bytes)).encode())
-        for it in self.items:
-            h.update(_layout_digest(it.src))
-            h.update(_layout_digest(it.dst))
-            h.update(repr((it.src_tensor, it.dst_tensor, it.name, it.precision)).encode())
+        digest_items(h, self.items)
         s = self.stats
         h.update(repr((s.total_bytes, s.network_bytes, s.nvlink_bytes, s.local_bytes, s.messages,
                        s.num_transfers, s.num_chunks)).encode())
@@ -190,11 +209,7 @@ class Plan:
     @property
     def ranks(self) -> tuple[int, ...]:
         """Every rank that takes part: holds a source or a destination of some item."""
-        out: set[int] = set()
-        for it in self.items:
-            out.update(it.src.ranks)
-            out.update(it.dst.ranks)
-        return tuple(sorted(out))
+        return ranks_of(self.items)
 
     def _indices_of(self, rank: int) -> list[int]:
         """Plan-order indices of the units `rank` sends, receives or copies (one index pass for all ranks)."""
