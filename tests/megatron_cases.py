@@ -314,8 +314,8 @@ def hf_param_shapes(case: str) -> dict[str, tuple[int, ...]]:
 
 
 def _engine(refit: Any, case: str, engine_tp: int, rank: int, config: dict | None = None) -> dict[str, torch.Tensor]:
-    """This rank's engine tensors of `case` (vLLM's layouts, `engine_tp`), registered, and the facts of the config
-    it serves (`config`, default `hf_config(case)`) declared."""
+    """This rank's engine tensors of `case` (vLLM's layouts, `engine_tp`) from the config it serves (`config`,
+    default `hf_config(case)`), registered: `EngineTensor.register` declares that config's facts itself."""
     from reshard.integrations import hf
 
     config = config or hf_config(case)
@@ -325,7 +325,6 @@ def _engine(refit: Any, case: str, engine_tp: int, rank: int, config: dict | Non
         if rank in t.ranks:
             locals_[t.name] = torch.full(t.local_shape(rank), SENTINEL)
             t.register(refit, locals_[t.name])
-    refit.declare_facts(hf.model_facts(config), who="engine (its config)")
     return locals_
 
 

@@ -160,13 +160,15 @@ def test_an_engine_without_the_expert_bias_is_refused_naming_it(pool) -> None:
 
 
 def test_a_head_layout_that_keeps_every_shape_is_refused_on_every_rank(pool) -> None:
-    """Megatron: 8 heads of 32 in 2 query groups; the engine's config: 4 heads of 64, 1 KV head. Every tensor has
-    the same shape (before, the refit ran and the engine computed other logits); now every rank raises, naming
-    each fact with Megatron's and the engine's values, and nothing lands."""
+    """Megatron: 8 heads of 32 in 2 query groups; the engine registered by `hf.engine_tensors(..., config=...)`
+    with a config of 4 heads of 64, 1 KV head, and no `declare_facts` of its own. Every tensor has the same shape
+    (before, the refit ran and the engine computed other logits); now every rank raises, naming each fact with
+    Megatron's and the engine's values, and nothing lands."""
     for o in pool.run_ok(mc.job_facts):
         assert o["error"] is not None, o
         for fact in ("num_attention_heads: 8 by trainer (Megatron's TransformerConfig)",
-                     "num_key_value_heads: 2 by trainer", "head_dim: 32 by trainer", "64 by engine (its config)"):
+                     "num_key_value_heads: 2 by trainer", "head_dim: 32 by trainer",
+                     "64 by engine (the config given to hf.engine_tensors)"):
             assert fact in o["error"], (fact, o["error"])
         assert o["untouched"], o
 

@@ -57,6 +57,9 @@ class EngineTensor:
         placed: see `components`.
         local_shapes: `(rank, shape)` pairs where the engine's tensor has another shape than the registered one
             (per-expert checkpoints fill `w13_weight` `[E, 2 I, H]` through its `[E * 2 I, H]` view).
+        facts: `(fact, value)` pairs of the model the engine serves that shapes cannot show (heads, KV heads, head
+            dim, ...: `reshard.refit._facts.FACTS`), declared by `register` (`Refit.declare_facts`, once per refit).
+        facts_from: who declares `facts`, for the refit's error.
     """
 
     name: str
@@ -64,6 +67,8 @@ class EngineTensor:
     dim: int = 0
     placed: bool = False
     local_shapes: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    facts: tuple[tuple[str, Any], ...] = ()
+    facts_from: str = "engine (its config)"
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """The engine's local tensor shape on `rank`."""
@@ -89,10 +94,13 @@ class EngineTensor:
                                                                        dim=self.dim))]
 
     def register(self, refit: Any, tensor: torch.Tensor) -> None:
-        """`refit.add_destination` for this rank's local tensor `tensor` (written in place by every run)."""
+        """`refit.add_destination` for this rank's local tensor `tensor` (written in place by every run), and
+        `refit.declare_facts(facts)` where the engine's config gave them (a refit keeps one copy of equal ones)."""
         shape = self.registered_shape(refit.rank)
         view = tensor if tuple(tensor.shape) == shape else tensor.view(shape)
         refit.add_destination(self.name, view, self.fused(), placed=True)
+        if self.facts:
+            refit.declare_facts(dict(self.facts), who=self.facts_from)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -190,7 +190,9 @@ def engine_tensors(
 
     Returns:
         One `EngineTensor` per engine tensor. On each engine rank, allocate `t.local_shape(rank)` of `t.dtype` for
-        every `t` with `rank in t.ranks` (or take the engine's own parameter) and call `t.register(refit, tensor)`.
+        every `t` with `rank in t.ranks` (or take the engine's own parameter) and call `t.register(refit, tensor)`,
+        which also declares the config's model facts (`model_facts`: heads, KV heads, head dim, ...), so a trainer
+        of other heads with the same shapes is refused on every rank before data moves.
 
     Example (Qwen3, 2 TP2 replicas on group ranks 4-7):
         >>> ets = engine_tensors(model, EngineParallel(range(4, 8), tp=2))
@@ -202,7 +204,10 @@ def engine_tensors(
              for lay in [_layout(n, shape, dt, cfg, parallel)] if lay is not None]
     out = _fuse_tensors(plain, pad_vocab_to=None)
     out.extend(_per_expert_tensors([(n, s, d) for n, s, d in params if _PER_EXPERT.match(n)], parallel))
-    return out
+    # the config's heads, KV heads, head dim, ...: `register` declares them, so a trainer whose every shape matches
+    # but whose heads differ (8 x 32 into 4 x 64) is refused on every rank instead of refitting into nonsense
+    facts = tuple((k, v) for k, v in model_facts(cfg).items() if v is not None)
+    return [replace(t, facts=facts, facts_from="engine (the config given to hf.engine_tensors)") for t in out]
 
 
 def name_map(tensors: Sequence[EngineTensor]) -> dict[str, str]:

@@ -22,7 +22,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from reshard.refit._names import NameMap
 from reshard.refit._policy import Choice
 from reshard.refit._rebind import rebind_error
 from reshard.refit._replicas import replica_digests, replica_errors
+from reshard.refit._report import RefitReport
 
 logger = logging.getLogger(__name__)
 
@@ -65,48 +65,6 @@ LOCAL_PLANNING_RANKS = 512
 """`Refit(planning="auto")` plans rank-locally on groups of at least this many ranks: there the whole-model plan
 takes every rank seconds and grows with the cluster (`perf/bench_scale.py`), below it the greedy balance is
 cheap."""
-
-
-@dataclass
-class RefitReport:
-    """What one `run()` did.
-
-    Attributes:
-        seconds: per phase: `metadata` (exchange and checks), `plan`, `transfer` (0 for phases a cached run skips).
-        network_bytes, nvlink_bytes, local_bytes: bytes the whole-model plan moves per link kind; with rank-local
-            planning (`Refit(planning=...)`), what this rank receives (sum them over ranks for the whole model).
-        gather_broadcast_bytes: bytes of the weights that went by gather-and-broadcast.
-        num_tensors: destination global tensors written.
-        messages: messages of the reshard plan (all ranks; with rank-local planning, those this rank receives).
-        first_run: whether metadata was exchanged and the plan built in this run.
-        choices: trainer name -> its method: `"reshard"`, `"gather_broadcast"` or an FP8 note. Under
-            `policy="auto"` each is a `reshard.refit.Choice` (a `str`) carrying the modelled seconds and
-            bytes of both methods (`.reshard_s`, `.gather_broadcast_s`, `.reshard_bytes`,
-            `.gather_broadcast_bytes`).
-        changed_fraction, encoded_bytes, dense_bytes: with `Refit(delta=True)`, per link kind (`"nvlink"`,
-            `"network"`), what *this rank* sent in this run (sum them over ranks for the whole model): the fraction
-            of elements sent as changed (DENSE boxes count whole), the payload bytes sent, and the bytes a full run
-            sends. Empty without delta. Local copies are always full and not counted.
-        snapshot_bytes: with delta, the size of this rank's snapshots of what it last sent.
-        execution: this rank's `reshard.comm.ExecutionReport` of the plan (a `DeltaReport` with delta: wire bytes,
-            state and size message bytes, raw messages, stale boxes); None when the plan moved nothing.
-    """
-
-    seconds: dict[str, float]
-    network_bytes: int
-    nvlink_bytes: int
-    local_bytes: int
-    gather_broadcast_bytes: int
-    num_tensors: int
-    messages: int
-    first_run: bool
-    choices: dict[str, str] = field(default_factory=dict)
-    changed_fraction: dict[str, float] = field(default_factory=dict)
-    encoded_bytes: dict[str, int] = field(default_factory=dict)
-    dense_bytes: dict[str, int] = field(default_factory=dict)
-    snapshot_bytes: int = 0
-    execution: Any = None
-
 
 
 class Refit:
@@ -419,7 +377,9 @@ class Refit:
             who: the side and where the facts come from, for the error (`"trainer (Megatron TransformerConfig)"`).
         """
         self._check_open(who)
-        self._facts.append((who, _facts.checked(facts, who)))
+        entry = (who, _facts.checked(facts, who))
+        if entry not in self._facts:  # one copy of a declaration made per registered tensor (`EngineTensor`)
+            self._facts.append(entry)
 
     def before_run(self, fn: Callable[[], None]) -> None:
         """Call `fn()` on this rank at the start of every `run()`, before any registered tensor is read: an
