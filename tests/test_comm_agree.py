@@ -129,6 +129,32 @@ def test_a_summary_beyond_its_subtree_is_refused_naming_its_sender(pool, summary
     expect_all_raise(outs, "CommError", "rank 7 sent a malformed agreement summary", why)
 
 
+def on_rank_hides_errors(w, tag: str) -> str:
+    """Rank 6 tells the root its subtree is clean although its child, rank 7, reported an error."""
+    import reshard.comm._handshake as hs
+
+    original = hs.PendingAgreement._summary
+    if w.rank == 6:
+        hs.PendingAgreement._summary = lambda self, fps, errors: b""
+    try:
+        return _agree(w, "f" * 32, ["rank 7: its input is bad"] if w.rank == 7 else [], timeout=20, tag=tag)
+    finally:
+        hs.PendingAgreement._summary = original
+        group = w.scratch.pop(tag, None)
+        if group is not None:
+            group.close()
+
+
+def test_a_rank_acts_on_its_own_error_whatever_the_verdict_says(pool) -> None:
+    """The verdict that reaches rank 7 says every rank agreed (its parent dropped rank 7's error): rank 7 raises its
+    own error anyway instead of moving data; the others, told all is well, return."""
+    outs = pool.run(on_rank_hides_errors, "agree-hidden", timeout=120)
+    for o in outs[:7]:
+        assert o.ok and o.value == "agreed", (o.rank, o.error)
+    assert not outs[7].ok and outs[7].error_type == "ValueError", outs[7]
+    assert "rank 7: its input is bad" in outs[7].error and "every rank agreed" in outs[7].error, outs[7].error
+
+
 def on_rank_absent(w, absent: int, timeout: float) -> dict:
     group = w.new_group(f"agree-absent-{absent}", timeout=60)
     try:

@@ -133,6 +133,20 @@ def test_planning_auto_is_local_on_large_groups(size: int, want: str) -> None:
     assert Refit(_SizedGroup(size), planning="local").planning == "local"
 
 
+def test_the_local_planning_threshold_is_an_argument_and_the_exported_constant_is_read_at_call_time(
+        monkeypatch) -> None:
+    import reshard.refit
+    from reshard import Refit
+
+    assert Refit(_SizedGroup(8), local_planning_ranks=8).planning == "local"
+    assert Refit(_SizedGroup(8), local_planning_ranks=9).planning == "global"
+    monkeypatch.setattr(reshard.refit, "LOCAL_PLANNING_RANKS", 4)  # what a user sets: the exported name
+    assert Refit(_SizedGroup(8)).planning == "local"
+    assert Refit(_SizedGroup(8), local_planning_ranks=16).planning == "global"  # the argument wins
+    with pytest.raises(ValueError, match=r"local_planning_ranks must be an integer >= 1, got 0"):
+        Refit(_SizedGroup(8), local_planning_ranks=0)
+
+
 def test_an_unknown_planning_is_refused() -> None:
     from reshard import Refit
 

@@ -182,3 +182,21 @@ def test_build_reads_shared_tables_as_it_reads_every_ranks_own_copy() -> None:
         assert outcome[0] == outcome[1]
         if lays[1] is other:  # ranks 3 and 5 registered another layout than ranks 2 and 4
             assert "rank 3 differs from rank 2" in outcome[0] and "rank 5 differs from rank 2" in outcome[0]
+
+
+def test_a_layout_disagreement_names_the_field_and_both_values() -> None:
+    """Layouts that differ only in their `name` or their mesh axis names: the refusal says which field, and what
+    each rank registered (the encoded layouts, compared by hand here), not only that ranks disagree."""
+    mesh = [[2, 3], [4, 5]]
+    engine = Layout((8, 6), Mesh(mesh, axis_names=("dp", "tp")), [Replicate(), Shard(1)], torch.float32, name="w")
+    renamed = Layout((8, 6), Mesh(mesh, axis_names=("dp", "tp")), [Replicate(), Shard(1)], torch.float32,
+                     name="w_engine")
+    axes = Layout((8, 6), Mesh(mesh, axis_names=("replica", "shard")), [Replicate(), Shard(1)], torch.float32,
+                  name="w")
+    for other, field, a, b in ((renamed, "name", "'w'", "'w_engine'"),
+                               (axes, "axis_names", "['dp', 'tp']", "['replica', 'shard']")):
+        with pytest.raises(ValueError) as e:
+            build(_Options(), _trainer_and_engine([engine, engine, engine, other]))
+        want = (f"destination 'w': ranks disagree on its layout (rank 5 differs from rank 2): component 'w' field "
+                f"{field}: rank 2 has {a}, rank 5 has {b}")
+        assert want in str(e.value), str(e.value)

@@ -367,6 +367,10 @@ class PendingAgreement:
                 _exchange(group, [(root, _LENGTH.pack(_MAGIC, len(desc))), (root, desc)], [], timeout, label)
             status, _, data = self._receive_down()
         if status == _OK:
+            if self.errors:  # only a relaying rank that dropped them can say so: act on what this rank knows
+                raise self.error_type(_describe_errors({self.me: self.errors}, self.failure) + "\n  (the agreement "
+                                      f"reached rank {self.me} as 'every rank agreed', which its own errors "
+                                      "contradict: a rank between it and the root lost them)")
             return
         message = _payload(group, data, self.parent, "verdict", label)
         if status != _FAIL or not isinstance(message, str):

@@ -197,6 +197,9 @@ def describe_plan(plan: Plan) -> list[tuple[str, str]]:
         ("relay", repr(plan.relay)),
         ("staging_bytes", repr(plan.staging_bytes)),
         ("min_split_bytes", repr(plan.min_split_bytes)),
+        # a rank-local plan's scheduling rule (one batch per chunk): what `Refit(delta=True)` sets
+        ("single_batch_chunks (plan_local's; set by Refit(delta=True))", repr(getattr(plan, "single_batch_chunks",
+                                                                                    False))),
         ("number of tensors", repr(len(plan.items))),
     ]
     for i, it in enumerate(plan.items):

@@ -75,7 +75,8 @@ def build(refit: BuildOptions, meta: list[dict]) -> Built:
             if n in dests and dests[n] != comps:
                 first = min(dest_holders[n])
                 disagree.extend((r, f"destination {n!r}: ranks disagree on its layout (rank {r} differs from rank "
-                                    f"{first})") for r in ranks)
+                                    f"{first}): {spec_difference(dests[n], comps, f'rank {first} has', f'rank {r} has')}")
+                                for r in ranks)
             dests.setdefault(n, comps)
             dest_holders.setdefault(n, set()).update(ranks)
     errors.extend(e for _, e in sorted(disagree, key=lambda x: x[0]))
@@ -207,3 +208,29 @@ def _fixed_method(refit: BuildOptions, sname: str, item: PlanItem) -> Choice | N
                              f"or 'auto' with precision {item.precision!r}")
         return Choice("reshard")
     return None if policy == "auto" else Choice(policy)
+
+
+def spec_difference(a: Any, b: Any, who_a: str, who_b: str, path: str = "") -> str:
+    """The first field where two registrations' metadata differ (the `[[global name, encoded layout], ...]` lists
+    `reshard.planner.encode_layout` writes), with both values: `"component 'w' field axis_names: rank 2 has
+    ['dp', 'tp'], rank 3 has ['x', 'y']"`. Lists of plain values are shown whole."""
+    nested = isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and any(
+        isinstance(x, (list, dict)) for x in a)
+    if nested:
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                named = not path and isinstance(x, list) and isinstance(y, list) and len(x) == len(y) == 2 and \
+                    isinstance(x[0], str) and x[0] == y[0]
+                if named:
+                    return spec_difference(x[1], y[1], who_a, who_b, f"component {x[0]!r}")
+                return spec_difference(x, y, who_a, who_b, f"{path}[{i}]")
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if a.get(k) != b.get(k):
+                return spec_difference(a.get(k), b.get(k), who_a, who_b, f"{path} field {k}".strip())
+    return f"{path or 'components'}: {who_a} {_short(a)}, {who_b} {_short(b)}"
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + "..."

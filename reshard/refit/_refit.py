@@ -86,8 +86,10 @@ class Refit:
             greedy balance, and `policy="auto"` models each weight on it), or `"local"`, each rank plans only its
             own part (`reshard.planner.plan_local`: time and memory grow with the rank's own transfers, not with
             the cluster; the same bytes per link kind; `auto` weights go by reshard). `"auto"` (default): `"local"`
-            on groups of at least `LOCAL_PLANNING_RANKS` ranks. Every rank must plan the same way (the plan
+            on groups of at least `local_planning_ranks` ranks. Every rank must plan the same way (the plan
             handshake refuses a mix).
+        local_planning_ranks: the group size from which `planning="auto"` plans rank-locally (default: the value
+            of `reshard.refit.LOCAL_PLANNING_RANKS` when this `Refit` is made).
         verify: check every received box against its sender's checksum.
         check_replicas: before every run, compare by hash the copies of each trainer box that its layout says are
             equal (TP replicas of a norm, sub-mesh copies); a difference raises a `ValueError` on every rank naming
@@ -141,6 +143,7 @@ class Refit:
         delta_check: str = "checksum",
         name: str | None = None,
         planning: str = "auto",
+        local_planning_ranks: int | None = None,
     ) -> None:
         if planning not in PLANNINGS:
             raise ValueError(f"Refit: planning must be one of {PLANNINGS}, got {planning!r}")
@@ -175,8 +178,8 @@ class Refit:
         self.relay = relay
         self.policy = policy
         self.policies = dict(policies or {})
-        self.planning = planning if planning != "auto" else \
-            "local" if self.group.size >= LOCAL_PLANNING_RANKS else "global"
+        threshold = _local_planning_ranks(local_planning_ranks)
+        self.planning = planning if planning != "auto" else "local" if self.group.size >= threshold else "global"
         """How the first run plans: `"global"` or `"local"` (`planning="auto"` resolved on the group's size)."""
         self.hardware = hardware
         self.verify = verify
@@ -551,6 +554,18 @@ class Refit:
         """What every later run's agreement compares: the plan and this refit's identity, so that two refits of
         the same plan run in a different order on some ranks do not agree."""
         return hashlib.sha256(f"{b.plan.fingerprint}|{self.identity}".encode()).hexdigest()[:32]
+
+
+def _local_planning_ranks(value: int | None) -> int:
+    """`Refit(local_planning_ranks=...)`, or the exported `reshard.refit.LOCAL_PLANNING_RANKS` as it is now (read at
+    each call, so that setting it takes effect)."""
+    if value is None:
+        import reshard.refit as package
+
+        value = package.LOCAL_PLANNING_RANKS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Refit: local_planning_ranks must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _ordinal(n: int) -> str:
