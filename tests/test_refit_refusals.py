@@ -6,6 +6,8 @@ Functions named `on_rank_*` run on the ranks of the shared pool (see `reshard.te
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from comm_cases import expect_all_raise
@@ -47,3 +49,46 @@ def test_ranks_that_differ_only_in_delta_under_local_planning_are_told_so(pool) 
                      "single_batch_chunks (plan_local's; set by Refit(delta=True)): rank 0 has False, rank 3 has True")
     assert all("same inputs" not in o.error for o in outs)
     assert pool.run_ok(on_rank_local_delta_differs, []) == ["ran"] * 4  # the same refit, agreed, runs
+
+
+def on_rank_one_never_runs(w, absent: int, late: list[int], tag: str) -> str:
+    """The refit of `on_rank_local_delta_differs` (global planning), on a group of its own with a 5 s timeout; rank
+    `absent` never calls `run()`, the ranks in `late` call it 3 s after the others (more than the roll call's
+    2 s wait, so their own timeouts end after an early rank's)."""
+    from reshard.planner import Layout, Mesh
+    from reshard.refit import Refit
+
+    group = w.new_group(tag, timeout=60)
+    try:
+        src = Layout((6, 4), Mesh([0, 1]), [Shard(0)], torch.float32, name="w")
+        dst = Layout((6, 4), Mesh([2, 3]), [Shard(1)], torch.float32, name="w")
+        refit = Refit(group, timeout=5)
+        if w.rank < 2:
+            refit.add_source("w", torch.zeros(3, 4), src)
+        else:
+            refit.add_destination("w", torch.zeros(dst.local_shape(w.rank)), dst)
+        if w.rank == absent:
+            time.sleep(16)  # never runs; leaves after every other rank raised
+            return "absent"
+        if w.rank in late:
+            time.sleep(3)
+        try:
+            refit.run()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return f"{type(e).__name__}: {e}"
+        return "ran"
+    finally:
+        group.close()
+
+
+@pytest.mark.slow  # waits out a 5 s timeout
+def test_a_rank_that_never_runs_is_named_on_every_rank(pool) -> None:
+    """Rank 2 never calls `run()`; ranks 0 and 1 call it 3 s after rank 3. Before, rank 3's roll call (when its
+    wait ended) found ranks 0 and 1 not yet there too, and every rank was told "rank 0 failed"; now every rank
+    names rank 2 alone, in the same words."""
+    outs = pool.run_ok(on_rank_one_never_runs, 2, [0, 1], "never-runs", timeout=120)
+    assert outs[2] == "absent"
+    for r in (0, 1, 3):
+        assert outs[r].startswith("CommError"), (r, outs[r])
+        assert "refit metadata exchange timed out after 5.0 s: ranks [2] never reached it" in outs[r], (r, outs[r])
+        assert "rank 0 failed" not in outs[r] and "ranks [0" not in outs[r], (r, outs[r])

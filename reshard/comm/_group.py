@@ -342,19 +342,34 @@ class Group:
             logger.debug("%s: the store stopped answering", self, exc_info=True)
             self._store_lost = (time.monotonic(), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
+    def arrive(self) -> None:
+        """Count one more whole-group collective and record in the store, before waiting, that this rank reached
+        it (one key per rank holding the count): a rank whose own wait ends later than another's must not look
+        absent to the roll call of the one whose wait ended first."""
+        self._collectives += 1
+        if self._store is not None:
+            try:
+                self._store.set(f"here/{self.rank}", str(self._collectives).encode())
+            except Exception:  # the store is gone: the roll call will say it cannot tell
+                logger.debug("%s: roll-call key not written", self, exc_info=True)
+
     def roll_call(self, wait_s: float = ROLL_CALL_S) -> list[int] | None:
         """After this rank's whole-group collective failed: the ranks that never reached it (each rank that did
-        writes a key for the collective's number in the store and waits up to `wait_s` for the others'), or None
+        wrote its count of collectives when it entered, `arrive`; this waits up to `wait_s` for late ones), or None
         when the store cannot tell. The keys are not signed: a process that writes to the store can only make an
         absent rank look present (the blame then falls on no rank)."""
         if self._store is None:
             return None
-        key = f"here/{self._collectives}"
+        store, n = self._store, self._collectives
+
+        def reached(r: int) -> bool:
+            key = f"here/{r}"
+            return bool(store.check([key])) and int(store.get(key).decode() or 0) >= n
+
         try:
-            self._store.set(f"{key}/{self.rank}", b"1")
             deadline = time.monotonic() + wait_s
             while True:
-                missing = [r for r in range(self.size) if not self._store.check([f"{key}/{r}"])]
+                missing = [r for r in range(self.size) if not reached(r)]
                 if not missing or time.monotonic() > deadline:
                     return missing
                 time.sleep(0.05)

@@ -465,7 +465,7 @@ def all_gather_json(group: Group, value: Any, *, timeout: datetime.timedelta, wh
     """
     data = encode(what, value)
     with group.exclusive(what):
-        group._collectives += 1
+        group.arrive()
         pg = group.control
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size)]
@@ -499,7 +499,7 @@ def all_gather_digest(group: Group, digest: str, *, timeout: datetime.timedelta,
     if len(data) != _FP_BYTES or not digest.isascii():
         raise ValueError(f"{what}: the digest must be {_FP_BYTES} ASCII characters, got {digest!r}")
     with group.exclusive(what):
-        group._collectives += 1
+        group.arrive()
         pg = group.control
         buf = _to_tensor(_DIGEST.pack(_MAGIC, data))
         bufs = [torch.empty(_DIGEST.size, dtype=torch.uint8) for _ in range(group.size)]
@@ -550,7 +550,7 @@ def broadcast_bytes(group: Group, data: bytes | None, *, root: int, size: int, t
                          f"announced {size}")
     _size(group, size, root, what, what)
     with group.exclusive(what):
-        group._collectives += 1
+        group.arrive()
         buf = _to_tensor(data) if group.rank == root else torch.empty(size, dtype=torch.uint8)
         if not size:
             return b""
