@@ -92,3 +92,24 @@ def test_a_rank_that_never_runs_is_named_on_every_rank(pool) -> None:
         assert outs[r].startswith("CommError"), (r, outs[r])
         assert "refit metadata exchange timed out after 5.0 s: ranks [2] never reached it" in outs[r], (r, outs[r])
         assert "rank 0 failed" not in outs[r] and "ranks [0" not in outs[r], (r, outs[r])
+
+
+def on_rank_counts_token_warnings(w, tag: str) -> int:
+    """How many "no token" warnings this rank logs while joining a loopback group with no token."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("reshard.comm._rendezvous")
+    log.addHandler(handler)
+    try:
+        w.new_group(tag, timeout=30).close()
+    finally:
+        log.removeHandler(handler)
+    return sum("no token" in r.getMessage() for r in records)
+
+
+def test_the_no_token_warning_comes_once_per_group(pool) -> None:
+    """Before, every process of a group logged it (`make demo`: 8 times)."""
+    assert sum(pool.run_ok(on_rank_counts_token_warnings, "token-warning")) == 1

@@ -226,7 +226,7 @@ class Group:
         """
         _check_rendezvous_args(rank, world_size, backend, prefix)
         td = as_timedelta(timeout)
-        key = rv.resolve_token(token, host)
+        key = rv.resolve_token(token, host, warn=rank == 0)
         deadline = time.monotonic() + td.total_seconds()
         label = f"rendezvous({prefix})"
         master = rank == 0 if is_master is None else bool(is_master)
@@ -306,7 +306,7 @@ class Group:
         """
         mine = {"failed": failed, "observer": self.rank, "message": message[:4000]}
         verdict = mine
-        if self._verdicts is not None:
+        if self._verdicts is not None and self._store_lost is None:
             try:
                 verdict = self._verdicts.record(failed, self.rank, message)
             except Exception as e:  # the store host may be gone too: the local verdict stands
@@ -322,7 +322,8 @@ class Group:
         A store that stopped answering for `store_grace` seconds is itself the verdict: its host (the group rank
         that serves it) died or closed the group.
         """
-        if self._verdict is None and self._verdicts is not None:
+        # a lost store is not asked again: each failing call prints a C++ stack of torch's (hundreds of lines)
+        if self._verdict is None and self._verdicts is not None and self._store_lost is None:
             try:
                 self._verdict = self._verdicts.find()
             except Exception as e:  # a store that stopped answering: see _lost
@@ -341,13 +342,17 @@ class Group:
         if self._store_lost is None:
             logger.debug("%s: the store stopped answering", self, exc_info=True)
             self._store_lost = (time.monotonic(), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            host = f"rank {self._store_host}" if self._store_host is not None else "a process outside the group"
+            logger.warning("reshard: %s: the group's store at %s, hosted by %s, stopped answering: %s died or closed "
+                           "its group (any C++ stack above is torch's store client reporting that)", self,
+                           self._store_address or "?", host, host)
 
     def arrive(self) -> None:
         """Count one more whole-group collective and record in the store, before waiting, that this rank reached
         it (one key per rank holding the count): a rank whose own wait ends later than another's must not look
         absent to the roll call of the one whose wait ended first."""
         self._collectives += 1
-        if self._store is not None:
+        if self._store is not None and self._store_lost is None:
             try:
                 self._store.set(f"here/{self.rank}", str(self._collectives).encode())
             except Exception:  # the store is gone: the roll call will say it cannot tell
@@ -358,7 +363,7 @@ class Group:
         wrote its count of collectives when it entered, `arrive`; this waits up to `wait_s` for late ones), or None
         when the store cannot tell. The keys are not signed: a process that writes to the store can only make an
         absent rank look present (the blame then falls on no rank)."""
-        if self._store is None:
+        if self._store is None or self._store_lost is not None:
             return None
         store, n = self._store, self._collectives
 

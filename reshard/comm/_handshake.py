@@ -525,11 +525,13 @@ def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, w
         raise
     except Exception as e:
         timed_out = time.monotonic() - began >= 0.9 * timeout.total_seconds()
-        absent = group.roll_call() if timed_out else None
+        # also when gloo failed early: a rank that exited without calling it closed its connections
+        absent = group.roll_call()
         if absent:
-            raise fault(group, absent[0], f"rank {group.rank} of {group}: {what} timed out after "
-                        f"{timeout.total_seconds():.1f} s: ranks {absent} never reached it (every other rank did, by "
-                        "the roll call in the store); every rank of the group must call it", what) from e
+            how = f"timed out after {timeout.total_seconds():.1f} s" if timed_out else "failed"
+            raise fault(group, absent[0], f"rank {group.rank} of {group}: {what} {how}: ranks {absent} never reached "
+                        "it (every other rank did, by the roll call in the store); every rank of the group must call "
+                        "it", what) from e
         raise blame(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
                     f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what,
                     timed_out=timed_out) from e

@@ -41,8 +41,9 @@ _POLL_S = 0.05
 _MAC_BYTES = 32
 
 
-def resolve_token(token: str | bytes | None, host: str) -> bytes:
-    """The job token as bytes (argument, else `RESHARD_TOKEN`); empty only for a loopback host.
+def resolve_token(token: str | bytes | None, host: str, *, warn: bool = True) -> bytes:
+    """The job token as bytes (argument, else `RESHARD_TOKEN`); empty only for a loopback host, which logs a
+    warning if `warn` (group rank 0 only: once per group, not once per process).
 
     Raises:
         ValueError: no token for a host that is not a loopback address; a token of the wrong type.
@@ -56,8 +57,9 @@ def resolve_token(token: str | bytes | None, host: str) -> bytes:
     if not is_loopback(host):
         raise ValueError(f"Group.rendezvous: host {host!r} is not a loopback address, so the group needs a job token: "
                          f"pass token=... or set {TOKEN_ENV} (the same secret on every rank)")
-    logger.warning("Group.rendezvous at %s: no token (%s unset); the group is unauthenticated: any local process "
-                   "that reaches the store can join", host, TOKEN_ENV)
+    if warn:
+        logger.warning("Group.rendezvous at %s: no token (%s unset); the group is unauthenticated: any local "
+                       "process that reaches the store can join", host, TOKEN_ENV)
     return b""
 
 
