@@ -4,6 +4,11 @@ Usage:
     python perf/bench_kernels.py [--out perf/out] [--device cpu|cuda] [--backend torch|triton]
         [--sizes 64,256,...] [--counts 1,10,100,1000,10000] [--count-box-bytes 4096]
         [--max-total-bytes N] [--layouts cols,rows] [--dtype bfloat16] [--repeat 5] [--threads 1]
+    python perf/bench_kernels.py --shape 4096,11008 --split tp8,tp8:1,tp2 [...]   (your own tensor instead)
+
+`--shape R,C` with `--split`: one `[R, C]` tensor cut into the shards of each split (`tpN`: N row blocks, as a
+column-parallel weight; `tpN:1`: N column blocks, strided, as a row-parallel one; uneven as `torch.chunk`), all N
+boxes packed into one buffer (what a rank holding the whole tensor sends to N ranks); the sweep is called `shape`.
 
 Writes `bench_kernels.csv`, `bench_kernels.png` and `bench_kernels_summary.txt` into `--out`.
 
@@ -29,6 +34,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import machine_info, spread, synchronizer, time_calls, write_csv
 
 from reshard.kernels import pack, packed_offsets, prepare_pack, prepare_unpack, unpack
-from reshard.planner import Box
+from reshard.planner import Box, format_bytes
 
 logger = logging.getLogger("bench_kernels")
 
@@ -66,10 +72,42 @@ def make_boxes(box_bytes: int, num_boxes: int, layout: str, dtype: torch.dtype,
     return owners, boxes
 
 
+def parse_split(split: str, shape: tuple[int, int]) -> tuple[int, int]:
+    """`"tp8"` -> `(8, 0)` (8 row blocks), `"tp8:1"` -> `(8, 1)` (8 column blocks); ValueError naming the split."""
+    head, _, dim = split.partition(":")
+    if not head.startswith("tp") or not head[2:].isdigit() or int(head[2:]) < 1 or dim not in ("", "0", "1"):
+        raise ValueError(f"--split {split!r}: expected tpN (N row blocks) or tpN:1 (N column blocks), e.g. tp8")
+    n, d = int(head[2:]), int(dim or 0)
+    if n > shape[d]:
+        raise ValueError(f"--split {split!r}: {n} shards of dim {d} of --shape {list(shape)} leave some empty")
+    return n, d
+
+
+def shape_boxes(shape: tuple[int, int], split: str, dtype: torch.dtype,
+                device: torch.device) -> tuple[list[torch.Tensor], list[Box]]:
+    """The N shards of one `shape` tensor under `split` (`parse_split`), as boxes of that one tensor."""
+    n, d = parse_split(split, shape)
+    t = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(0), device=device).to(dtype)
+    boxes, at = [], 0
+    for size in (len(c) for c in torch.arange(shape[d]).chunk(n)):
+        boxes.append(Box((at, 0), (size, shape[1])) if d == 0 else Box((0, at), (shape[0], size)))
+        at += size
+    return [t] * len(boxes), boxes
+
+
 def bench_config(sweep: str, layout: str, box_bytes: int, num_boxes: int, args: argparse.Namespace,
                  device: torch.device) -> list[dict[str, object]]:
+    """Every impl on `num_boxes` boxes of about `box_bytes` (`make_boxes`)."""
+    tensors, boxes = make_boxes(box_bytes, num_boxes, layout, getattr(torch, args.dtype), device)
+    return bench_boxes(sweep, layout, tensors, boxes, args, device)
+
+
+def bench_boxes(sweep: str, layout: str, tensors: list[torch.Tensor], boxes: list[Box], args: argparse.Namespace,
+                device: torch.device, extra: dict[str, object] | None = None) -> list[dict[str, object]]:
+    """Every impl of `args.impls` packing `boxes` of `tensors` (one row each; `box_bytes` is the largest box's real
+    size, not a requested one)."""
     dtype = getattr(torch, args.dtype)
-    tensors, boxes = make_boxes(box_bytes, num_boxes, layout, dtype, device)
+    box_bytes, num_boxes = max(b.numel for b in boxes) * dtype.itemsize, len(boxes)
     offsets, total = packed_offsets(boxes, dtype)
     buf = torch.empty(total, dtype=torch.uint8, device=device)
     src_flat = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
@@ -113,7 +151,7 @@ def bench_config(sweep: str, layout: str, box_bytes: int, num_boxes: int, args: 
         rows.append({
             "sweep": sweep, "layout": layout, "impl": impl,
             "backend": "torch" if impl in ("ceiling", "cat", "loop_pack", "loop_unpack") else packer.backend,
-            "dtype": args.dtype, "box_bytes": box_bytes, "num_boxes": num_boxes, "total_bytes": total,
+            "dtype": args.dtype, "box_bytes": box_bytes, "num_boxes": num_boxes, "total_bytes": total, **(extra or {}),
             "median_s": f"{med:.6g}", "min_s": f"{lo:.6g}", "max_s": f"{hi:.6g}",
             "gbps_median": f"{gbps:.4g}", "gbps_min": f"{total / hi / 1e9:.4g}", "gbps_max": f"{total / lo / 1e9:.4g}",
         })
@@ -131,8 +169,11 @@ def plot(rows: list[dict[str, object]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layouts = sorted({str(r["layout"]) for r in rows})
-    sweeps = [("size", "box_bytes", "box size (bytes)"), ("count", "num_boxes", "number of boxes (4 KiB each)")]
+    if all(r["sweep"] == "shape" for r in rows):
+        plot_shape(rows, path, title, plt)
+        return
+    layouts = sorted({str(r["layout"]) for r in rows if r["sweep"] != "shape"})
+    sweeps = [("size", "box_bytes", "box size (bytes)"), ("count", "num_boxes", count_label(rows))]
     fig, axes = plt.subplots(len(layouts), 2, figsize=(12, 4.2 * len(layouts)), squeeze=False)
     styles = {"ceiling": ("k", "--"), "pack_prepared": ("C0", "-"), "unpack_prepared": ("C1", "-"),
               "pack": ("C0", ":"), "unpack": ("C1", ":"), "cat": ("C2", "-"), "loop_pack": ("C3", "-"),
@@ -161,9 +202,46 @@ def plot(rows: list[dict[str, object]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def count_label(rows: list[dict[str, object]]) -> str:
+    """The count sweep's axis label, from the boxes' real sizes (the rows' `box_bytes`)."""
+    sizes = sorted({int(r["box_bytes"]) for r in rows if r["sweep"] == "count"})
+    return f"number of boxes ({', '.join(format_bytes(b) for b in sizes) or '?'} each)"
+
+
+def plot_shape(rows: list[dict[str, object]], path: Path, title: str, plt: Any) -> None:
+    """The `--shape` sweep: GB/s per split (bars per impl), the ceiling's bar first."""
+    splits = list(dict.fromkeys(str(r["layout"]) for r in rows))
+    impls = list(dict.fromkeys(str(r["impl"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(splits) * len(impls) / 4), 4.5))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        ys = [next((float(r["gbps_median"]) for r in rows if r["layout"] == s and r["impl"] == impl), 0.0)
+              for s in splits]
+        ax.bar([i + k * width for i in range(len(splits))], ys, width, label=impl)
+    labels = []
+    for s in splits:
+        r = next(r for r in rows if r["layout"] == s)
+        labels.append(f"{s}\n{r['num_boxes']} x {format_bytes(int(r['box_bytes']))}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(splits))], labels)
+    ax.set_ylabel("GB/s (packed bytes / time)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{title}\nshape {rows[0].get('shape', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def summarize(rows: list[dict[str, object]]) -> list[str]:
-    """The issue's GPU targets, evaluated on these rows (informational on CPU)."""
+    """One line per configuration measured (the packers' GB/s and fraction of the copy ceiling), then the GPU
+    targets where the rows cover them (informational on CPU)."""
     lines = []
+    for key in dict.fromkeys((r["sweep"], r["layout"], int(r["box_bytes"]), int(r["num_boxes"])) for r in rows):
+        sel = {r["impl"]: r for r in rows if (r["sweep"], r["layout"], int(r["box_bytes"]), int(r["num_boxes"])) == key}
+        parts = [f"{impl} {float(r['gbps_median']):.2f} GB/s" + (f" ({float(r['fraction_of_ceiling']):.0%})"
+                                                               if r["fraction_of_ceiling"] else "")
+                 for impl, r in sel.items()]
+        lines.append(f"{key[0]} {key[1]} {key[3]} x {format_bytes(key[2])}: " + ", ".join(parts))
     big = [r for r in rows if r["sweep"] == "size" and int(r["box_bytes"]) >= 16 * MiB
            and r["impl"] in ("pack_prepared", "unpack_prepared")]
     for r in big:
@@ -185,6 +263,13 @@ def summarize(rows: list[dict[str, object]]) -> list[str]:
     return lines
 
 
+def _shape(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected R,C (two positive integers), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="perf/out")
@@ -197,6 +282,8 @@ def main() -> None:
                     help="size sweep: boxes per config = min(1000, this // box bytes); default 64 MiB on CPU, "
                          "256 MiB on CUDA")
     ap.add_argument("--layouts", default="cols,rows")
+    ap.add_argument("--shape", type=_shape, default=None, help="R,C: time your own [R, C] tensor's shards instead")
+    ap.add_argument("--split", default="tp8", help="with --shape: tpN (row blocks) or tpN:1 (column blocks), ...")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--impls", default=",".join(IMPLS))
@@ -204,6 +291,12 @@ def main() -> None:
                     help="torch CPU threads (default 1: a CPU reshard runs one process per rank, several per machine, "
                          "and OpenMP threads of oversubscribed processes can slow small copies 100x)")
     args = ap.parse_args()
+    if args.shape:
+        for split in args.split.split(","):
+            try:
+                parse_split(split, args.shape)
+            except ValueError as e:
+                ap.error(str(e))
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.impls = args.impls.split(",")
@@ -217,7 +310,12 @@ def main() -> None:
     logger.info("machine: %s", info)
 
     rows: list[dict[str, object]] = []
-    for layout in args.layouts.split(","):
+    if args.shape:
+        for split in args.split.split(","):
+            tensors, boxes = shape_boxes(args.shape, split, getattr(torch, args.dtype), device)
+            rows += bench_boxes("shape", split, tensors, boxes, args, device,
+                                {"shape": "x".join(map(str, args.shape))})
+    for layout in args.layouts.split(",") if not args.shape else ():
         for size in map(int, args.sizes.split(",")):
             rows += bench_config("size", layout, size, max(1, min(1000, max_total // size)), args, device)
         for count in map(int, args.counts.split(",")):
