@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import machine_info, python_speed_ms, write_csv  # noqa: E402
 
+from reshard._progress import Progress  # noqa: E402
 from reshard.comm._wire import encode  # noqa: E402
 from reshard.models import get_preset  # noqa: E402
 from reshard.planner import Topology, format_bytes, plan_local, plan_many, plan_rank  # noqa: E402
@@ -383,13 +384,17 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     for model in args.models:
         for gpus in args.gpus:
-            meta = metadata_rows(model, gpus)
-            if not args.no_plan:
-                out = subprocess.run([sys.executable, __file__, "--plan-child", model, str(gpus)], capture_output=True,
-                                     text=True, check=True)
-                meta[0].update(json.loads(out.stdout.strip().splitlines()[-1]))
-            if not args.no_local_plan:
-                meta[1].update(local_plan_row(model, gpus))
+            with Progress(f"bench_scale {model} {gpus}+{gpus}") as progress:  # minutes per case at 2,048
+                progress.step("metadata")
+                meta = metadata_rows(model, gpus)
+                if not args.no_plan:
+                    progress.step("whole-model plan")
+                    out = subprocess.run([sys.executable, __file__, "--plan-child", model, str(gpus)],
+                                         capture_output=True, text=True, check=True)
+                    meta[0].update(json.loads(out.stdout.strip().splitlines()[-1]))
+                if not args.no_local_plan:
+                    progress.step("rank-local plans")
+                    meta[1].update(local_plan_row(model, gpus))
             for row in meta:
                 rows.append({**row, **info})
                 plan = ""

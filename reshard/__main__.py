@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from reshard._progress import Progress
 from reshard.cost import print_plan_report
 from reshard.planner import Topology, dtype_from_name, parse_layout
 from reshard.sim import main as sim_main
@@ -37,12 +38,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad input from the command line: one line, not a traceback
         print(f"python -m reshard plan: error: {e}", file=sys.stderr)
         return 2
-    print_plan_report(src, dst, topo, relay=not args.no_relay, describe=args.describe)
+    with Progress("python -m reshard plan: planning"):  # a big cluster's plan takes seconds
+        print_plan_report(src, dst, topo, relay=not args.no_relay, describe=args.describe)
     return 0
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    return int(sim_main(argv) or 0)
+    with Progress("python -m reshard simulate: planning and modelling"):  # 26-35 s for Kimi-K2 on 512 GPUs
+        return int(sim_main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

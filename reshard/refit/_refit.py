@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -559,10 +560,8 @@ class Refit:
 def _local_planning_ranks(value: int | None) -> int:
     """`Refit(local_planning_ranks=...)`, or the exported `reshard.refit.LOCAL_PLANNING_RANKS` as it is now (read at
     each call, so that setting it takes effect)."""
-    if value is None:
-        import reshard.refit as package
-
-        value = package.LOCAL_PLANNING_RANKS
+    if value is None:  # the package, loaded by now (it imports this module), holds the name users set
+        value = getattr(sys.modules.get("reshard.refit"), "LOCAL_PLANNING_RANKS", LOCAL_PLANNING_RANKS)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Refit: local_planning_ranks must be an integer >= 1, got {value!r}")
     return value
