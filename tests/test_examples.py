@@ -1,9 +1,10 @@
-"""Every script in `examples/` and every ```python block of README.md runs, as a user would run it.
+"""Every script in `examples/` and every ```python block of README.md and of `DOC_PAGES` runs, as a user would run
+it.
 
 Each runs in a fresh subprocess from a temporary directory (not the repository root), with the checkout's
 `reshard` on `PYTHONPATH`, so a snippet that stops working, or works only from the repository, fails here.
 
-README blocks: a block whose first line is `# torchrun --nproc-per-node N` runs under torchrun with N ranks; a
+README and page blocks: a block whose first line is `# torchrun --nproc-per-node N` runs under torchrun with N ranks; a
 block that must not run says so on its first line, `# not run: <reason>`, and is reported as skipped with that
 reason. A block whose first line is `# excerpt of examples/NAME.py` shows part of an example (which runs here
 itself): each of its lines must be a line of that example, in order. Every other block runs with `python`.
@@ -126,24 +127,27 @@ def excerpt_missing(code: str, source: str) -> str | None:
     return None
 
 
-BLOCKS = readme_blocks()
+DOC_PAGES = ["README.md", "docs/custom-trainers.md"]
+"""The pages whose every ```python block runs here (the others show fragments of what the examples run)."""
+BLOCKS = [(page, n, code) for page in DOC_PAGES for n, code in readme_blocks(REPO / page)]
 
 
-@pytest.mark.parametrize("line,code", [
-    pytest.param(n, code, marks=[pytest.mark.slow] if TORCHRUN.match(code.splitlines()[0] if code.strip() else "")
-                 else []) for n, code in BLOCKS], ids=[f"README.md:{n}" for n, _ in BLOCKS])
-def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("page,line,code", [
+    pytest.param(page, n, code, marks=[pytest.mark.slow] if TORCHRUN.match(code.splitlines()[0] if code.strip()
+                                                                             else "") else [])
+    for page, n, code in BLOCKS], ids=[f"{page}:{n}" for page, n, _ in BLOCKS])
+def test_readme_block_runs(page: str, line: int, code: str, tmp_path: Path) -> None:
     first = code.splitlines()[0] if code.strip() else ""
     excerpt = EXCERPT.match(first)
     if excerpt:  # the example runs in test_example_runs_and_verifies; here its lines must be the example's
         missing = excerpt_missing(code, (REPO / excerpt.group(1)).read_text())
-        assert missing is None, f"README.md:{line}: {missing!r} is not (in this order) in {excerpt.group(1)}"
+        assert missing is None, f"{page}:{line}: {missing!r} is not (in this order) in {excerpt.group(1)}"
         return
     skip = NOT_RUN.match(first)
     if skip:
-        pytest.skip(f"README.md:{line}: {skip.group(1)}")
+        pytest.skip(f"{page}:{line}: {skip.group(1)}")
     ranks = TORCHRUN.match(first)
-    script = tmp_path / f"readme_{line}.py"
+    script = tmp_path / f"block_{Path(page).stem}_{line}.py"
     script.write_text(code)
     run_script(script, tmp_path, nproc=int(ranks.group(1)) if ranks else None)
 
