@@ -17,6 +17,16 @@ from reshard.planner import Topology, dtype_from_name, parse_layout
 from reshard.sim import main as sim_main
 
 
+LAYOUT_NOTATION = """layout notation (--src, --dst): "ranks=<ranges> [mesh=<AxB...>] [names=<a,b>] <placements>"
+  ranks=0-7, ranks=0-3,8-11   the layout's ranks: a comma list of ranks and inclusive ranges
+  mesh=2x4                    those ranks reshaped row-major into a mesh (default: 1-D, all of them)
+  names=dp,tp                 mesh axis names (optional)
+  placements                  one per mesh axis, comma separated: S(d) shards tensor dim d over the axis,
+                              R replicates it, _S(d,k) is DTensor's _StridedShard of dim d, split factor k
+example: --src "ranks=0-7 mesh=2x4 R,S(0)" --dst "ranks=8-11 S(1)" --shape 4096,4096
+  (TP4 x DP2 on ranks 0-7, rows over TP, into 4 ranks holding column blocks)"""
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """`"25600,5120"`, `"25600x5120"` or `"(25600, 5120)"` -> `(25600, 5120)`; `ValueError` otherwise."""
     body = text.strip().strip("()[]")
@@ -56,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reshard", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("plan", help="plan one tensor and print its statistics")
+    p = sub.add_parser("plan", help="plan one tensor and print its statistics", epilog=LAYOUT_NOTATION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", required=True, help='source layout, e.g. "ranks=0-7 mesh=2x4 R,S(0)"')
     p.add_argument("--dst", required=True, help='destination layout, e.g. "ranks=8-15 mesh=4x2 R,S(0)"')
     p.add_argument("--shape", required=True, help="global shape, e.g. 25600,5120")

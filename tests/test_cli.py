@@ -96,3 +96,16 @@ def test_simulate_out_without_matplotlib_writes_only_the_csv(tmp_path: Path, mon
     out = capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "sim").iterdir()) == ["simulate.csv"]
     assert f"wrote {tmp_path / 'sim' / 'simulate.csv'}; PNG plots need matplotlib: pip install 'reshard[perf]'" in out
+
+
+def test_plan_help_explains_the_layout_notation(capsys: pytest.CaptureFixture[str]) -> None:
+    from reshard.__main__ import LAYOUT_NOTATION, main
+    from reshard.planner import parse_layout
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "S(d) shards tensor dim d over the axis" in out and "_S(d,k)" in out and "mesh=2x4" in out
+    # the example it gives is a layout the command reads (pieces as DTensor's: rank 3 holds rows 3072:4096)
+    lay = parse_layout("ranks=0-7 mesh=2x4 R,S(0)", (4096, 4096))
+    assert lay.pieces(3)[0].global_box.offsets == (3072, 0) and 'ranks=0-7 mesh=2x4 R,S(0)' in LAYOUT_NOTATION
