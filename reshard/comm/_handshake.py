@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reshard.comm._errors import FAULT_POLL_S
 from reshard.comm._group import CommError, Group
-from reshard.comm._transfer import TAG_CONTROL, blame, fault, post, wait_watched
+from reshard.comm._transfer import CLOSED_GRACE_S, TAG_CONTROL, blame, fault, post, wait_watched
 from reshard.comm._wire import WIRE_VERSION, check_size, decode, encode, over_allowance
 
 _FP_BYTES = 32
@@ -525,8 +526,9 @@ def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, w
         raise
     except Exception as e:
         timed_out = time.monotonic() - began >= 0.9 * timeout.total_seconds()
-        # also when gloo failed early: a rank that exited without calling it closed its connections
-        absent = group.roll_call()
+        # also when gloo failed early (a rank that exited without calling it closed its connections), unless a
+        # peer's verdict says why it left (a rank that raised before calling it): `blame` then gives that
+        absent = group.roll_call() if timed_out or not _peer_verdict(group) else None
         if absent:
             how = f"timed out after {timeout.total_seconds():.1f} s" if timed_out else "failed"
             raise fault(group, absent[0], f"rank {group.rank} of {group}: {what} {how}: ranks {absent} never reached "
@@ -535,6 +537,16 @@ def _wait(start: Callable[[], Any], group: Group, timeout: datetime.timedelta, w
         raise blame(group, None, f"rank {group.rank} of {group}: {what} failed or timed out after "
                     f"{timeout.total_seconds():.1f} s; every rank of the group must call it: {e}", what,
                     timed_out=timed_out) from e
+
+
+def _peer_verdict(group: Group) -> bool:
+    """Whether some rank reports a fault within `CLOSED_GRACE_S` (a closed connection is often its consequence)."""
+    deadline = time.monotonic() + CLOSED_GRACE_S
+    while getattr(group, "_verdicts", None) is not None and time.monotonic() < deadline:
+        if group.fault(store_grace=float("inf")) is not None:
+            return True
+        time.sleep(FAULT_POLL_S / 2)
+    return False
 
 
 def broadcast_bytes(group: Group, data: bytes | None, *, root: int, size: int, timeout: datetime.timedelta,
