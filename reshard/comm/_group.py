@@ -26,9 +26,11 @@ Faults. When a rank sees a peer fail (a closed connection, a timeout, a malforme
 the group's store naming the failed rank and itself, signed with the job token (forged entries in the store are
 skipped: `reshard.comm._errors.Verdicts`); every other rank polls for it while it waits and raises `CommError`
 with that verdict within `FAULT_POLL_S` (plus scheduling). A store that stops answering for `STORE_GRACE_S` names
-its host (the rank whose signed claim says it hosts the store). A whole-group collective that times out names the
-ranks that never reached it (`Group.roll_call`). After that the group is unusable: every later call raises the
-same verdict; close it and rendezvous anew under a fresh prefix. `close()` frees a hosted store's port at once.
+its host (the rank whose signed claim says it hosts the store), in one logged line; it is not asked again. A
+whole-group collective that times out, or fails because a rank left without calling it, names the ranks that never
+reached it (`Group.roll_call`, from the arrival each rank records when it enters: `Group.arrive`). After that the
+group is unusable: every later call raises the same verdict; close it and rendezvous anew under a fresh prefix.
+`close()` frees a hosted store's port at once.
 """
 
 from __future__ import annotations
