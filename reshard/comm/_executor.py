@@ -275,7 +275,7 @@ class _Run:
                 recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
             handle = _post_tagged(sends, recvs, self.group, num_sends, num_recvs, self.verify, self.timeout, what)
             if s is not None:
-                handle.wait()  # CUDA: the comm stream waits for NCCL; the host does not
+                handle.order_stream()  # CUDA: the comm stream waits for NCCL; the host waits in `finish`
                 s.transferred[slot].record(s.comm)
         return handle
 
@@ -332,8 +332,7 @@ class _Run:
         step, slot = flight.step, flight.slot
         s = self.streams
         t0 = time.perf_counter()
-        if s is None:
-            flight.handle.wait()
+        flight.handle.wait()  # CUDA: until the chunk's batch completed (its events), under reshard's deadline
         t1 = time.perf_counter()
         self.report.seconds_wait += t1 - t0
         if step.unpack.boxes:
@@ -468,6 +467,10 @@ class _Both(TransferHandle):
     def wait(self, timeout: Timeout | None = None) -> None:
         self.a.wait(timeout)
         self.b.wait(timeout)
+
+    def order_stream(self) -> None:
+        self.a.order_stream()
+        self.b.order_stream()
 
     def is_completed(self) -> bool:
         return self.a.is_completed() and self.b.is_completed()
