@@ -18,7 +18,7 @@ import torch
 
 from reshard.comm._devices import follows_nccl
 from reshard.comm._errors import FAULT_POLL_S, CommError
-from reshard.comm._group import ROLL_CALL_S, Group, Timeout, as_timedelta
+from reshard.comm._group import Group, Timeout, as_timedelta
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,11 @@ CLOSED_GRACE_S = 0.5
 the peer: gloo closes every connection of a rank whose wait timed out, so the peers of a rank that timed out waiting
 for an absent rank see closed connections first, and the verdict must name the absent rank, not the one that
 noticed."""
+
+STALL_CALL_S = 1.0
+"""How long a rank whose NCCL-style batch timed out waits for its peers' own stall reports before it names the first
+peer that sent none (its peers' deadlines end about when its own does)."""
+
 
 def closed_by_peer(error: BaseException) -> bool:
     """Whether gloo's `error` says the peer closed the connection (it failed or gave up, maybe on its own timeout:
@@ -280,14 +285,14 @@ def _abort(handle: TransferHandle) -> None:
 
 def _stalled_peer(group: Group, peers: Sequence[int]) -> int | None:
     """After this rank's batch timed out: the lowest of `peers` (else of the group's ranks) that did not report
-    a stall of its own within `ROLL_CALL_S` (a rank that died or never posted its side), or None when every one
+    a stall of its own within `STALL_CALL_S` (a rank that died or never posted its side), or None when every one
     did or the store cannot tell."""
     store = getattr(group, "_store", None)
     if store is None:
         return peers[0] if len(peers) == 1 else None
     try:
         store.set(f"stalled/{group.rank}", b"1")
-        end = time.monotonic() + ROLL_CALL_S
+        end = time.monotonic() + STALL_CALL_S
         while True:
             missing = [r for r in range(group.size) if r != group.rank and not store.check([f"stalled/{r}"])]
             if not missing or time.monotonic() > end:

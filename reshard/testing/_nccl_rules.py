@@ -100,7 +100,7 @@ class RulesWork(dist.Work):
         return self._error
 
     def _finish(self, error: BaseException | None = None) -> None:
-        self._error = error
+        self._error = error or self._error
         self._done.set()
 
 
@@ -113,7 +113,8 @@ class NcclRulesGroup(dist.ProcessGroup):
 
     nccl_rules = True
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, *,
+                 delay_s: float | None = None) -> None:
         super().__init__(rank, size)
         self._store = store
         self._rank, self._size = rank, size
@@ -124,7 +125,7 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._batch: list[tuple[str, int, torch.Tensor, int, RulesWork]] | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted = False
-        self._delay = float(os.environ.get(DELAY_ENV, "0.005"))
+        self._delay = float(os.environ.get(DELAY_ENV, "0.005")) if delay_s is None else delay_s
         self._thread = threading.Thread(target=self._run, name=f"nccl-rules-{rank}", daemon=True)
         self._thread.start()
 
@@ -204,7 +205,15 @@ class NcclRulesGroup(dist.ProcessGroup):
                 device = self._device if self._device is not None else _state["device"]
                 self._store.set(f"device/{self._rank}", str(device))
                 keys = [f"device/{r}" for r in range(self._size)]
-                self._store.wait(keys, self._timeout)
+                # poll, not `store.wait`: a wait holds the store client (shared with the caller's group, which
+                # polls it for fault verdicts) until every rank joined
+                end = time.monotonic() + self._timeout.total_seconds()
+                while not self._store.check(keys):
+                    if time.monotonic() > end or self._aborted:
+                        missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                        raise RuntimeError(f"{BACKEND}: rank {self._rank}: ranks {missing} never joined the "
+                                           "communicator")
+                    time.sleep(0.01)
                 owners: dict[int, int] = {}
                 for r, key in enumerate(keys):
                     d = int(self._store.get(key))
@@ -227,12 +236,18 @@ class NcclRulesGroup(dist.ProcessGroup):
             except Exception as e:  # noqa: BLE001 - a dead peer or an abort: rule 5, a stall, never an error
                 logger.debug("%s rank %d: batch stalls: %s", BACKEND, self._rank, e)
                 continue
-            time.sleep(self._delay)
             error = next((w._error for *_, w, _ in batch if w._error is not None), None)
             for *_, w, _ in batch:
                 if not w.is_completed():
                     w._finish()
             work._finish(error)
+
+    def _reused(self, peer: int) -> str:
+        message = (f"{BACKEND}: rank {self._rank}: the buffer sent to rank {peer} was written after its send was "
+                   "posted and before the batch completed (NCCL may send either version)")
+        _state["violations"].append(message)
+        logger.error("%s", message)
+        return message
 
     def _move(self, batch: list[tuple]) -> None:
         """Move one batch: a length header per message, then its payload, so sizes are never checked (rule 3)."""
@@ -248,10 +263,7 @@ class NcclRulesGroup(dist.ProcessGroup):
                 heads.append((inner.recv([head], peer, 2 * tag), head, op))
             else:
                 if _digest(t) != digest:
-                    message = (f"{BACKEND}: rank {self._rank}: the buffer sent to rank {peer} was written after its "
-                               "send was posted and before the batch completed (NCCL would send either version)")
-                    _state["violations"].append(message)
-                    w._error = RuntimeError(message)
+                    w._error = RuntimeError(self._reused(peer))
                 payload = t.view(-1).view(torch.uint8)
                 pending.append(inner.send([torch.tensor([payload.numel()], dtype=torch.int64)], peer, 2 * tag))
                 pending.append(inner.send([payload], peer, 2 * tag + 1))
@@ -267,6 +279,10 @@ class NcclRulesGroup(dist.ProcessGroup):
             out[:n].copy_(wire[:n])
         for w in pending:
             w.wait(self._timeout)
+        time.sleep(self._delay)
+        for kind, peer, t, _, w, digest in batch:
+            if kind == "send" and w._error is None and _digest(t) != digest:
+                w._error = RuntimeError(self._reused(peer))
 
 
 def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> NcclRulesGroup:

@@ -122,6 +122,7 @@ class Worker:
         rank, world_size: this rank and the pool's size (also the default world's rank and size).
         host, port: the TCP store every rank of the pool meets at.
         backend: the default world's backend, `"gloo"` or `"nccl"`.
+        data_backend: `"reshard_nccl_rules"` in a pool of that backend (its groups' CPU data backend), else None.
         device: `cpu`, or this rank's GPU with NCCL (`cuda:<rank>`).
         group: a `reshard.comm.Group` from `Group.rendezvous` over the pool's ranks.
         scratch: a dict that lives as long as the rank, for state kept between runs.
@@ -135,21 +136,25 @@ class Worker:
         self.host = host
         self.port = port
         self.backend = "gloo" if backend == NCCL_RULES else backend
+        self.data_backend = NCCL_RULES if backend == NCCL_RULES else None
         self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.group: Any = None
         self.scratch: dict[str, Any] = {}
 
-    def new_group(self, tag: str, *, ranks: int | None = None, rank: int | None = None, timeout: float = 30.0) -> Any:
+    def new_group(self, tag: str, *, ranks: int | None = None, rank: int | None = None, timeout: float = 30.0,
+                  backend: str | None = None) -> Any:
         """A fresh `Group.rendezvous` group under `tag` (for cases that break their group: dead or stuck peers).
 
         Args:
             tag: names the group in the store; every member passes the same tag, once.
             ranks: the group's size (default: the pool's); rank: this process's rank in it (default: its own).
             timeout: the group's timeout, seconds.
+            backend: `Group.rendezvous`'s; default the pool's data backend for CPU tensors (`"reshard_nccl_rules"`
+                in such a pool, else None).
         """
         return Group.rendezvous(self.host, self.port, self.rank if rank is None else rank,
                                 self.world_size if ranks is None else ranks, prefix=f"case/{tag}", timeout=timeout,
-                                is_master=False)
+                                is_master=False, backend=backend or self.data_backend)
 
     def init_world(self, prefix: str, rank: int, world_size: int, *, backend: str | None = None,
                    timeout_s: float = 60.0) -> None:

@@ -1,0 +1,208 @@
+"""NCCL's rules on CPU: the `reshard_nccl_rules` backend's own contract, then reshard on it.
+
+The backend's contract (lazy communicators, asynchronous completion with poisoned receive buffers, unchecked sizes,
+one rank per device, a dead peer a stall) is checked on groups built directly over the pool's store. Then reshard's
+NCCL path: a first refit in which trainer replicas send nothing completes because the communicator is connected at
+rendezvous (and stalls into a `CommError` when it is not), and two ranks on one device are refused at rendezvous.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+
+from reshard.testing import NCCL_RULES
+
+pytestmark = pytest.mark.distributed
+
+RANK_POOL = {"world_size": 8, "backend": NCCL_RULES, "timeout_s": 240}  # the refit needs 8; contracts use 3
+SMALL = 3
+
+
+def rules_group(w, tag: str, *, timeout: float = 20.0, delay_s: float | None = None):
+    """A 3-rank `NcclRulesGroup` over the pool's store (ranks 0-2), built like torch builds a registered backend."""
+    import torch.distributed as dist
+
+    from reshard.testing import NcclRulesGroup
+
+    store = dist.PrefixStore(f"rules/{tag}/", dist.TCPStore(w.host, w.port, is_master=False,
+                                                            timeout=datetime.timedelta(seconds=30)))
+    return NcclRulesGroup(store, w.rank, SMALL, datetime.timedelta(seconds=timeout), delay_s=delay_s), store
+
+
+def job_lazy_first_batch(w) -> dict | None:
+    """Ranks 0 and 1 swap in a coalesced batch while rank 2 has not joined: the batch cannot complete (its receive
+    buffer holds poison, `wait()` returned anyway) until rank 2 connects."""
+    if w.rank >= SMALL:
+        return None
+    pg, store = rules_group(w, "lazy")
+    if w.rank == 2:
+        store.wait(["checked/0", "checked/1"])
+        pg.eager_connect_single_device(None)
+        return None
+    peer = 1 - w.rank
+    out = torch.arange(5, dtype=torch.float32) + 10 * w.rank
+    inp = torch.zeros(5)
+    pg._start_coalescing(torch.device("cpu"))
+    pg.recv([inp], peer, 1)
+    pg.send([out], peer, 1)
+    work = pg._end_coalescing(torch.device("cpu"))
+    returned = work.wait()  # NCCL's wait on CUDA: a stream wait, never a host block
+    time.sleep(0.5)
+    before = {"completed": work.is_completed(), "poisoned": bool((inp.view(torch.uint8) == 0xFF).all())}
+    store.set(f"checked/{w.rank}", b"1")
+    work.synchronize()
+    return {"returned": returned, **before, "after": inp.tolist(), "expected": (torch.arange(5.0) + 10 * peer).tolist()}
+
+
+def test_first_batch_waits_for_every_rank_to_join_and_wait_does_not_block(pool) -> None:
+    outs = pool.run_ok(job_lazy_first_batch, timeout=120)
+    for o in outs[:2]:
+        assert o["returned"] is True
+        assert o["completed"] is False and o["poisoned"] is True, o
+        assert o["after"] == o["expected"]
+
+
+def job_sizes_unchecked(w) -> dict | None:
+    """Rank 0 sends 4 floats into rank 1's 6-float receive, rank 1 sends 6 into rank 0's 4: no error (gloo would
+    refuse both), `min` of the sizes lands."""
+    if w.rank >= SMALL:
+        return None
+    pg, _ = rules_group(w, "sizes")
+    pg.eager_connect_single_device(None)
+    if w.rank == 2:
+        return None
+    n_send, n_recv = (4, 4) if w.rank == 0 else (6, 6)
+    out = torch.arange(n_send, dtype=torch.float32) + 100 * w.rank
+    inp = torch.zeros(6 if w.rank == 1 else 4)
+    pg._start_coalescing(torch.device("cpu"))
+    pg.recv([inp], 1 - w.rank, 1)
+    pg.send([out], 1 - w.rank, 1)
+    work = pg._end_coalescing(torch.device("cpu"))
+    work.synchronize()
+    return {"error": work.exception(), "got": inp.view(torch.int32).tolist(), "n_recv": n_recv}
+
+
+def test_sizes_of_a_matched_pair_are_not_checked(pool) -> None:
+    outs = pool.run_ok(job_sizes_unchecked, timeout=120)
+    assert outs[0]["error"] is None and outs[1]["error"] is None
+    assert outs[0]["got"] == (torch.arange(4.0) + 100).view(torch.int32).tolist()  # 4 of rank 1's 6
+    poison = torch.full((2,), -1, dtype=torch.int32).tolist()  # 0xFFFFFFFF: never written
+    assert outs[1]["got"] == torch.arange(4.0).view(torch.int32).tolist() + poison
+
+
+def job_reuse_and_stall(w) -> dict | None:
+    """Rank 0 writes a buffer it posted to rank 1 before the batch completed (detected); rank 0 waits for a
+    receive rank 2 never sends (alive, it just does not post): the receive never completes and never raises."""
+    from reshard.testing import rules_violations
+
+    if w.rank >= SMALL:
+        return None
+    pg, store = rules_group(w, "reuse", delay_s=0.5)
+    pg.eager_connect_single_device(None)
+    result: dict = {}
+    if w.rank == 0:
+        x = torch.ones(16)
+        work = pg.send([x], 1, 1)
+        x.add_(1)  # the rule break: NCCL may send either version
+        work.synchronize()
+        result["reuse_error"] = str(work.exception())
+        result["violations"] = len(rules_violations())
+        stalled = pg.recv([torch.zeros(3)], 2, 2)
+        time.sleep(1.5)
+        result["stall"] = (stalled.is_completed(), stalled.exception(), stalled.wait())
+        pg.abort()
+        store.set("stall-checked", b"1")
+    elif w.rank == 1:
+        got = torch.zeros(16)
+        pg.recv([got], 0, 1).synchronize()
+    else:
+        store.wait(["stall-checked"])
+    return result
+
+
+def test_buffer_reuse_is_detected_and_a_silent_peer_is_a_stall_not_an_error(pool) -> None:
+    out = pool.run_ok(job_reuse_and_stall, timeout=120)[0]
+    assert "written after its send was posted" in out["reuse_error"]
+    assert out["violations"] >= 1
+    assert out["stall"] == (False, None, True)
+
+
+def job_duplicate_device(w, via: str) -> str | None:
+    """Ranks 0 and 1 bind device 0: the backend's own connect refuses like NCCL, and `Group.rendezvous` refuses
+    before any data backend connects, naming both ranks, on every rank."""
+    from reshard.comm import Group
+    from reshard.testing import set_rules_device
+
+    if w.rank >= SMALL:
+        return None
+    set_rules_device(0 if w.rank < 2 else w.rank)
+    try:
+        if via == "backend":
+            pg, _ = rules_group(w, "dup")
+            pg.eager_connect_single_device(None)
+        else:
+            Group.rendezvous(w.host, w.port, w.rank, SMALL, prefix="case/dup", timeout=20, is_master=False,
+                             backend=NCCL_RULES)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        set_rules_device(w.rank)
+    return "accepted"
+
+
+@pytest.mark.parametrize("via,pattern", [
+    ("backend", "RuntimeError: .*Duplicate GPU detected: rank 0 and rank 1 both on device 0"),
+    ("rendezvous", "ValueError: .*ranks 0 and 1 are both bound to cpu:0 on one host.*torch.cuda.set_device"),
+])
+def test_two_ranks_on_one_device_are_refused_on_every_rank(pool, via: str, pattern: str) -> None:
+    import re
+
+    outs = pool.run_ok(job_duplicate_device, via, timeout=120)
+    for r in range(SMALL):
+        assert re.search(pattern, outs[r]), (r, outs[r])
+
+
+REFIT_SYSTEM = "train=ep2,dp2 gen=tp2,dp2 domain=4"  # trainer ranks 0-3 (2 and 3: replicas that send nothing)
+
+
+def job_first_refit(w, tag: str, eager: bool, timeout: float) -> dict:
+    """The first refit of a new group whose trainer replicas (ranks 2 and 3) never post a message."""
+    from refit_cases import _verify, setup
+
+    import reshard.comm._devices as devices
+
+    devices.EAGER = eager
+    try:
+        group = w.new_group(tag, timeout=timeout)
+    finally:
+        devices.EAGER = True
+    try:
+        refit, _, dests, sysm, config = setup("tiny-deepseek", REFIT_SYSTEM, w.rank, 3, group=group)
+        report = refit.run()
+        return {"mismatches": _verify(w.rank, dests, sysm, config, 3), "checked": len(dests),
+                "messages": report.messages}
+    finally:
+        group.close()
+
+
+def test_first_refit_with_replicas_that_send_nothing_completes(pool) -> None:
+    outs = pool.run_ok(job_first_refit, "eager", True, 60.0, timeout=200)
+    for o in outs:
+        assert o["mismatches"] == [], o["mismatches"]
+    assert sum(o["checked"] for o in outs[4:]) > 0
+    assert outs[2]["messages"] == outs[3]["messages"] == 0  # the replicas indeed post nothing
+
+
+def test_without_eager_connect_the_same_refit_stalls_into_a_comm_error(pool) -> None:
+    """The hazard eager connect removes: lazily created, the communicator's first batch waits for ranks 2 and 3,
+    which never post; reshard's deadline ends the wait with a `CommError` instead of a hang."""
+    outs = pool.run(job_first_refit, "lazy", False, 6.0, timeout=200)
+    stalled = [o for o in outs if not o.ok]
+    assert stalled, [o.value for o in outs]
+    for o in stalled:
+        assert o.error_type == "CommError", f"rank {o.rank}: {o.error}\n{o.trace}"
+        assert "did not complete within 6.0 s" in o.error or "stopped" in o.error, o.error
