@@ -125,6 +125,8 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._batch: list[tuple[str, int, torch.Tensor, int, RulesWork]] | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted = False
+        self.num_posted = 0
+        """Sends and receives posted on this rank so far."""
         self._delay = float(os.environ.get(DELAY_ENV, "0.005")) if delay_s is None else delay_s
         self._thread = threading.Thread(target=self._run, name=f"nccl-rules-{rank}", daemon=True)
         self._thread.start()
@@ -187,6 +189,7 @@ class NcclRulesGroup(dist.ProcessGroup):
             raise ValueError(f"{BACKEND}: {kind} needs a contiguous CPU tensor, got {t.device} "
                              f"contiguous={t.is_contiguous()}")
         work = RulesWork(f"{kind} rank {peer}")
+        self.num_posted += 1
         if kind == "recv":
             t.view(-1).view(torch.uint8).fill_(POISON)  # NCCL: undefined until complete
         op = (kind, peer, t, tag, work, _digest(t) if kind == "send" else b"")
