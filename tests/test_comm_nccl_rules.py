@@ -206,3 +206,47 @@ def test_without_eager_connect_the_same_refit_stalls_into_a_comm_error(pool) -> 
         if not o.ok:  # every rank that posted names rank 2, the first that never joined the communicator
             assert o.error_type == "CommError", f"rank {o.rank}: {o.error}\n{o.trace}"
             assert "did not complete within 6.0 s: rank 2 did not take part" in o.error, o.error
+
+
+def job_mixed_devices(w) -> str | None:
+    """Rank 1 stands in for a CUDA engine (its tensors' device reported as `cuda:0`, its staging kept on the CPU,
+    since this machine may have no GPU); rank 0 holds CPU tensors. The plan handshake must refuse on both ranks
+    before any byte: the bytes of rank 1's destination stay as they were."""
+    import reshard.comm._prepare as prep
+    from reshard import Layout, Mesh, plan
+    from reshard.comm import reshard
+
+    if w.rank >= 2:
+        return None
+    from torch.distributed.tensor import Replicate
+
+    p = plan(Layout((6, 4), Mesh([0]), [Replicate()], torch.float32),
+             Layout((6, 4), Mesh([1]), [Replicate()], torch.float32))
+    src = torch.arange(24.0).reshape(6, 4) if w.rank == 0 else None
+    dst = torch.full((6, 4), -7.0) if w.rank == 1 else None
+    original = prep._checked
+    if w.rank == 1:
+        def as_cuda(*args, **kwargs):
+            errs, _ = original(*args, **kwargs)
+            return errs, torch.device("cuda", 0)
+
+        prep._checked = as_cuda
+        real_staging = prep.staging_for
+        prep.staging_for = lambda group, prog, device, verify: real_staging(group, prog, torch.device("cpu"), verify)
+    try:
+        reshard(src, dst, p, w.group, timeout=20)
+    except ValueError as e:
+        untouched = dst is None or bool((dst == -7.0).all())
+        return f"ValueError: {e} untouched={untouched}"
+    finally:
+        prep._checked = original
+        if w.rank == 1:
+            prep.staging_for = real_staging
+    return "moved"
+
+
+def test_mixed_device_types_are_refused_on_every_rank_before_any_byte(pool) -> None:
+    outs = pool.run_ok(job_mixed_devices, timeout=120)
+    for o in outs[:2]:
+        assert o.startswith("ValueError:") and "untouched=True" in o, o
+        assert "tensors' device type" in o and "'cpu'" in o and "'cuda'" in o, o
