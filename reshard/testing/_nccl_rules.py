@@ -171,9 +171,7 @@ class NcclRulesGroup(dist.ProcessGroup):
     def abort(self) -> None:
         """End the communicator: pending operations never complete, later ones raise (the process survives)."""
         self._aborted = True
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            threading.Thread(target=lambda: inner.abort() if hasattr(inner, "abort") else None, daemon=True).start()
+        self._inner = None  # pending gloo operations end at their own timeout, on the backend's thread
 
     def shutdown(self) -> None:
         self.abort()
