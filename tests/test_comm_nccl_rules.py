@@ -209,9 +209,11 @@ def test_without_eager_connect_the_same_refit_stalls_into_a_comm_error(pool) -> 
 
 
 def job_mixed_devices(w) -> str | None:
-    """Rank 1 stands in for a CUDA engine (its tensors' device reported as `cuda:0`, its staging kept on the CPU,
-    since this machine may have no GPU); rank 0 holds CPU tensors. The plan handshake must refuse on both ranks
-    before any byte: the bytes of rank 1's destination stay as they were."""
+    """Rank 1 stands in for a CUDA engine in a group with an NCCL backend (its tensors' device reported as
+    `cuda:0`, its staging and its "NCCL" kept on the CPU, since this machine may have no GPU); rank 0 holds CPU
+    tensors. Each side has a backend for its own tensors, so without the device agreement they would post on
+    different backends (on a real mix: both wait out the timeout). The plan handshake must refuse on both ranks
+    before any byte: rank 1's destination stays as it was."""
     import reshard.comm._prepare as prep
     from reshard import Layout, Mesh, plan
     from reshard.comm import reshard
@@ -231,6 +233,7 @@ def job_mixed_devices(w) -> str | None:
             return errs, torch.device("cuda", 0)
 
         prep._checked = as_cuda
+        w.group._data["cuda"] = w.group._data["cpu"]
         real_staging = prep.staging_for
         prep.staging_for = lambda group, prog, device, verify: real_staging(group, prog, torch.device("cpu"), verify)
     try:
@@ -242,6 +245,7 @@ def job_mixed_devices(w) -> str | None:
         prep._checked = original
         if w.rank == 1:
             prep.staging_for = real_staging
+            del w.group._data["cuda"]
     return "moved"
 
 
