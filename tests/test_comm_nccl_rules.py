@@ -254,3 +254,24 @@ def test_mixed_device_types_are_refused_on_every_rank_before_any_byte(pool) -> N
     for o in outs[:2]:
         assert o.startswith("ValueError:") and "untouched=True" in o, o
         assert "tensors' device type" in o and "'cpu'" in o and "'cuda'" in o, o
+
+
+def job_nccl_without_cuda(w) -> str | None:
+    from reshard.comm import Group
+
+    if w.rank >= 2:
+        return None
+    try:
+        Group.rendezvous(w.host, w.port, w.rank, 2, prefix="case/nccl-no-cuda", timeout=20, is_master=False,
+                         backend="nccl")
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs ranks without CUDA")
+def test_nccl_asked_where_ranks_have_no_cuda_is_refused_on_every_rank(pool) -> None:
+    """Decided after the device exchange, before any NCCL communicator (whose creation needs every rank)."""
+    outs = pool.run_ok(job_nccl_without_cuda, timeout=120)
+    for o in outs[:2]:
+        assert "backend='nccl' needs a CUDA build of torch and a GPU on every rank; ranks [0, 1] have none" in o, o

@@ -59,15 +59,16 @@ def _host_id() -> int:
 
 
 def check_devices(control: Any, rank: int, world_size: int, device: torch.device | None, label: str,
-                  timeout: datetime.timedelta) -> list[tuple[str, int]]:
+                  timeout: datetime.timedelta, *, unable: bool = False) -> list[tuple[str, int]]:
     """All-gather each rank's `(device type, index)` over `control`; `[(type, index)]` by rank (`("cpu", -1)`:
-    gloo only).
+    gloo only; `("none", -1)`: the rank was asked for NCCL and has no CUDA, `unable`).
 
     Raises:
         ValueError: two ranks on one host are bound to one device (on every rank, naming both).
         CommError: the all-gather failed (a peer died).
     """
-    mine = torch.tensor([_host_id(), -1 if device is None else _TYPES[device.type],
+    kind = -2 if unable else -1 if device is None else _TYPES[device.type]
+    mine = torch.tensor([_host_id(), kind,
                          -1 if device is None or device.index is None else device.index], dtype=torch.int64)
     outs = [torch.empty(3, dtype=torch.int64) for _ in range(world_size)]
     try:
@@ -85,7 +86,8 @@ def check_devices(control: Any, rank: int, world_size: int, device: torch.device
             raise ValueError(f"rank {rank} of {label}: ranks {other} and {r} are both bound to {names[kind]}:{index} "
                              "on one host; NCCL refuses two ranks on one device: give each rank its own device "
                              "(torch.cuda.set_device(local_rank) before the rendezvous)")
-    return [("cpu", -1) if int(t[1]) < 0 else (names[int(t[1])], int(t[2])) for t in outs]
+    names[-1], names[-2] = "cpu", "none"
+    return [(names[int(t[1])], int(t[2]) if int(t[1]) >= 0 else -1) for t in outs]
 
 
 def connect_eagerly(pg: Any, device: torch.device) -> None:

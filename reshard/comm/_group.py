@@ -239,9 +239,9 @@ class Group:
                                              prefix, label)
         data: dict[str, Any] = {}
         try:
-            data = _data_backends(control, base, backend, rank, world_size, td)
-            ranks_devices = devices.check_devices(control, rank, world_size, devices.data_device(data), label,
-                                                  _remaining(deadline))
+            data, ranks_devices = _data_backends(control, base, backend, rank, world_size, td, lambda device, unable:
+                                                 devices.check_devices(control, rank, world_size, device, label,
+                                                                       _remaining(deadline), unable=unable))
             for pg in {id(p): p for p in data.values() if devices.follows_nccl(p)}.values():
                 devices.connect_eagerly(pg, devices.data_device(data))
         except (ValueError, CommError):
@@ -505,31 +505,41 @@ def _join(store: Any, base: Any, host: str, port: int, rank: int, world_size: in
 
 
 def _data_backends(control: Any, base: Any, backend: str | None, rank: int, world_size: int,
-                   td: datetime.timedelta) -> dict[str, Any]:
-    """`device type -> backend` for data: gloo (the control backend) for CPU unless `backend == "nccl"`, NCCL for
-    CUDA when asked for or (`backend=None`) when CUDA is available; a registered backend's name: that backend for
-    CPU tensors (`reshard_nccl_rules` in tests).
+                   td: datetime.timedelta, agree: Callable[[torch.device | None, bool], list[tuple[str, int]]]
+                   ) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """`(device type -> backend, every rank's data device)`: gloo (the control backend) for CPU unless
+    `backend == "nccl"`, NCCL for CUDA when asked for or (`backend=None`) when every rank has CUDA; a registered
+    backend's name: that backend for CPU tensors (`reshard_nccl_rules` in tests). `agree(device, unable)` exchanges
+    the devices before any NCCL communicator is made (NCCL's creation needs every rank of the group).
 
     Raises:
-        ValueError: `backend="nccl"` without a CUDA build of torch and a GPU.
+        ValueError: `backend="nccl"` where some rank has no CUDA build of torch and a GPU (on every rank).
     """
     data: dict[str, Any] = {"cpu": control}
     if backend not in (None, "gloo", "nccl"):
         plugin = dist.Backend._plugins[backend.upper()]
         data["cpu"] = plugin.creator_fn(dist.PrefixStore(backend, base), rank, world_size, td)
-        return data
-    want_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
+        return data, agree(devices.data_device(data), False)
+    nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
+    able = nccl_cls is not None and torch.cuda.is_available()
+    want_nccl = backend == "nccl" or (backend is None and able)
+    ranks_devices = agree(torch.device("cuda", torch.cuda.current_device()) if want_nccl and able else None,
+                          backend == "nccl" and not able)
+    without = [r for r, (kind, _) in enumerate(ranks_devices) if kind != "cuda"]
+    if backend == "nccl" and without:
+        raise ValueError(f"Group.rendezvous: backend='nccl' needs a CUDA build of torch and a GPU on every rank; "
+                         f"ranks {without} have none")
+    if want_nccl and without:
+        logger.info("rendezvous: ranks %s have no CUDA device: no NCCL backend; CPU tensors move over gloo", without)
+        want_nccl = False
     if want_nccl:
-        nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
-        if nccl_cls is None or not torch.cuda.is_available():
-            raise ValueError("Group.rendezvous: backend='nccl' needs a CUDA build of torch and a GPU")
         devices.set_watchdog()
         opts = nccl_cls.Options()
         opts._timeout = td + devices.WATCHDOG_MARGIN  # reshard's own deadline (td) fires first and aborts
         data["cuda"] = nccl_cls(dist.PrefixStore("nccl", base), rank, world_size, opts)
     if backend == "nccl":
         data.pop("cpu")
-    return data
+    return data, ranks_devices
 
 
 RELEASE_WAIT_S = 1.0  # how long `Group.close` waits for its backends' destructors
