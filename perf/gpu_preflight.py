@@ -66,8 +66,9 @@ def main() -> int:
             return 1
         time.sleep(0.001)
     ok = backend != "nccl" or torch.equal(a, b)
+    watchdog = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     print(f"group: backend {backend}, devices {group.devices}, connected eagerly in {connected:.2f} s, batch "
-          f"{'exact' if ok else 'WRONG'}; TORCH_NCCL_ASYNC_ERROR_HANDLING={os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING')}")
+          f"{'exact' if ok else 'WRONG'}; TORCH_NCCL_ASYNC_ERROR_HANDLING={watchdog}")
     group.close()
     print("preflight", "ok" if ok else "FAILED")
     return 0 if ok else 1

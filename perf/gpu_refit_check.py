@@ -1,9 +1,9 @@
 """One-GPU end-to-end refit: trainer ranks as CPU processes (gloo), one engine process whose model runs on the GPU.
 
 Ranks 0-1 hold a small Hugging Face Qwen3 model (random weights from a seed; nothing is downloaded) sharded by
-rows over TP2. Rank 2 is the engine: its tensors are laid out as `reshard.integrations.hf.engine_tensors` lays
-them out for one engine rank (`qkv_proj` and `gate_up_proj` fused, the vocabulary padded), received by `Refit` over gloo into host
-staging (pinned memory when the device is CUDA), then copied to the device tensor by tensor. The engine checks
+rows over TP2. Rank 2 is the engine: its tensors are laid out as `reshard.integrations.hf.engine_tensors` lays them out
+for one engine rank (`qkv_proj` and `gate_up_proj` fused, the vocabulary padded), received by `Refit` over gloo
+into host staging (pinned memory when the device is CUDA), then copied to the device tensor by tensor. The engine checks
 every received tensor element for element against the trainer's weights, loads them (unfused) into the same model
 built on the device, and compares its logits with the trainer's model's on the CPU. It reports the refit's time and
 bytes, and the copy to the device, in a CSV.

@@ -207,7 +207,8 @@ def _full_weights(cfg: dict[str, Any], seed: int, hf: bool) -> dict[str, torch.T
 
 
 def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
-    """One trainer rank: `("init", port, cfg, engine_world, hf[, delta, planning, comm_backend])`, `("send", seed)`, `("close",)`,
+    """One trainer rank: `("init", port, cfg, engine_world, hf[, delta, planning, comm_backend])`, `("send", seed)`,
+    `("close",)`,
     `("exit",)`, and the bad updates `("retype", name, dtype)`, `("narrow", name, bad)`;
     `hf`: the weights are a `transformers` model's (`hf_model`), else `hf_weights`."""
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
