@@ -275,3 +275,13 @@ def test_nccl_asked_where_ranks_have_no_cuda_is_refused_on_every_rank(pool) -> N
     outs = pool.run_ok(job_nccl_without_cuda, timeout=120)
     for o in outs[:2]:
         assert "backend='nccl' needs a CUDA build of torch and a GPU on every rank; ranks [0, 1] have none" in o, o
+
+
+def test_rank_pool_refuses_more_nccl_ranks_than_gpus() -> None:
+    """NCCL refuses two ranks on one device, so the pool does not put several ranks on `cuda:0`: it refuses."""
+    from reshard.testing import RankPool
+
+    n = torch.cuda.device_count() + 1
+    pattern = rf"needs one GPU per rank .*{n} ranks, {n - 1} GPUs visible.*reshard_nccl_rules"
+    with pytest.raises(ValueError, match=pattern):
+        RankPool(n, backend="nccl")
