@@ -61,18 +61,28 @@ def pool(request: pytest.FixtureRequest):
       first module that asks and reused by the next ones (one start-up per worker and size);
     - `RANK_POOL = {"world_size": n, ...}`: a pool of the module's own, built with these `RankPool` arguments and
       closed after the module: for modules whose cases kill or stall ranks, or need other timeouts.
+
+    A module with `RANK_POOL_BACKENDS = ("gloo", "reshard_nccl_rules")` runs each of its pool tests once per
+    backend (`pytest_generate_tests`), on a pool of that backend.
     """
     from reshard.testing import RankPool, shared_pool
 
     spec = getattr(request.module, "RANK_POOL", None)
+    backend = getattr(request, "param", "gloo")
     if isinstance(spec, int):
-        yield shared_pool(spec)
+        yield shared_pool(spec, backend=backend)
         return
     if not isinstance(spec, dict):
         raise TypeError(f"{request.module.__name__}: the pool fixture needs RANK_POOL = <ranks> or a dict of "
                         f"RankPool arguments, got {spec!r}")
-    with RankPool(**spec) as p:
+    with RankPool(**{"backend": backend, **spec}) as p:
         yield p
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    backends = getattr(metafunc.module, "RANK_POOL_BACKENDS", None)
+    if backends and "pool" in metafunc.fixturenames:
+        metafunc.parametrize("pool", backends, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,9 @@ def small_models() -> dict:
 
 
 def setup(model: str, system: str, rank: int, seed: int, *, dtensor_every: int = 2,
-          staging_bytes: int = 64 << 20, **refit_kwargs):
-    """Build this rank's side of the refit: trainer weights from full tensors via DTensor, zeroed engine tensors.
+          staging_bytes: int = 64 << 20, group=None, **refit_kwargs):
+    """Build this rank's side of the refit (on `group`, default the world): trainer weights from full tensors via
+    DTensor, zeroed engine tensors.
 
     Returns `(refit, sources, dests, system)`: `sources` name -> local tensor (trainer), `dests` name -> local
     tensor (inference).
@@ -59,7 +60,7 @@ def setup(model: str, system: str, rank: int, seed: int, *, dtensor_every: int =
     config = small_models()[model]
     sysm = System.parse(system)
     weights = model_layouts(config, sysm, stack_experts=True)
-    refit = Refit(Group.world(), topology=Topology(domain_size=sysm.domain_size), staging_bytes=staging_bytes,
+    refit = Refit(group or Group.world(), topology=Topology(domain_size=sysm.domain_size), staging_bytes=staging_bytes,
                   **refit_kwargs)
     sources: dict[str, torch.Tensor] = {}
     for i, w in enumerate(weights):

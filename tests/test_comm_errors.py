@@ -27,6 +27,7 @@ WORLD = 8
 
 
 RANK_POOL = WORLD  # the `pool` fixture's ranks (tests/conftest.py)
+RANK_POOL_BACKENDS = ("gloo", "reshard_nccl_rules")  # NCCL's rules: sizes unchecked, so reshard's checks must hold
 
 
 def _layouts(dst_pl: tuple = (R, S0), shape=(64, 48), dtype=torch.float32, dst_mesh=B2):
@@ -347,7 +348,7 @@ def test_reshard_refuses_multi_tensor_plans() -> None:
 def test_rendezvous_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="0 <= rank < world_size"):
         Group.rendezvous("127.0.0.1", 1, 3, 2)
-    with pytest.raises(ValueError, match="backend must be None, 'gloo' or 'nccl'"):
+    with pytest.raises(ValueError, match="backend must be None, 'gloo', 'nccl' or the name of a backend registered"):
         Group.rendezvous("127.0.0.1", 1, 0, 2, backend="mpi")
     with pytest.raises(ValueError, match="timeout must be positive"):
         Group.rendezvous("127.0.0.1", 1, 0, 2, timeout=0)

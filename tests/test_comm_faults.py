@@ -20,6 +20,7 @@ TIMEOUT = 3.0
 
 
 RANK_POOL = {"world_size": 3}  # the `pool` fixture's ranks (tests/conftest.py)
+RANK_POOL_BACKENDS = ("gloo", "reshard_nccl_rules")  # NCCL's rules: a dead peer is a stall until reshard's deadline
 
 
 def on_rank_killed(w, victim: int) -> bool:
@@ -58,4 +59,5 @@ def test_killed_rank_makes_every_other_rank_raise_within_timeout(pool) -> None:
     for o in (outs[0], outs[2]):
         assert o.error_type == "CommError", f"rank {o.rank}: {o.error}\n{o.trace}"
         assert f"rank {o.rank} of" in o.error
+        assert "rank 1" in o.error.replace(f"rank {o.rank} of", ""), o.error  # the victim is named
         assert o.seconds < TIMEOUT + 2.0, (o.rank, o.seconds)

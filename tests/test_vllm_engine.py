@@ -408,3 +408,58 @@ def test_stage_while_serving_commit_delta_and_faults(tmp_path, monkeypatch) -> N
         for p in trainers.procs:
             p.kill()
         vc.close_engine(llm)
+
+
+def test_killed_trainer_under_nccl_rules_leaves_the_engine_on_its_weights(tmp_path, monkeypatch) -> None:
+    """The group's data backend obeys NCCL's rules (`reshard_nccl_rules`: a dead peer is a stall, never an error).
+    v2 lands; then a trainer rank dies during the stage of the next update: the engine keeps serving v2 bit for bit
+    and the commit refuses with a `CommError` naming the dead rank; the next update, on a new group with new
+    trainer ranks, lands v1 again, as vLLM's own load of v1 serves it."""
+    from reshard.testing import NCCL_RULES
+
+    cfg = vc.config(4, 1000)
+    v1, v2 = V1, (V1, (1e-2, 5))
+    for name, version in (("v1", v1), ("v2", v2)):
+        vc.write_checkpoint(str(tmp_path / name), cfg, version)
+    ref = vc.start_engine(str(tmp_path / "v2"), 1, monkeypatch, in_process=True)
+    want_v2 = vc.observe(ref)
+    vc.close_engine(ref)
+    llm = vc.start_engine(str(tmp_path / "v1"), 1, monkeypatch, in_process=True)
+    want_v1 = vc.observe(llm)
+
+    def connect(trainers: vc.Trainers) -> None:
+        port = vc.free_port()
+        trainers.post("init", port, cfg, 1, False, False, "auto", NCCL_RULES)
+        llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                       "trainer_world_size": 2, "timeout_s": 30.0,
+                                                       "comm_backend": NCCL_RULES}})
+        trainers.wait()
+
+    trainers = vc.Trainers(2)
+    try:
+        connect(trainers)
+        _staged_update(llm, trainers, "2", v2)
+        vc.assert_same(vc.observe(llm), want_v2)
+        _stage(llm, "3")
+        trainers.post("die", 1, v1)
+        survivor = trainers.results.get(timeout=120)
+        assert "CommError" in str(survivor[2]), survivor
+        vc.assert_same(vc.observe(llm), want_v2)
+        with pytest.raises(Exception, match=r"update_weights failed") as refused:
+            _commit(llm, "3")
+        assert "CommError" in str(refused.value) and "rank 1 failed" in str(refused.value), refused.value
+        vc.assert_same(vc.observe(llm), want_v2)
+        llm.shutdown_weight_transfer_engine()
+    finally:
+        for p in trainers.procs:
+            p.kill()
+    trainers = vc.Trainers(2)  # the next refit: new trainer ranks, a new group
+    try:
+        connect(trainers)
+        _staged_update(llm, trainers, "3", v1)
+        vc.assert_same(vc.observe(llm), want_v1)
+        llm.shutdown_weight_transfer_engine()
+    finally:
+        for p in trainers.procs:
+            p.kill()
+        vc.close_engine(llm)

@@ -207,7 +207,8 @@ def _full_weights(cfg: dict[str, Any], seed: int, hf: bool) -> dict[str, torch.T
 
 
 def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
-    """One trainer rank: `("init", port, cfg, engine_world, hf[, delta, planning])`, `("send", seed)`, `("close",)`,
+    """One trainer rank: `("init", port, cfg, engine_world, hf[, delta, planning, comm_backend])`, `("send", seed)`,
+    `("close",)`,
     `("exit",)`, and the bad updates `("retype", name, dtype)`, `("narrow", name, bad)`;
     `hf`: the weights are a `transformers` model's (`hf_model`), else `hf_weights`."""
     from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
@@ -227,7 +228,12 @@ def _trainer(rank: int, world: int, commands: Any, results: Any) -> None:
                 info = ReshardTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port,
                                               world_size=world, engine_world_size=engine_world, timeout_s=120.0,
                                               delta=bool(rest and rest[0]),
-                                              planning=rest[1] if len(rest) > 1 else "auto")
+                                              planning=rest[1] if len(rest) > 1 else "auto",
+                                              comm_backend=rest[2] if len(rest) > 2 else None)
+                if info.comm_backend == "reshard_nccl_rules":  # NCCL's rules on CPU: one device id per rank
+                    from reshard.testing import set_rules_device
+
+                    set_rules_device(1 + rank)  # the engine worker keeps device 0
                 source = {n: (weights[n], layouts[n]) for n in weights}
                 conv1d = []
                 if hf:  # a state_dict's view: a tied parameter under each of its names, the same local tensor

@@ -64,6 +64,7 @@ from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._paths import Paths, SendUnits
 from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, prepare_run
 from reshard.comm._run import run_plan
+from reshard.comm._devices import follows_nccl
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
 from reshard.planner import BoxList, Plan, RankChunk, RankPlan
@@ -159,6 +160,9 @@ class _Run:
         self.timeout = timeout
         self.report = report
         self.streams = staging.streams
+        # NCCL-style data backend (NCCL, or NCCL's rules on CPU): each chunk is one batch, as on CUDA; its
+        # operations run in order, so recvs posted apart from the sends of the same chunk could wait on each other
+        self.batched = self.streams is not None or follows_nccl(group.data_backend(staging.device))
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
         self.packed_ahead: tuple[int, int] | None = None  # (chunk index, unit) packed during the handshake
@@ -194,7 +198,7 @@ class _Run:
         """CPU, while the plan handshake is in flight: pack the first staged wire send of the first chunk (the first
         one the run packs after the verdict) into its staging slot. It reads only source tensors and writes only
         staging, so a refused call still leaves every destination untouched."""
-        if self.streams is not None or self.verify or not self.prog.chunks:
+        if self.batched or self.verify or not self.prog.chunks:
             return
         step = self.prog.chunks[0]
         if (not step.sends or step.unpack_before_pack >= 0 or any(step.pack.from_dst)
@@ -275,7 +279,7 @@ class _Run:
                 recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
             handle = _post_tagged(sends, recvs, self.group, num_sends, num_recvs, self.verify, self.timeout, what)
             if s is not None:
-                handle.wait()  # CUDA: the comm stream waits for NCCL; the host does not
+                handle.order_stream()  # CUDA: the comm stream waits for NCCL; the host waits in `finish`
                 s.transferred[slot].record(s.comm)
         return handle
 
@@ -332,8 +336,7 @@ class _Run:
         step, slot = flight.step, flight.slot
         s = self.streams
         t0 = time.perf_counter()
-        if s is None:
-            flight.handle.wait()
+        flight.handle.wait()  # CUDA: until the chunk's batch completed (its events), under reshard's deadline
         t1 = time.perf_counter()
         self.report.seconds_wait += t1 - t0
         if step.unpack.boxes:
@@ -400,7 +403,7 @@ class _Run:
         try:
             num_staged = 0
             for k, step in enumerate(self.prog.chunks):
-                if s is None:
+                if not self.batched:
                     # CPU: a chunk whose messages are all direct takes no slot: it is only waited for when a later
                     # chunk forwards what it brought, or at the end, so such chunks are all in flight together
                     staged = self._staged(step)
@@ -420,7 +423,7 @@ class _Run:
                 pending.append(_InFlight(step, slot, handle))
                 self.local(step)
                 # unpack chunk i-1 while chunk i is in flight (CPU: only chunks that hold a slot count)
-                while len(pending) > 1 and (s is not None or staged_in_flight() > 1):
+                while len(pending) > 1 and (self.batched or staged_in_flight() > 1):
                     finish_oldest()
                 self.report.chunks += 1
             while pending:
@@ -468,6 +471,10 @@ class _Both(TransferHandle):
     def wait(self, timeout: Timeout | None = None) -> None:
         self.a.wait(timeout)
         self.b.wait(timeout)
+
+    def order_stream(self) -> None:
+        self.a.order_stream()
+        self.b.order_stream()
 
     def is_completed(self) -> bool:
         return self.a.is_completed() and self.b.is_completed()

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reshard.comm import _devices as devices
 from reshard.comm import _rendezvous as rv
 from reshard.comm._errors import JOIN_SESSION, CommError, Verdicts
 
@@ -140,6 +141,8 @@ class Group:
         self._users: dict[str, int] = {}  # kind -> how many users of that kind were made on this group
         self.store_port: int | None = None
         """The store's port (a rendezvous group; useful when the store was started on port 0)."""
+        self.devices: list[tuple[str, int]] | None = None
+        """Each rank's data device `(type, index)` as agreed at rendezvous (`("cpu", -1)`: gloo); None: unknown."""
 
     # -- construction -------------------------------------------------------------------------------------------
 
@@ -236,12 +239,26 @@ class Group:
         base = dist.PrefixStore(f"{prefix}/", store)
         control, session, store_host = _join(store, base, host, port, rank, world_size, key, master, deadline, td,
                                              prefix, label)
-        data = _data_backends(control, base, backend, rank, world_size, td)
+        data: dict[str, Any] = {}
+        try:
+            data, ranks_devices = _data_backends(control, base, backend, rank, world_size, td, lambda device, unable:
+                                                 devices.check_devices(control, rank, world_size, device, label,
+                                                                       _remaining(deadline), unable=unable))
+            for pg in {id(p): p for p in data.values() if devices.follows_nccl(p)}.values():
+                devices.connect_eagerly(pg, devices.data_device(data))
+        except (ValueError, CommError):
+            _closer([control, *data.values()], prefix)()
+            raise
+        except Exception as e:  # the communicator's creation failed (a peer died while it connected)
+            _closer([control, *data.values()], prefix)()
+            raise CommError(f"rank {rank} of {label}: connecting the data backend failed: {type(e).__name__}: "
+                            f"{e}") from e
         logger.debug("rendezvous %s at %s:%d: rank %d of %d", prefix, host, port, rank, world_size)
         group = cls(rank=rank, size=world_size, control=control, data=data, name=label, timeout=td,
                     closer=_closer([control, *data.values()], prefix), keepalive=(store, base), store=base,
                     token=key, session=session, store_host=store_host, store_address=f"{host}:{port}")
         group.store_port = store.port
+        group.devices = ranks_devices
         return group
 
     # -- use ----------------------------------------------------------------------------------------------------
@@ -440,8 +457,10 @@ def _check_rendezvous_args(rank: Any, world_size: Any, backend: Any, prefix: Any
             or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"Group.rendezvous: need integers 0 <= rank < world_size, got rank={rank!r}, "
                          f"world_size={world_size!r}")
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"Group.rendezvous: backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    if backend not in (None, "gloo", "nccl") and (not isinstance(backend, str)
+                                                  or backend.upper() not in dist.Backend._plugins):
+        raise ValueError(f"Group.rendezvous: backend must be None, 'gloo', 'nccl' or the name of a backend "
+                         f"registered with torch.distributed.Backend.register_backend, got {backend!r}")
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"Group.rendezvous: prefix must be a non-empty str, got {prefix!r}")
 
@@ -508,25 +527,41 @@ def _join(store: Any, base: Any, host: str, port: int, rank: int, world_size: in
 
 
 def _data_backends(control: Any, base: Any, backend: str | None, rank: int, world_size: int,
-                   td: datetime.timedelta) -> dict[str, Any]:
-    """`device type -> backend` for data: gloo (the control backend) for CPU unless `backend == "nccl"`, NCCL for
-    CUDA when asked for or (`backend=None`) when CUDA is available.
+                   td: datetime.timedelta, agree: Callable[[torch.device | None, bool], list[tuple[str, int]]]
+                   ) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """`(device type -> backend, every rank's data device)`: gloo (the control backend) for CPU unless
+    `backend == "nccl"`, NCCL for CUDA when asked for or (`backend=None`) when every rank has CUDA; a registered
+    backend's name: that backend for CPU tensors (`reshard_nccl_rules` in tests). `agree(device, unable)` exchanges
+    the devices before any NCCL communicator is made (NCCL's creation needs every rank of the group).
 
     Raises:
-        ValueError: `backend="nccl"` without a CUDA build of torch and a GPU.
+        ValueError: `backend="nccl"` where some rank has no CUDA build of torch and a GPU (on every rank).
     """
     data: dict[str, Any] = {"cpu": control}
-    want_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
+    if backend not in (None, "gloo", "nccl"):
+        plugin = dist.Backend._plugins[backend.upper()]
+        data["cpu"] = plugin.creator_fn(dist.PrefixStore(backend, base), rank, world_size, td)
+        return data, agree(devices.data_device(data), False)
+    nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
+    able = nccl_cls is not None and torch.cuda.is_available()
+    want_nccl = backend == "nccl" or (backend is None and able)
+    ranks_devices = agree(torch.device("cuda", torch.cuda.current_device()) if want_nccl and able else None,
+                          backend == "nccl" and not able)
+    without = [r for r, (kind, _) in enumerate(ranks_devices) if kind != "cuda"]
+    if backend == "nccl" and without:
+        raise ValueError(f"Group.rendezvous: backend='nccl' needs a CUDA build of torch and a GPU on every rank; "
+                         f"ranks {without} have none")
+    if want_nccl and without:
+        logger.info("rendezvous: ranks %s have no CUDA device: no NCCL backend; CPU tensors move over gloo", without)
+        want_nccl = False
     if want_nccl:
-        nccl_cls = getattr(dist, "ProcessGroupNCCL", None)
-        if nccl_cls is None or not torch.cuda.is_available():
-            raise ValueError("Group.rendezvous: backend='nccl' needs a CUDA build of torch and a GPU")
+        devices.set_watchdog()
         opts = nccl_cls.Options()
-        opts._timeout = td
+        opts._timeout = td + devices.WATCHDOG_MARGIN  # reshard's own deadline (td) fires first and aborts
         data["cuda"] = nccl_cls(dist.PrefixStore("nccl", base), rank, world_size, opts)
     if backend == "nccl":
         data.pop("cpu")
-    return data
+    return data, ranks_devices
 
 
 RELEASE_WAIT_S = 1.0  # how long `Group.close` waits for its backends' destructors

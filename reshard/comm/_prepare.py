@@ -7,6 +7,7 @@ Shared by the full executor (`reshard.comm._executor`) and delta runs (`reshard.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -251,6 +252,18 @@ def _checked(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tensor] | 
     return errs, device
 
 
+def with_device(plan: Plan, device: torch.device | None) -> tuple[str, Callable[[], list[tuple[str, str]]]]:
+    """The plan's fingerprint and description with this rank's tensors' device type folded in, so ranks whose
+    tensors sit on different device types (a CPU trainer, a CUDA engine) are refused on every rank, naming them,
+    before any byte moves: gloo serves only CPU tensors and NCCL only CUDA ones. CPU tensors (or none) leave the
+    fingerprint as it is."""
+    kind = device.type if device is not None else "cpu"
+    if kind == "cpu":
+        return plan.fingerprint, lambda: [*describe_plan(plan), ("tensors' device type", "'cpu'")]
+    folded = hashlib.sha256(f"{plan.fingerprint}|{kind}".encode()).hexdigest()[:len(plan.fingerprint)]
+    return folded, lambda: [*describe_plan(plan), ("tensors' device type", repr(kind))]
+
+
 def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequence[torch.Tensor] | None,
                 dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
@@ -297,9 +310,10 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             report(rank, message)
         raise ValueError(message)
     if len(ranks) > 1 and not agreed:
+        fingerprint, describe = with_device(plan, device)
         with group.exclusive("plan handshake"):
-            pending = PendingAgreement(group, ranks, plan.fingerprint, errs, lambda: describe_plan(plan),
-                                       timeout=timeout, what="plan handshake")
+            pending = PendingAgreement(group, ranks, fingerprint, errs, describe, timeout=timeout,
+                                       what="plan handshake")
             if early is not None and staging is not None and not errs and not pending.relays:
                 try:
                     early(staging)

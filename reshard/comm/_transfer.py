@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from reshard.comm._devices import follows_nccl
 from reshard.comm._errors import FAULT_POLL_S, CommError
 from reshard.comm._group import Group, Timeout, as_timedelta
 
@@ -33,6 +34,11 @@ CLOSED_GRACE_S = 0.5
 the peer: gloo closes every connection of a rank whose wait timed out, so the peers of a rank that timed out waiting
 for an absent rank see closed connections first, and the verdict must name the absent rank, not the one that
 noticed."""
+
+STALL_CALL_S = 1.0
+"""How long a rank whose NCCL-style batch timed out waits for its peers' own stall reports before it names the first
+peer that sent none (its peers' deadlines end about when its own does)."""
+
 
 def closed_by_peer(error: BaseException) -> bool:
     """Whether gloo's `error` says the peer closed the connection (it failed or gave up, maybe on its own timeout:
@@ -142,18 +148,23 @@ class TransferHandle:
     Runtime contract: until `wait()` returns, do not write a tensor being sent nor read one being received. A
     handle from `transfer` holds its group's call slot until `wait()` returns (see `Group`: one call at a time). On
     CPU (gloo), `wait()` blocks until every operation completed, at most `timeout` in all, and raises `CommError`
-    naming the peer if one failed or did not answer. On CUDA (NCCL), `wait()` makes the *current stream* wait for
-    the transfers and returns without blocking the host; failures then surface through NCCL's own watchdog, which
-    uses the group's timeout.
+    naming the peer if one failed or did not answer. On an NCCL-style backend (NCCL, or `reshard_nccl_rules` in
+    tests), whose waits never end on their own when a peer died, `wait()` polls the batch's completion (CUDA
+    events) under the same deadline, watching the group's fault verdicts; on a timeout or a verdict it aborts the
+    communicator (the process survives; the group is unusable) and raises `CommError` naming the culprit. Then, on
+    CUDA, the current stream is ordered after the transfers. `order_stream()` does only that last step (no host
+    wait), for a pipeline that waits for completion later.
     """
 
     def __init__(self, works: list[tuple[str, int, Any]], group: Group, timeout: datetime.timedelta,
-                 what: str, device_type: str = "cpu") -> None:
+                 what: str, device_type: str = "cpu", *, pg: Any = None, peers: Sequence[int] = ()) -> None:
         self._works = works
         self._group = group
         self._timeout = timeout
         self._what = what
         self._device_type = device_type
+        self._pg = pg if pg is not None and follows_nccl(pg) else None  # an NCCL-style backend: poll, abort
+        self._peers = sorted(set(peers))
         self._done = not works
         self._release: Callable[[], Any] | None = None  # ends the group call `transfer` started
 
@@ -172,11 +183,10 @@ class TransferHandle:
         """
         if self._done:
             return
-        if self._device_type == "cuda":
-            # NCCL: a stream wait, no host block (a timeout argument would make NCCL block the host)
+        if self._pg is not None:
             try:
-                for _, _, work in self._works:
-                    work.wait()
+                wait_completed(self, as_timedelta(timeout, default=self._timeout))
+                self.order_stream()
             finally:
                 self._finish()
             return
@@ -209,9 +219,88 @@ class TransferHandle:
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (every operation finished or failed)."""
-        if self._done and self._device_type != "cuda":
+        if self._done and self._pg is None:
             return True
         return all(w.is_completed() for _, _, w in self._works)
+
+    def order_stream(self) -> None:
+        """CUDA: make the current stream wait for the transfers (no host wait); nothing elsewhere."""
+        if self._device_type == "cuda":
+            for _, _, work in self._works:
+                work.wait()  # NCCL: a stream wait (a timeout argument would make NCCL block the host)
+
+
+def wait_completed(handle: TransferHandle, limit: datetime.timedelta) -> None:
+    """Poll `handle`'s NCCL-style works until all completed, within `limit`, watching the group's verdicts.
+
+    Raises:
+        CommError: the deadline passed (naming the peer that did not reach its side of the batch), another rank
+            reported a fault, the group was closed, or a work failed; the communicator is then aborted.
+    """
+    group, what = handle._group, handle._what
+    start = time.monotonic()
+    deadline = start + limit.total_seconds()
+    next_check = start + FAULT_POLL_S
+    pause = 0.0005
+    while not all(w.is_completed() for _, _, w in handle._works):
+        now = time.monotonic()
+        if getattr(group, "_closed", False):
+            _abort(handle)
+            raise CommError(f"{what}: {group} was closed while this rank waited")
+        if now >= next_check:
+            next_check = now + FAULT_POLL_S
+            verdict = group.fault() if getattr(group, "_verdicts", None) is not None else None
+            if verdict is not None:
+                _abort(handle)
+                raise CommError(group.describe_fault(verdict, what))
+        if now >= deadline:
+            _abort(handle)
+            culprit = _stalled_peer(group, handle._peers)
+            who = f"rank {culprit}" if culprit is not None else "a peer"
+            message = (f"rank {group.rank} of {group}: {what}: the batch with ranks {handle._peers} did not complete "
+                       f"within {limit.total_seconds():.1f} s: {who} did not take part (it died, is stuck, or ranks "
+                       "run different plans); the communicator was aborted")
+            raise fault(group, culprit, message, what)
+        time.sleep(pause)
+        pause = min(pause * 2, FAULT_POLL_S / 4)
+    errors = [(peer, w.exception()) for _, peer, w in handle._works if callable(getattr(w, "exception", None))]
+    failed = [(peer, e) for peer, e in errors if e is not None]
+    if failed:
+        _abort(handle)
+        peer, e = failed[0]
+        raise fault(group, None, f"rank {group.rank} of {group}: {what}: the batch with ranks {handle._peers} "
+                    f"failed: {e}", what)
+
+
+def _abort(handle: TransferHandle) -> None:
+    """Abort the NCCL-style communicator of `handle` (its pending operations can never complete otherwise)."""
+    abort = getattr(handle._pg, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception:  # noqa: BLE001 - a communicator already broken may refuse; the group is aborted anyway
+        logger.debug("abort failed", exc_info=True)
+
+
+def _stalled_peer(group: Group, peers: Sequence[int]) -> int | None:
+    """After this rank's batch timed out: the lowest of `peers` (else of the group's ranks) that did not report
+    a stall of its own within `STALL_CALL_S` (a rank that died or never posted its side), or None when every one
+    did or the store cannot tell."""
+    store = getattr(group, "_store", None)
+    if store is None:
+        return peers[0] if len(peers) == 1 else None
+    try:
+        store.set(f"stalled/{group.rank}", b"1")
+        end = time.monotonic() + STALL_CALL_S
+        while True:
+            missing = [r for r in range(group.size) if r != group.rank and not store.check([f"stalled/{r}"])]
+            if not missing or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is gone: it cannot tell
+        return None
+    return next((p for p in peers if p in missing), missing[0] if missing else None)
 
 
 def joined(handles: Sequence[TransferHandle], group: Group, timeout: datetime.timedelta, what: str) -> TransferHandle:
@@ -219,7 +308,8 @@ def joined(handles: Sequence[TransferHandle], group: Group, timeout: datetime.ti
     the order they were posted), with one timeout for all."""
     works = [w for h in handles for w in h._works]
     device_type = next((h._device_type for h in handles if h._works), "cpu")
-    return TransferHandle(works, group, timeout, what, device_type)
+    pg = next((h._pg for h in handles if h._pg is not None), None)
+    return TransferHandle(works, group, timeout, what, device_type, pg=pg, peers=[p for h in handles for p in h._peers])
 
 
 def post(
@@ -241,10 +331,11 @@ def post(
     """
     works: list[tuple[str, int, Any]] = []
     dev = torch.device("cpu")
+    pg: Any = None
     if sends or recvs:
         dev = (sends[0][1] if sends else recvs[0][1]).device
         pg = group.control if control else group.data_backend(dev)
-        coalesce = dev.type == "cuda"
+        coalesce = follows_nccl(pg)
         if coalesce:
             pg._start_coalescing(dev)
         kind, peer = "", -1
@@ -263,7 +354,8 @@ def post(
             if coalesce:
                 work = pg._end_coalescing(dev)
                 works = [("transfer with", -1, work)] if work is not None else works
-    return TransferHandle(works, group, timeout if timeout is not None else group.timeout, what, dev.type)
+    return TransferHandle(works, group, timeout if timeout is not None else group.timeout, what, dev.type,
+                          pg=None if control else pg, peers=[p for p, _ in (*sends, *recvs)])
 
 
 def transfer(

@@ -12,6 +12,13 @@ Ranks on this machine:
 Devices:
     device_under_test, DEVICE_ENV: the test device, `RESHARD_TEST_DEVICE` (`cpu` by default, or `cuda`).
 
+NCCL's rules on CPU (registered with `torch.distributed.Backend.register_backend` on import):
+    NCCL_RULES: `"reshard_nccl_rules"`, a backend whose CPU ranks obey NCCL's contract where it differs from gloo's
+        (lazy communicators, asynchronous completion, unchecked sizes, one rank per device, a dead peer a stall);
+        pass it as `backend=` to `Group.rendezvous` or `RankPool`.
+    NcclRulesGroup: that backend's process group; set_rules_device: this process's device id under it (what
+        `torch.cuda.set_device` is to NCCL); rules_violations: the rule breaks it detected in this process.
+
 verl (`import reshard.testing.verl` explicitly; needs verl and Ray): verl trainer and rollout workers on a local CPU
 Ray cluster under verl's real `CheckpointEngineManager`, for testing and measuring a checkpoint-engine backend.
 
@@ -22,6 +29,10 @@ Ground truth from DTensor, in one process (a fake process group):
 """
 
 from reshard.testing._device import DEVICE_ENV, device_under_test
+from reshard.testing._nccl_rules import BACKEND as NCCL_RULES
+from reshard.testing._nccl_rules import NcclRulesGroup, register
+from reshard.testing._nccl_rules import set_device as set_rules_device
+from reshard.testing._nccl_rules import violations as rules_violations
 from reshard.testing._oracle import close_fake_world, dtensor_local, index_tensor, use_fake_rank
 from reshard.testing._pool import (
     PRELOAD,
@@ -36,8 +47,12 @@ from reshard.testing._pool import (
     shared_pool,
 )
 
+register()
+
 __all__ = [
     "DEVICE_ENV",
+    "NCCL_RULES",
+    "NcclRulesGroup",
     "PRELOAD",
     "Outcome",
     "RankError",
@@ -51,6 +66,8 @@ __all__ = [
     "free_port",
     "index_tensor",
     "launch",
+    "rules_violations",
+    "set_rules_device",
     "shared_pool",
     "use_fake_rank",
 ]

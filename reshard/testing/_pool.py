@@ -38,6 +38,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from reshard.comm import Group
+from reshard.testing._nccl_rules import BACKEND as NCCL_RULES
+from reshard.testing._nccl_rules import set_device as set_rules_device
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,8 @@ class Worker:
         rank, world_size: this rank and the pool's size (also the default world's rank and size).
         host, port: the TCP store every rank of the pool meets at.
         backend: the default world's backend, `"gloo"` or `"nccl"`.
-        device: `cpu`, or this rank's GPU with NCCL.
+        data_backend: `"reshard_nccl_rules"` in a pool of that backend (its groups' CPU data backend), else None.
+        device: `cpu`, or this rank's GPU with NCCL (`cuda:<rank>`).
         group: a `reshard.comm.Group` from `Group.rendezvous` over the pool's ranks.
         scratch: a dict that lives as long as the rank, for state kept between runs.
     """
@@ -132,23 +135,26 @@ class Worker:
         self.world_size = world_size
         self.host = host
         self.port = port
-        self.backend = backend
-        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" \
-            else torch.device("cpu")
+        self.backend = "gloo" if backend == NCCL_RULES else backend
+        self.data_backend = NCCL_RULES if backend == NCCL_RULES else None
+        self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.group: Any = None
         self.scratch: dict[str, Any] = {}
 
-    def new_group(self, tag: str, *, ranks: int | None = None, rank: int | None = None, timeout: float = 30.0) -> Any:
+    def new_group(self, tag: str, *, ranks: int | None = None, rank: int | None = None, timeout: float = 30.0,
+                  backend: str | None = None) -> Any:
         """A fresh `Group.rendezvous` group under `tag` (for cases that break their group: dead or stuck peers).
 
         Args:
             tag: names the group in the store; every member passes the same tag, once.
             ranks: the group's size (default: the pool's); rank: this process's rank in it (default: its own).
             timeout: the group's timeout, seconds.
+            backend: `Group.rendezvous`'s; default the pool's data backend for CPU tensors (`"reshard_nccl_rules"`
+                in such a pool, else None).
         """
         return Group.rendezvous(self.host, self.port, self.rank if rank is None else rank,
                                 self.world_size if ranks is None else ranks, prefix=f"case/{tag}", timeout=timeout,
-                                is_master=False)
+                                is_master=False, backend=backend or self.data_backend)
 
     def init_world(self, prefix: str, rank: int, world_size: int, *, backend: str | None = None,
                    timeout_s: float = 60.0) -> None:
@@ -178,13 +184,14 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, gen: int, bac
 
         torch.set_num_threads(1)
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-
+            torch.cuda.set_device(rank)  # one GPU per rank: the pool refuses more ranks than GPUs
+        elif backend == NCCL_RULES:
+            set_rules_device(rank)
 
         w = Worker(rank, world_size, host, port, backend)
         w.init_world(f"world{gen}/", rank, world_size, timeout_s=timeout_s)
         w.group = Group.rendezvous(host, port, rank, world_size, prefix=f"pool{gen}", is_master=False, timeout=60,
-                                   backend="gloo" if backend == "gloo" else None)
+                                   backend={"gloo": "gloo", "nccl": None}.get(backend, backend))
     except BaseException as e:  # noqa: BLE001 - a rank that cannot start says why
         outbox.put(("failed", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
@@ -219,7 +226,9 @@ class RankPool:
 
     Args:
         world_size: the number of ranks.
-        backend: the default world's backend: `"gloo"` (CPU tensors) or `"nccl"` (one GPU per rank).
+        backend: `"gloo"` (CPU tensors), `"nccl"` (one GPU per rank: at most as many ranks as GPUs), or
+            `"reshard_nccl_rules"` (CPU tensors moved by the backend that obeys NCCL's rules, `worker.group`'s data
+            backend, each rank on its own device id; the default world stays gloo).
         timeout_s: the default world's timeout (a collective waiting longer raises).
         start_timeout: seconds the ranks may take to start and meet.
         dead_grace_s: once a rank died, seconds the living ranks get to report before the run gives up.
@@ -239,8 +248,15 @@ class RankPool:
 
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"RankPool: world_size must be a positive int, got {world_size!r}")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"RankPool: backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend not in ("gloo", "nccl", NCCL_RULES):
+            raise ValueError(f"RankPool: backend must be 'gloo', 'nccl' or {NCCL_RULES!r}, got {backend!r}")
+        if backend == "nccl":
+            import torch
+
+            if world_size > torch.cuda.device_count():
+                raise ValueError(f"RankPool: backend='nccl' needs one GPU per rank (NCCL refuses two ranks on one "
+                                 f"device): {world_size} ranks, {torch.cuda.device_count()} GPUs visible; use "
+                                 f"{NCCL_RULES!r} to run NCCL's rules on CPU ranks")
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s

@@ -81,6 +81,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
             (`Refit(delta=True)`), into loader-format buffers that still hold the last update; the same on both
             sides. Not with `verify`.
         planning: `Refit`'s planning (`"auto"`, `"global"` or `"local"`), the same on both sides.
+        comm_backend: `Group.rendezvous`'s `backend`, the same on both sides (the trainer's
+            `ReshardTrainerInitInfo.comm_backend`). Default: None on a CUDA worker (NCCL where every rank has CUDA,
+            gloo for CPU tensors: a CPU trainer meets a GPU engine and is refused by the plan handshake, naming
+            the device types, rather than waiting out the timeout), gloo on a CPU worker.
     """
 
     master_address: str
@@ -98,6 +102,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
     prefix: str = "reshard"
     experts: str = "stacked"
     planning: str = "auto"
+    comm_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.experts not in ("stacked", "per_expert"):
@@ -221,7 +226,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         logger.info("reshard: worker %d of replica %d joins %s:%d as group rank %d of %d", rank, replica,
                     init_info.master_address, init_info.master_port, group_rank, size)
         self.group = Group.rendezvous(init_info.master_address, init_info.master_port, group_rank, size,
-                                      backend="nccl" if self.device.type == "cuda" else "gloo",
+                                      backend=init_info.comm_backend or (None if self.device.type == "cuda"
+                                                                         else "gloo"),
                                       timeout=init_info.timeout_s, prefix=init_info.prefix, token=init_info.token)
         self._info = init_info
         self.refit = self._build_refit()  # a parameter the refit cannot reach fails here, naming it

@@ -68,6 +68,9 @@ class ReshardTrainerInitInfo(_InitBase):
         prefix: the group's namespace in the store (a fresh one per group when one store serves several).
         host_store: whether group rank 0 hosts the store (default); False when it is already served elsewhere
             (`reshard.comm.serve_store`), at `master_address:master_port`.
+        comm_backend: `Group.rendezvous`'s `backend` on both sides: None (NCCL for CUDA tensors where every rank has
+            CUDA, gloo for CPU tensors), `"gloo"`, `"nccl"`, or a registered test backend (`"reshard_nccl_rules"`);
+            the engine gets the same.
     """
 
     backend: ClassVar[str] = "reshard"
@@ -85,6 +88,7 @@ class ReshardTrainerInitInfo(_InitBase):
     prefix: str = "reshard"
     host_store: bool = True
     planning: str = "auto"
+    comm_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.trainer_ranks not in TRAINER_RANKS:
@@ -111,6 +115,7 @@ class ReshardTrainerInitInfo(_InitBase):
                 "trainer_world_size": self.world_size, "trainer_ranks": self.trainer_ranks,
                 "timeout_s": self.timeout_s, "precision": self.precision, "verify": self.verify,
                 "delta": self.delta, "prefix": self.prefix, "planning": self.planning,
+                **({"comm_backend": self.comm_backend} if self.comm_backend else {}),
                 **({"token": self.token} if self.token else {})}
 
 
@@ -245,7 +250,8 @@ def _rendezvous(info: ReshardTrainerInitInfo) -> Group:
         stale.close()
     return Group.rendezvous(info.master_address, info.master_port, info.group_rank,
                             info.world_size + info.engine_world_size, timeout=info.timeout_s, prefix=info.prefix,
-                            token=info.token, is_master=None if info.host_store else False)
+                            token=info.token, is_master=None if info.host_store else False,
+                            backend=info.comm_backend)
 
 
 def _fail(group: Group, info: ReshardTrainerInitInfo, error: Exception) -> None:
