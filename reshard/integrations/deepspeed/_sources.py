@@ -190,13 +190,14 @@ def _data_parallel(engine: Any) -> tuple[int, int]:
 
 
 def _whole(p: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], torch.Tensor, int, int]:
-    """`(shape, flat data, start, stop)` of a parameter every data-parallel rank holds whole: rank `rank`'s share
+    """`(shape, this rank's range of the flat data, start, stop)` of a parameter every data-parallel rank holds whole: rank `rank`'s share
     by ZeRO-3's rule, so each byte is sent by one rank."""
     data = p.detach()
     shape, n = tuple(data.shape), data.numel()
     ps = -(-n // world)
     flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().reshape(-1)
-    return shape, flat, min(rank * ps, n), min((rank + 1) * ps, n)
+    start, stop = min(rank * ps, n), min((rank + 1) * ps, n)
+    return shape, flat[start:stop], start, stop
 
 
 def _refresh(refit: Refit, module: torch.nn.Module, entries: list[_Entry], zero3: bool, dp_rank: int,
