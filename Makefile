@@ -240,7 +240,7 @@ $(DEEPSPEED_STAMP): pyproject.toml Makefile
 test-deepspeed:
 	@if $(MAKE) deepspeed-env && DS_ACCELERATOR=cpu $(TRL_PY) -c "import deepspeed" >/dev/null 2>&1; then \
 		DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 \
-			-m deepspeed tests/test_deepspeed.py; \
+			-m deepspeed tests/test_deepspeed.py tests/test_deepspeed3.py; \
 	else \
 		echo "SKIPPED DeepSpeed tests: DeepSpeed could not be installed (see the output of make deepspeed-env)"; \
 	fi

@@ -14,11 +14,23 @@ from typing import Any
 
 import torch
 
+from vllm_oracle import vllm_local
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SENTINEL = -7.0  # engine tensors start filled with it; padded vocabulary rows must keep it
 ENGINE_TP = 2
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 4
+
+
+CASES = {
+    2: [{"stage": 3, "bf16": False, "persistence": 0},
+        {"stage": 3, "bf16": False, "persistence": None},  # DeepSpeed's default threshold: every parameter whole
+        {"stage": 2, "bf16": True}],
+    3: [{"stage": 3, "bf16": True, "persistence": 0, "tie": True},
+        {"stage": 3, "bf16": False, "persistence": 0}],
+}
+"""The refit cases per trainer size: ZeRO stage, trainer dtype, persistence threshold (None: DeepSpeed's default), tie."""
 
 
 def config(*, intermediate: int = 34, tie: bool = False) -> Any:
@@ -90,14 +102,20 @@ def engine_side(refit: Any, rank: int, num_trainers: int, cfg: Any) -> dict[str,
     return locals_
 
 
-def _trainer_world(worker: Any, tag: str, num_trainers: int) -> None:
+def _trainer_world(worker: Any, num_trainers: int) -> None:
+    """Make ranks `0 .. num_trainers - 1` DeepSpeed's world, once per pool (DeepSpeed keeps its world's groups: a
+    module's jobs all use one trainer size)."""
     import deepspeed
 
-    worker.init_world(f"ds-{tag}/", worker.rank, num_trainers)
+    if worker.scratch.get("trainers") == num_trainers:
+        return
+    assert "trainers" not in worker.scratch, "one trainer size per pool"
+    worker.init_world("ds-trainers/", worker.rank, num_trainers)
     # what a launcher sets (DeepSpeed reads them even with the default world up)
     os.environ.update(RANK=str(worker.rank), LOCAL_RANK=str(worker.rank), WORLD_SIZE=str(num_trainers),
                       LOCAL_WORLD_SIZE=str(num_trainers))
     deepspeed.init_distributed(dist_backend="gloo")
+    worker.scratch["trainers"] = num_trainers
 
 
 def job_refit(worker: Any, num_trainers: int, cases: list[dict]) -> list[dict] | None:
@@ -112,7 +130,7 @@ def job_refit(worker: Any, num_trainers: int, cases: list[dict]) -> list[dict] |
         return None
     trainer = worker.rank < num_trainers
     if trainer:
-        _trainer_world(worker, f"refit{num_trainers}", num_trainers)
+        _trainer_world(worker, num_trainers)
     out = []
     for i, case in enumerate(cases):
         group = worker.new_group(f"ds{num_trainers}-{i}", ranks=size, timeout=120.0)
@@ -163,7 +181,7 @@ def job_refused(worker: Any, what: str) -> dict | None:
         return None
     trainer = worker.rank < num_trainers
     if trainer:
-        _trainer_world(worker, f"refused-{what}", num_trainers)
+        _trainer_world(worker, num_trainers)
     group = worker.new_group(f"refused-{what}", ranks=size, timeout=60.0)
     refit = Refit(group, timeout=60, precision="cast")
     locals_: dict[str, torch.Tensor] = {}
@@ -194,7 +212,7 @@ def job_lost(worker: Any) -> dict | None:
         return None
     trainer = worker.rank < num_trainers
     if trainer:
-        _trainer_world(worker, "lost", num_trainers)
+        _trainer_world(worker, num_trainers)
     group = worker.new_group("lost", ranks=size, timeout=20.0)
     refit = Refit(group, timeout=20, precision="cast")
     if trainer:
@@ -212,3 +230,41 @@ def job_lost(worker: Any) -> dict | None:
     except Exception as e:  # noqa: BLE001 - what the test asserts on
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "seconds": time.perf_counter() - t0}
+
+
+def check(out: list, num_trainers: int) -> None:
+    for i, case in enumerate(CASES[num_trainers]):
+        trainers = [o[i] for o in out[:num_trainers]]
+        engines = [o[i] for o in out[num_trainers:num_trainers + ENGINE_TP]]
+        oracle = trainers[0]["runs"]
+        for run in range(3):
+            full = {n: t.to(torch.bfloat16) for n, t in oracle[run].items()}
+            if case.get("tie"):
+                assert "lm_head.weight" not in full or torch.equal(full["lm_head.weight"],
+                                                                   full["model.embed_tokens.weight"])
+            bad = []
+            for t, e in enumerate(engines):
+                for name, local in e["runs"][run].items():
+                    want = vllm_local(name, full.__getitem__, tp=ENGINE_TP, t=t, kv_heads=KV_HEADS,
+                                      head_dim=HEAD_DIM, padded=torch.full_like(local, SENTINEL))
+                    if want.shape != local.shape or not torch.equal(want, local):
+                        bad.append(f"case {case} run {run} engine TP rank {t}: {name}")
+            assert bad == [], bad[:10]
+        changed = [n for n in oracle[0] if not torch.equal(oracle[0][n], oracle[2][n])]
+        assert len(changed) == len(oracle[0]), "two optimizer steps changed every weight"
+        # each engine byte once (bfloat16 on the wire: cast while packing), split between the trainer ranks
+        real = sum(int((t != SENTINEL).sum()) for e in engines for t in e["runs"][2].values())
+        for run in range(3):
+            sent = [tr["sent"][run] for tr in trainers]
+            assert sum(sent) == real * 2, (case, run, sent, real)
+            assert max(sent) <= 1.3 * sum(sent) / num_trainers, (case, sent)
+        assert {e["moved"] for e in engines} == {real * 2}
+        if case["stage"] == 3:
+            assert trainers[-1]["poisoned"] > 0, "the last rank's partitions hold the padding (NaN here)"
+            for tr in trainers:  # most windows are views of ds_tensor's storage, the rest refreshed copies
+                assert tr["views"] >= 0.75 * (tr["views"] + tr["copies"]), tr
+        persistent = [tr.get("persistent", 0) for tr in trainers]
+        if case.get("persistence") is None and case["stage"] == 3:
+            assert persistent[0] == len(oracle[0]), "the default threshold keeps this small model's parameters whole"
+        elif case["stage"] == 3:
+            assert persistent == [0] * num_trainers
