@@ -33,7 +33,7 @@ from reshard.refit import Refit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_sources"]
+__all__ = ["add_sources", "partition_source"]
 
 
 @dataclass
@@ -117,6 +117,25 @@ def add_sources(refit: Refit, engine: Any, *, names: Callable[[str], str] | Mapp
     logger.debug("deepspeed.add_sources: rank %d registered %d parameters (ZeRO-%s), %d as refreshed copies",
                  refit.rank, len(entries), 3 if zero3 else "0/1/2", copies)
     return sorted(e.name for e in entries)
+
+
+def partition_source(name: str, param: torch.Tensor, rank: int) -> tuple[torch.Tensor, FlatRangeLayout] | None:
+    """One ZeRO-3 parameter as a `(local window, FlatRangeLayout)` source declared at group rank `rank`, for
+    integrations that build their sources anew at every sync (TRL's `GRPOTrainer`): the window is a view of
+    `ds_tensor`'s storage where it fits, else a copy of this step's values. None where this rank's range is only
+    padding.
+
+    Raises:
+        ValueError: `param` is not a ZeRO-3 parameter, or its partition breaks ZeRO-3's rule (naming it).
+    """
+    got = _partition(name, param)
+    if isinstance(got, str):
+        raise ValueError(f"deepspeed.partition_source: {got}")
+    shape, part, start, stop = got
+    if start >= stop:
+        return None
+    window = window_of(part, shape, start, stop)
+    return window.tensor, FlatRangeLayout(shape, part.dtype, {rank: (start, stop)}, name=name)
 
 
 def _is_engine(engine: Any) -> bool:
