@@ -259,6 +259,9 @@ def check(out: list, num_trainers: int) -> None:
             assert sum(sent) == real * 2, (case, run, sent, real)
             assert max(sent) <= 1.3 * sum(sent) / num_trainers, (case, sent)
         assert {e["moved"] for e in engines} == {real * 2}
+        print(f"T={num_trainers} {case}: windows (views, copies) per rank "
+              f"{[(tr['views'], tr['copies']) for tr in trainers]}, bytes sent per rank "
+              f"{[tr['sent'][0] for tr in trainers]}")
         if case["stage"] == 3:
             assert trainers[-1]["poisoned"] > 0, "the last rank's partitions hold the padding (NaN here)"
             for tr in trainers:  # most windows are views of ds_tensor's storage, the rest refreshed copies

@@ -152,6 +152,8 @@ def test_grpo_steps_sync_every_rank_its_shards(server, zero3: bool) -> None:
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     syncs = ranks[0]["records"]
     assert len(syncs) == 3 and [s["step"] for s in syncs] == [0, 1, 2], syncs  # one sync per step, before it
+    # under ZeRO-3 every parameter is DeepSpeed-partitioned (a ds_tensor), under DDP none is
+    assert [r["partitioned"] for r in ranks] == [r["parameters"] if zero3 else 0 for r in ranks], ranks[0]
     want = [shard_bytes(server["model"], TP, w) for w in range(TP)]
     for k, s in enumerate(syncs):
         assert s["diffs"] == [], f"sync {k}: the server differs from vLLM's reload of the trainer's weights: " \

@@ -223,7 +223,9 @@ def main() -> None:
     trainer.train()
     with open(os.path.join(args.out, f"rank{acc.process_index}.json"), "w") as f:
         json.dump({"records": records, "log": trainer.state.log_history,
-                   "trainer_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}, f)
+                   "trainer_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                   "partitioned": sum(hasattr(p, "ds_tensor") for p in model.parameters()),
+                   "parameters": len(list(model.parameters()))}, f)
 
 
 # ---- a failure: trainer rank 1 lost mid-sync (`python tests/trl_cases.py --drive ...`, plain processes) ------------
