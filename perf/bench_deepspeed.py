@@ -268,7 +268,8 @@ def main() -> None:
     def per(s: str) -> str:
         return "/".join(f"{int(b) / mib:.1f}" for b in s.split("/"))
 
-    print(f"\nmodel {model_bytes / mib:.1f} MiB float32\n\n| T | method | sync s (median, min) | sent per trainer rank MiB"
+    print(f"\nmodel {model_bytes / mib:.1f} MiB float32\n\n| T | method | sync s (median, min) | "
+          "sent per trainer rank MiB"
           " | peak sync memory per trainer rank MiB | partition per rank MiB |\n|---|---|---|---|---|---|")
     for r in rows:
         for m, name in (("reshard", "reshard"), ("trl", "TRL ZeRO-3 (replayed, gloo)")):

@@ -30,7 +30,8 @@ CASES = {
     3: [{"stage": 3, "bf16": True, "persistence": 0, "tie": True},
         {"stage": 3, "bf16": False, "persistence": 0}],
 }
-"""The refit cases per trainer size: ZeRO stage, trainer dtype, persistence threshold (None: DeepSpeed's default), tie."""
+"""The refit cases per trainer size: ZeRO stage, trainer dtype, persistence threshold (None: DeepSpeed's default),
+tied embeddings."""
 
 
 def config(*, intermediate: int = 34, tie: bool = False) -> Any:
@@ -198,6 +199,41 @@ def job_refused(worker: Any, what: str) -> dict | None:
         error = str(e)
     group.close()
     return {"error": error, "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
+
+
+def job_replaced(worker: Any, stage: int) -> dict | None:
+    """After the first run both trainer ranks replace `model.norm.weight` by a new `nn.Parameter` of new values:
+    under ZeRO-2 (whole parameters) the second run sends them; under ZeRO-3 the new parameter is no partition
+    (DeepSpeed never saw it), so the second run is refused on every rank, naming it."""
+    from reshard.integrations import deepspeed as ds_sources
+    from reshard.refit import Refit
+
+    num_trainers, size = 2, 4
+    if worker.rank >= size:
+        return None
+    trainer = worker.rank < num_trainers
+    if trainer:
+        _trainer_world(worker, num_trainers)
+    group = worker.new_group(f"replaced-{stage}", ranks=size, timeout=60.0)
+    refit = Refit(group, timeout=60, precision="cast")
+    locals_: dict[str, torch.Tensor] = {}
+    new = torch.arange(63, dtype=torch.float32) * 0.25 - 3.0
+    if trainer:
+        engine = build_engine(stage, bf16=False, persistence=0, tie=False)
+        ds_sources.add_sources(refit, engine)
+    else:
+        locals_ = engine_side(refit, worker.rank, num_trainers, config())
+    refit.run()
+    first = {n: t.clone() for n, t in locals_.items()}
+    if trainer:
+        engine.module.model.norm.weight = torch.nn.Parameter(new.clone())
+    try:
+        refit.run()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    group.close()
+    return {"error": error, "new": new, "first": first, "second": {n: t.clone() for n, t in locals_.items()}}
 
 
 def job_lost(worker: Any) -> dict | None:

@@ -7,8 +7,9 @@ from vLLM's model code) and cast as torch casts: every engine tensor equal bit f
 untouched, over a first refit and two optimizer steps each followed by one. The partitions' padding is filled with
 NaN first (read, it would show). Each engine byte leaves the trainer once, the trainer ranks sending about equal
 shares. Cases: fp32 trainer with every parameter partitioned (threshold 0) and with DeepSpeed's default
-persistence (every parameter of this small model kept whole), a bf16 ZeRO-2 trainer; a wrong name and a wrong shape refused on every rank; a trainer
-rank lost between syncs named by the others.
+persistence (every parameter of this small model kept whole), a bf16 ZeRO-2 trainer; a wrong name and a wrong
+shape refused on every rank; a replaced parameter followed (ZeRO-2) or refused (ZeRO-3); a trainer rank lost between
+syncs named by the others.
 """
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ def test_a_wrong_name_or_shape_is_refused_on_every_rank(pool, what: str) -> None
         else:
             assert "mlp.gate_proj.weight" in o["error"] and "36" in o["error"] and "34" in o["error"], o["error"]
         assert o["untouched"]
+
+
+def test_a_replaced_parameter_is_followed_or_refused(pool) -> None:
+    """ZeRO-2: the new values land, every other tensor as before; ZeRO-3: refused on every rank, naming it."""
+    out = pool.run_ok(dc.job_replaced, 2)[:4]
+    for o in out[2:]:
+        assert o["error"] is None, o["error"]
+        assert torch.equal(o["second"]["model.norm.weight"], o["new"].to(torch.bfloat16))
+        assert not torch.equal(o["first"]["model.norm.weight"], o["second"]["model.norm.weight"])
+        assert all(torch.equal(o["first"][n], t) for n, t in o["second"].items() if n != "model.norm.weight")
+    out = pool.run_ok(dc.job_replaced, 3)[:4]
+    for o in out:
+        assert o["error"] is not None and "'model.norm.weight'" in o["error"], o["error"]
+        assert "not ZeRO-3 partitioned" in o["error"], o["error"]
+    for o in out[2:]:
+        assert all(torch.equal(o["first"][n], t) for n, t in o["second"].items()), "refused: nothing moved"
 
 
 def test_a_trainer_rank_lost_between_syncs_is_named(pool) -> None:

@@ -209,7 +209,8 @@ def _data_parallel(engine: Any) -> tuple[int, int]:
 
 
 def _whole(p: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], torch.Tensor, int, int]:
-    """`(shape, this rank's range of the flat data, start, stop)` of a parameter every data-parallel rank holds whole: rank `rank`'s share
+    """`(shape, this rank's range of the flat data, start, stop)` of a parameter every data-parallel rank holds
+    whole: rank `rank`'s share
     by ZeRO-3's rule, so each byte is sent by one rank."""
     data = p.detach()
     shape, n = tuple(data.shape), data.numel()
