@@ -171,97 +171,83 @@ def _windows(refit: Any, engine: Any) -> tuple[int, int]:
     return views, len(refit._sources) - views
 
 
+class _Side:
+    """One rank's part of a 2-trainer case: its group and `Refit`, and its DeepSpeed engine (trainer ranks) or
+    engine tensors (engine ranks)."""
+
+    def __init__(self, worker: Any, tag: str, timeout: float, *, stage: int = 3, bf16: bool = False,
+                 names: dict | None = None, intermediate: int = 34) -> None:
+        from reshard.integrations import deepspeed as ds_sources
+        from reshard.refit import Refit
+
+        self.trainer = worker.rank < 2
+        if self.trainer:
+            _trainer_world(worker, 2)
+        self.group = worker.new_group(tag, ranks=4, timeout=timeout)
+        self.refit = Refit(self.group, timeout=timeout, precision="cast")
+        self.locals: dict[str, torch.Tensor] = {}
+        self.engine = None
+        if self.trainer:
+            self.engine = build_engine(stage, bf16=bf16, persistence=0, tie=False)
+            ds_sources.add_sources(self.refit, self.engine, names=names)
+        else:
+            self.locals = engine_side(self.refit, worker.rank, 2, config(intermediate=intermediate))
+
+    def run(self) -> str | None:
+        """A run; its `ValueError` (every rank raises the same one), or None."""
+        try:
+            self.refit.run()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def engine_copy(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.locals.items()}
+
+
 def job_refused(worker: Any, what: str) -> dict | None:
     """A wrong name (`name`: the trainer maps `model.norm.weight` elsewhere) or shape (`shape`: the engine serves
     intermediate size 36): the first run raises the same ValueError on every rank, the engine untouched."""
-    from reshard.integrations import deepspeed as ds_sources
-    from reshard.refit import Refit
-
-    num_trainers, size = 2, 4
-    if worker.rank >= size:
+    if worker.rank >= 4:
         return None
-    trainer = worker.rank < num_trainers
-    if trainer:
-        _trainer_world(worker, num_trainers)
-    group = worker.new_group(f"refused-{what}", ranks=size, timeout=60.0)
-    refit = Refit(group, timeout=60, precision="cast")
-    locals_: dict[str, torch.Tensor] = {}
-    if trainer:
-        engine = build_engine(3, bf16=False, persistence=0, tie=False)
-        names = {"model.norm.weight": "model.final_norm.weight"} if what == "name" else None
-        ds_sources.add_sources(refit, engine, names=names)
-    else:
-        locals_ = engine_side(refit, worker.rank, num_trainers, config(intermediate=36 if what == "shape" else 34))
-    try:
-        refit.run()
-        error = None
-    except ValueError as e:
-        error = str(e)
-    group.close()
-    return {"error": error, "untouched": all(bool((t == SENTINEL).all()) for t in locals_.values())}
+    side = _Side(worker, f"refused-{what}", 60.0,
+                 names={"model.norm.weight": "model.final_norm.weight"} if what == "name" else None,
+                 intermediate=36 if what == "shape" else 34)
+    error = side.run()
+    side.group.close()
+    return {"error": error, "untouched": all(bool((t == SENTINEL).all()) for t in side.locals.values())}
 
 
 def job_replaced(worker: Any, stage: int) -> dict | None:
     """After the first run both trainer ranks replace `model.norm.weight` by a new `nn.Parameter` of new values:
     under ZeRO-2 (whole parameters) the second run sends them; under ZeRO-3 the new parameter is no partition
     (DeepSpeed never saw it), so the second run is refused on every rank, naming it."""
-    from reshard.integrations import deepspeed as ds_sources
-    from reshard.refit import Refit
-
-    num_trainers, size = 2, 4
-    if worker.rank >= size:
+    if worker.rank >= 4:
         return None
-    trainer = worker.rank < num_trainers
-    if trainer:
-        _trainer_world(worker, num_trainers)
-    group = worker.new_group(f"replaced-{stage}", ranks=size, timeout=60.0)
-    refit = Refit(group, timeout=60, precision="cast")
-    locals_: dict[str, torch.Tensor] = {}
+    side = _Side(worker, f"replaced-{stage}", 60.0, stage=stage)
     new = torch.arange(63, dtype=torch.float32) * 0.25 - 3.0
-    if trainer:
-        engine = build_engine(stage, bf16=False, persistence=0, tie=False)
-        ds_sources.add_sources(refit, engine)
-    else:
-        locals_ = engine_side(refit, worker.rank, num_trainers, config())
-    refit.run()
-    first = {n: t.clone() for n, t in locals_.items()}
-    if trainer:
-        engine.module.model.norm.weight = torch.nn.Parameter(new.clone())
-    try:
-        refit.run()
-        error = None
-    except ValueError as e:
-        error = str(e)
-    group.close()
-    return {"error": error, "new": new, "first": first, "second": {n: t.clone() for n, t in locals_.items()}}
+    assert side.run() is None
+    first = side.engine_copy()
+    if side.trainer:
+        side.engine.module.model.norm.weight = torch.nn.Parameter(new.clone())
+    error = side.run()
+    side.group.close()
+    return {"error": error, "new": new, "first": first, "second": side.engine_copy()}
 
 
 def job_lost(worker: Any) -> dict | None:
     """Trainer rank 1 dies after the first refit, before the second: the others' second run raises naming it."""
     import time
 
-    from reshard.integrations import deepspeed as ds_sources
-    from reshard.refit import Refit
-
-    num_trainers, size = 2, 4
-    if worker.rank >= size:
+    if worker.rank >= 4:
         return None
-    trainer = worker.rank < num_trainers
-    if trainer:
-        _trainer_world(worker, num_trainers)
-    group = worker.new_group("lost", ranks=size, timeout=20.0)
-    refit = Refit(group, timeout=20, precision="cast")
-    if trainer:
-        engine = build_engine(3, bf16=True, persistence=0, tie=False)
-        ds_sources.add_sources(refit, engine)
-    else:
-        engine_side(refit, worker.rank, num_trainers, config())
-    refit.run()
+    side = _Side(worker, "lost", 20.0, bf16=True)
+    side.refit.run()
     if worker.rank == 1:
         os._exit(3)
     t0 = time.perf_counter()
     try:
-        refit.run()
+        side.refit.run()
         error = None
     except Exception as e:  # noqa: BLE001 - what the test asserts on
         error = f"{type(e).__name__}: {e}"
