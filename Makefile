@@ -34,6 +34,7 @@ test: $(STAMP)
 	$(MAKE) test-frameworks
 	$(MAKE) test-megatron
 	$(MAKE) test-trl
+	$(MAKE) test-deepspeed
 
 # The core tier to iterate on: the core environment's suite without the tests marked `slow` (docs/testing.md).
 test-fast: $(STAMP)
@@ -210,9 +211,38 @@ $(TRL_STAMP): pyproject.toml Makefile
 	touch $(TRL_STAMP)
 
 # One process (-n 0): the module starts one TP-2 `vllm serve` server and 2 trainer processes on a 2-core machine.
+# Its ZeRO-3 case needs DeepSpeed (deepspeed-env, below), installed first.
 test-trl:
 	@if $(MAKE) trl-env && $(TRL_PY) -c "import vllm, trl" >/dev/null 2>&1; then \
-		VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 -m trl tests/test_trl.py; \
+		$(MAKE) deepspeed-env || echo "DeepSpeed could not be installed: the ZeRO-3 case of tests/test_trl.py is skipped"; \
+		DS_ACCELERATOR=cpu VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 -m trl tests/test_trl.py; \
 	else \
 		echo "SKIPPED TRL tests: vLLM or TRL could not be installed (see the output of make trl-env)"; \
+	fi
+
+# DeepSpeed (reshard.integrations.deepspeed) is tested against DeepSpeed's own ZeRO stages on CPU (DS_ACCELERATOR=cpu,
+# gloo), and under TRL's ZeRO-3 accelerate config against a real `vllm serve`: it goes into the TRL environment (which
+# sees .venv-vllm's torch, transformers and vLLM unchanged), with no ops built ahead of time (DS_BUILD_OPS=0: an
+# sdist build, ~1.5 min). Its first process group JIT-builds `deepspeed_shm_comm` (~2 min, once per machine, cached
+# in ~/.cache/torch_extensions). setuptools stays at vLLM's pin.
+DEEPSPEED_VERSION ?= 0.19.8
+DEEPSPEED_STAMP := $(TRL_VENV)/.deepspeed-installed
+
+.PHONY: deepspeed-env test-deepspeed
+
+deepspeed-env: $(DEEPSPEED_STAMP)
+
+$(DEEPSPEED_STAMP): pyproject.toml Makefile
+	$(MAKE) trl-env
+	DS_BUILD_OPS=0 $(TRL_PY) -m pip install "deepspeed==$(DEEPSPEED_VERSION)" \
+		"setuptools==$$($(VLLM_PY) -c 'import importlib.metadata as m; print(m.version("setuptools"))')"
+	touch $(DEEPSPEED_STAMP)
+
+# One process (-n 0): each module starts its DeepSpeed ranks once (and the TRL case a TP-2 `vllm serve`).
+test-deepspeed:
+	@if $(MAKE) deepspeed-env && DS_ACCELERATOR=cpu $(TRL_PY) -c "import deepspeed" >/dev/null 2>&1; then \
+		DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 \
+			-m deepspeed tests/test_deepspeed.py tests/test_deepspeed3.py; \
+	else \
+		echo "SKIPPED DeepSpeed tests: DeepSpeed could not be installed (see the output of make deepspeed-env)"; \
 	fi

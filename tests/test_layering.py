@@ -299,6 +299,7 @@ def test_checker_passes_allowed_imports() -> None:
 LAZY_INTEGRATIONS: dict[str, str] = {
     "reshard/integrations/megatron": "megatron",  # megatron-core lives in the trainer's environment only
     "reshard/integrations/trl": "trl",  # TRL lives in .venv-trl only
+    "reshard/integrations/deepspeed": "deepspeed",  # DeepSpeed lives in .venv-trl only (make deepspeed-env)
 }
 """Integration package -> the third-party package it may import only inside functions (the integration then
 imports everywhere; the package is needed only when it is used)."""
@@ -329,7 +330,8 @@ SHARED_INTEGRATIONS = frozenset({"engine", "trainer", "hf"})
 
 INTEGRATION_IMPORTS: dict[str, frozenset[str]] = {
     "verl": frozenset({"vllm"}),  # verl's rollout runs vLLM engines: it drives the vLLM integration
-    "trl": frozenset({"vllm"}),  # TRL's server mode is a `vllm serve` server: its trainers use the vLLM trainer side
+    "trl": frozenset({"vllm", "deepspeed"}),  # TRL's server mode is a `vllm serve` server: its trainers use the vLLM
+    # trainer side; under ZeRO-3 their partitions are read as the DeepSpeed integration reads them
     "trainer": frozenset({"megatron"}),  # the trainer side's home detects and registers Megatron models
 }
 """Which other integrations each integration may import, besides `SHARED_INTEGRATIONS`; absent: none."""

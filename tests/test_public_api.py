@@ -19,7 +19,8 @@ DOCUMENTED = {
     ],
     "reshard.kernels": ["Box", "pack", "unpack", "quantize_fp8_block", "block_aligned", "scale_box"],
     "reshard.cost": ["Hardware", "get_hardware", "gather_broadcast", "gather_broadcast_bytes", "link_time"],
-    "reshard.planner": ["scale_layout", "block_halo_layout", "encode_layout", "decode_layout", "parse_layout"],
+    "reshard.planner": ["scale_layout", "block_halo_layout", "encode_layout", "decode_layout", "parse_layout",
+                        "FlatRangeLayout", "flat_boxes", "flat_window", "flat_partition"],
 }
 
 

@@ -12,6 +12,7 @@ ranks sent those bytes once between them, each about half.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -67,13 +68,43 @@ def shard_bytes(model_dir: str, tp: int, rank: int) -> int:
     return 2 * total
 
 
-def launch(server: dict, out: str, steps: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+ZERO3_ACCELERATE = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  deepspeed_multinode_launcher: standard
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: true
+  zero3_save_16bit_model: true
+  zero_stage: 3
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: true
+"""
+"""TRL's `examples/accelerate_configs/zero3.yaml` with `use_cpu: true`, 2 processes and no mixed precision."""
+
+
+def launch(server: dict, out: str, steps: int, *, zero3: bool = False) -> subprocess.CompletedProcess:
+    if zero3:
+        os.makedirs(out, exist_ok=True)
+        config = os.path.join(out, "zero3.yaml")
+        with open(config, "w") as f:
+            f.write(ZERO3_ACCELERATE)
+        how = ["--config_file", config]
+    else:
+        how = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--dynamo_backend", "no",
            "--main_process_port", str(tc.free_port()), os.path.join(HERE, "trl_cases.py"),
            "--model", server["model"], "--url", server["server"].url, "--group-port", str(tc.free_port()),
-           "--out", out, "--steps", str(steps), "--timeout", "120"]
-    env = dict(os.environ, PYTHONPATH=tc.ROOT, OMP_NUM_THREADS="1")
+           "--out", out, "--steps", str(steps), "--timeout", "120", *(["--zero3"] if zero3 else [])]
+    env = dict(os.environ, PYTHONPATH=tc.ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -94,16 +125,35 @@ def test_example_trl_grpo_runs_and_verifies(server) -> None:
     assert re.search(EXPECTED["trl_grpo.py"], run.stdout, re.M), run.stdout[-3000:]
 
 
-def test_grpo_steps_sync_every_rank_its_shards(server) -> None:
-    out = str(server["root"] / "grpo")
+def fresh(server: dict) -> None:
+    """A fresh server where vLLM reloaded weights in place (the oracle): such a server refuses the next
+    `init_weight_transfer_engine` (docs/frameworks.md, "Not done yet"), and each case builds new groups."""
+    if server["reloaded"]:
+        server["server"].stop()
+        t0 = time.perf_counter()
+        server["server"].start()
+        server["reloaded"] = False
+        print(f"vllm serve restarted in {time.perf_counter() - t0:.0f} s")
+
+
+@pytest.mark.parametrize("zero3", [False, pytest.param(True, marks=pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (make deepspeed-env)"))],
+    ids=["ddp", "zero3"])
+def test_grpo_steps_sync_every_rank_its_shards(server, zero3: bool) -> None:
+    """Under DDP every rank holds the whole model and sends its row blocks; under TRL's ZeRO-3 accelerate config
+    each rank sends its own partition (nothing gathered; TRL's own ZeRO-3 sync refuses any non-CUDA device)."""
+    fresh(server)
+    out = str(server["root"] / ("grpo-zero3" if zero3 else "grpo"))
     t0 = time.perf_counter()
-    run = launch(server, out, steps=3)
+    run = launch(server, out, steps=3, zero3=zero3)
     server["reloaded"] = True
     took = time.perf_counter() - t0
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     syncs = ranks[0]["records"]
     assert len(syncs) == 3 and [s["step"] for s in syncs] == [0, 1, 2], syncs  # one sync per step, before it
+    # under ZeRO-3 every parameter is DeepSpeed-partitioned (a ds_tensor), under DDP none is
+    assert [r["partitioned"] for r in ranks] == [r["parameters"] if zero3 else 0 for r in ranks], ranks[0]
     want = [shard_bytes(server["model"], TP, w) for w in range(TP)]
     for k, s in enumerate(syncs):
         assert s["diffs"] == [], f"sync {k}: the server differs from vLLM's reload of the trainer's weights: " \
@@ -131,14 +181,7 @@ def test_trainer_rank_lost_mid_sync_then_a_new_group(server) -> None:
     keeps the previous weights; the next sync (a new group, rank 1 started again) makes the server exact."""
     out = str(server["root"] / "lost")
     os.makedirs(out)
-    if server["reloaded"]:
-        # a fresh server: one whose weights vLLM reloaded in place (the previous test's oracle) is refused at the
-        # next `init_weight_transfer_engine` (docs/frameworks.md, "Not done yet"), and this test builds new groups
-        server["server"].stop()
-        t0 = time.perf_counter()
-        server["server"].start()
-        server["reloaded"] = False
-        print(f"vllm serve restarted in {time.perf_counter() - t0:.0f} s")
+    fresh(server)
     port = tc.free_port()
     t0 = time.perf_counter()
     rank0, rank1 = drive(server, "lost0", out, port), drive(server, "lost1", out, port)

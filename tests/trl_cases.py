@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--zero3", action="store_true", help="launched under a DeepSpeed ZeRO-3 accelerate config")
     args = ap.parse_args()
 
     import torch
@@ -189,16 +190,28 @@ def main() -> None:
     records: list[dict] = []
     synced = gen.sync_weights
 
+    def save(path: str) -> None:
+        """The trainer's weights as a checkpoint (under ZeRO-3 gathered by DeepSpeed itself: every rank joins)."""
+        m = trainer.accelerator.unwrap_model(trainer.model)
+        if args.zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(m.parameters()), modifier_rank=None):
+                if acc.is_main_process:
+                    m.save_pretrained(path)
+        elif acc.is_main_process:
+            m.save_pretrained(path)
+
     def checked_sync() -> None:
         synced()
         r = gen.last_sync
         record = {"step": trainer.state.global_step, "rank": acc.process_index, "bytes_sent": r.bytes_sent,
                   "seconds": r.seconds, "first": r.first}
+        got = observe(args.url, args.model) if acc.is_main_process else None
+        ck = os.path.join(args.out, f"ck{len(records)}")
+        save(ck)
         if acc.is_main_process:
-            got = observe(args.url, args.model)
             record["received"] = rpc(args.url, "reshard_received")
-            ck = os.path.join(args.out, f"ck{len(records)}")
-            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(ck)
             rpc(args.url, "reload_weights", weights_path=ck)
             want = observe(args.url, args.model)
             record["diffs"] = differences(got, want)
@@ -210,7 +223,9 @@ def main() -> None:
     trainer.train()
     with open(os.path.join(args.out, f"rank{acc.process_index}.json"), "w") as f:
         json.dump({"records": records, "log": trainer.state.log_history,
-                   "trainer_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}, f)
+                   "trainer_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                   "partitioned": sum(hasattr(p, "ds_tensor") for p in model.parameters()),
+                   "parameters": len(list(model.parameters()))}, f)
 
 
 # ---- a failure: trainer rank 1 lost mid-sync (`python tests/trl_cases.py --drive ...`, plain processes) ------------

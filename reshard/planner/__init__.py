@@ -6,6 +6,9 @@ Exports:
         command-line notation (`"ranks=0-7 mesh=2x4 R,S(0)"`); `flat_index`: a mesh coordinate's row-major
         position.
     ExplicitLayout, fuse, relabel, vocab_parallel_layout: layouts given piece by piece (fused and padded tensors).
+    FlatRangeLayout, flat_boxes, flat_window, flat_partition: flat-sharded tensors (ZeRO-3, FSDP1 flat parameters,
+        distributed-optimizer buffers): each rank's contiguous range of the flattened tensor as boxes, its local
+        window, ZeRO-3's even partition.
     scale_layout, block_halo_layout, is_block_aligned: the layouts of block-quantized (FP8) weights' scales and
         halos.
     DEFAULT_BLOCK, check_block, block_aligned, scale_box: the FP8 block geometry: the default `(128, 128)` block, a
@@ -44,6 +47,7 @@ from reshard.planner._checks import PlanLimits
 from reshard.planner._chunks import TransferColumns
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
+from reshard.planner._flat import FlatRangeLayout, flat_boxes, flat_partition, flat_window
 from reshard.planner._format import format_bytes, format_stats
 from reshard.planner._fp8 import FP8, Fp8Items
 from reshard.planner._layout import Layout, Piece, placement_str
@@ -87,6 +91,7 @@ __all__ = [
     "Box",
     "BoxList",
     "ExplicitLayout",
+    "FlatRangeLayout",
     "Fp8Items",
     "Layout",
     "LocalPlan",
@@ -116,7 +121,10 @@ __all__ = [
     "dtype_name",
     "encode_layout",
     "encode_placements",
+    "flat_boxes",
     "flat_index",
+    "flat_partition",
+    "flat_window",
     "format_bytes",
     "format_stats",
     "fuse",

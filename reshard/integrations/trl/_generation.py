@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
+from reshard.integrations.deepspeed import partition_source
 from reshard.integrations.trl._client import ServerClient
 from reshard.integrations.trl._sync import ShardSync
 
@@ -74,9 +75,18 @@ def define() -> dict[str, type]:
                 self.vllm_client.reset_prefix_cache()
 
         def _shard_params(self) -> Iterator[tuple[str, Any]]:
-            """`(vLLM name, parameter)` of this rank's parameters, not gathered (DTensors under FSDP2)."""
+            """`(vLLM name, parameter)` of this rank's parameters, not gathered (DTensors under FSDP2); under
+            DeepSpeed ZeRO-3 `(vLLM name, (window, FlatRangeLayout))` of this rank's own partition (a rank whose
+            range of a small tensor is only padding yields nothing for it)."""
+            rank = self.accelerator.process_index
             for name, p in _unwrapped(self.model).named_parameters():
-                yield self._fix_param_name_to_vllm(name), p
+                vname = self._fix_param_name_to_vllm(name)
+                if hasattr(p, "ds_tensor"):  # ZeRO-3: `p.data` is empty or a transient gather; the partition is real
+                    src = partition_source(vname, p, rank)
+                    if src is not None:
+                        yield vname, src
+                    continue
+                yield vname, p
 
     class GRPOTrainer(trl.GRPOTrainer):
         """TRL's `GRPOTrainer` with reshard's weight sync in server mode (`GRPOConfig(use_vllm=True,
