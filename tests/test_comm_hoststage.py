@@ -1,0 +1,163 @@
+"""The host-staged route: CUDA tensors in a group whose data moves over gloo (CPU trainers and a GPU engine), on CPU.
+
+This machine may have no GPU, so ranks stand in for CUDA ones: a stand-in rank reports its tensors' device as
+`cuda:0` to the preparation (as `tests/test_comm_nccl_rules.py` does), the real `choose_route` decides from the
+group's data backends (gloo only here), and only the device of the route it chose is then swapped back to the CPU
+(the tensors are CPU tensors), keeping `staged=True`. So everything after the decision is the code a real CUDA rank
+runs: the device slots and their separate host mirror, the copy of each packed chunk to the mirror, gloo moving the
+mirror, the copy of each received chunk on to the device slot before the unpack, the slots and mirrors reused from
+chunk to chunk, relayed boxes forwarded after they landed, checksums through the mirror. The destinations are
+checked bit for bit against DTensor. What only a GPU shows (pinned memory, non-blocking copies and the stream and
+event order around them) is not proven here: see docs/comm.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from comm_cases import as_bytes, dtensor_local, full_tensor
+
+pytestmark = pytest.mark.distributed
+
+RANK_POOL = 4
+
+
+def _items():
+    """Odd geometry on purpose: prime extents (uneven shards), a 1-byte dtype, a rank on both sides (1: local
+    copies), and a tensor replicated over ranks 2 and 3 of one NVLink domain (one crossing, then a relay from the
+    destination tensor that landed)."""
+    from reshard import Layout, Mesh, PlanItem
+
+    a = (Layout((37, 11), Mesh([0, 1]), [Shard(0)], torch.float32),
+         Layout((37, 11), Mesh([1, 2, 3]), [Shard(1)], torch.float32))
+    b = (Layout((29,), Mesh([0, 1]), [Shard(0)], torch.int8), Layout((29,), Mesh([2, 3]), [Replicate()], torch.int8))
+    c = (Layout((5, 7, 3), Mesh([0, 1, 2]), [Shard(1)], torch.bfloat16),
+         Layout((5, 7, 3), Mesh([3, 1]), [Shard(0)], torch.bfloat16))
+    return [PlanItem(*a, 0, 0, "a"), PlanItem(*b, 1, 1, "b"), PlanItem(*c, 2, 2, "c")]
+
+
+def job_staged(w, cuda_ranks: tuple[int, ...], verify: bool) -> dict:
+    """Ranks in `cuda_ranks` stand in for CUDA ranks; two refits of the same plan (the second reuses the staging
+    and its host mirror), each checked against DTensor."""
+    import reshard.comm._prepare as prep
+    from reshard import Topology, plan_many
+    from reshard.comm import execute
+
+    p = plan_many(_items(), Topology(domain_size=2), staging_bytes=256, min_split_bytes=16)
+    fulls = [full_tensor(it.src.shape, it.src.dtype, f"hoststage/{it.label}") for it in p.items]
+    srcs = [dtensor_local(f, it.src) if w.rank in it.src.ranks else None for f, it in zip(fulls, p.items)]
+    expected = [dtensor_local(f, it.dst) if w.rank in it.dst.ranks else None for f, it in zip(fulls, p.items)]
+    dsts = [torch.full_like(e, 3) if e is not None else None for e in expected]
+    has_src = any(t is not None for t in srcs)
+    has_dst = any(t is not None for t in dsts)
+    decided: list = []
+    real_checked, real_route = prep._checked, prep.choose_route
+    if w.rank in cuda_ranks:
+        def as_cuda(*args, **kwargs):
+            errs, _ = real_checked(*args, **kwargs)
+            return errs, torch.device("cuda", 0)
+
+        def route_on_cpu(device, backends):
+            route = real_route(device, backends)  # the real decision, from the group's data backends
+            decided.append((str(device), sorted(backends), route.wire, route.staged))
+            return prep.Route(torch.device("cpu"), route.wire, staged=route.staged)
+
+        prep._checked, prep.choose_route = as_cuda, route_on_cpu
+    reports, mirrors = [], []
+    try:
+        for _ in range(2):
+            for d in dsts:
+                if d is not None:
+                    d.fill_(3)
+            reports.append(execute(p, w.rank, srcs if has_src else None, dsts if has_dst else None, w.group,
+                                   verify=verify))
+            staging = w.group.cache.get("staging")
+            host = getattr(staging, "host", None)
+            mirrors.append(None if host is None else (
+                [s.data_ptr() for s in staging.slots], [s.data_ptr() for s in host.slots]))
+            wrong = [it.label for d, e, it in zip(dsts, expected, p.items)
+                     if d is not None and not torch.equal(as_bytes(d), as_bytes(e))]
+            assert not wrong, f"rank {w.rank}: wrong bytes in {wrong} (report {reports[-1]})"
+    finally:
+        prep._checked, prep.choose_route = real_checked, real_route
+        w.group.cache.clear()
+    r = reports[-1]
+    return {"decided": decided, "route": r.route, "host_staged": r.bytes_host_staged,
+            "wire": r.bytes_sent + r.bytes_received, "received": r.bytes_received, "direct": r.bytes_direct, "chunks": r.chunks,
+            "verified": r.verified_boxes, "mirrors": mirrors}
+
+
+CASES = {
+    "cpu-trainer-into-cuda-engine": (2, 3),
+    "cuda-trainer-into-cpu-engine": (0, 1),
+    "a-staged-rank-on-each-side": (1, 2),
+}
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_staged_refit_is_exact_against_dtensor(pool, case: str, verify: bool) -> None:
+    cuda_ranks = CASES[case]
+    outs = pool.run_ok(job_staged, cuda_ranks, verify, timeout=120)
+    for rank, o in enumerate(outs):
+        if rank in cuda_ranks:
+            # the real decision: CUDA tensors, a gloo-only group -> staged through host memory, a "cpu" wire
+            assert o["decided"] and all(d == ("cuda:0", ["cpu"], "cpu", True) for d in o["decided"]), o["decided"]
+            assert o["route"] == "host-staged", o
+            assert o["wire"] > 0 and o["host_staged"] == o["wire"], o  # every wire byte went through the mirror
+            assert o["direct"] == 0, o  # gloo cannot read device memory: no zero-copy message
+            assert o["chunks"] > 2, o  # more chunks than slots: slots and mirror are reused
+            first, second = o["mirrors"]
+            assert first == second, o  # reserved once, reused by the next refit
+            assert not set(first[0]) & set(first[1]), o  # the mirror is memory of its own
+        else:
+            assert o["route"] in ("direct", "") and o["host_staged"] == 0 and o["mirrors"] == [None, None], o
+        if verify and o["received"]:
+            assert o["verified"] > 0, o  # checksums came through the mirror and were checked
+
+
+def job_refused_without_host_staging(w) -> str | None:
+    """A delta run cannot take the host-staged route: refused on both ranks before any byte."""
+    import reshard.comm._prepare as prep
+    from reshard import Layout, Mesh, plan
+    from reshard.comm import DeltaSession, execute
+
+    if w.rank >= 2:
+        return None
+    p = plan(Layout((6, 4), Mesh([0]), [Replicate()], torch.float32),
+             Layout((6, 4), Mesh([1]), [Replicate()], torch.float32))
+    src = [torch.arange(24.0).reshape(6, 4)] if w.rank == 0 else None
+    dst = [torch.full((6, 4), -7.0)] if w.rank == 1 else None
+    real_checked = prep._checked
+    if w.rank == 1:
+        prep._checked = lambda *a, **k: (real_checked(*a, **k)[0], torch.device("cuda", 0))
+    try:
+        execute(p, w.rank, src, dst, w.group, delta=DeltaSession(), timeout=20)
+    except ValueError as e:
+        return f"ValueError: {e} untouched={dst is None or bool((dst[0] == -7.0).all())}"
+    finally:
+        prep._checked = real_checked
+        w.group.cache.clear()
+    return "moved"
+
+
+def test_a_run_that_cannot_stage_is_refused_on_every_rank(pool) -> None:
+    outs = pool.run_ok(job_refused_without_host_staging, timeout=120)
+    for o in outs[:2]:
+        assert o.startswith("ValueError:") and "untouched=True" in o, o
+    assert "cannot stage cuda:0 tensors through host memory" in outs[1], outs[1]
+
+
+def test_route_choice() -> None:
+    """The decision itself, on its own: direct where the group has a backend for the tensors' device type, host
+    staging for CUDA tensors over gloo, refused otherwise."""
+    from reshard.comm._hoststage import Route, choose_route
+
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert choose_route(cpu, {"cpu"}) == Route(cpu, "cpu")
+    assert choose_route(cuda, {"cpu", "cuda"}) == Route(cuda, "cuda")
+    assert choose_route(cuda, {"cpu"}) == Route(cuda, "cpu", staged=True)
+    with pytest.raises(ValueError, match=r"no backend for cpu tensors \(the group has \['cuda'\]\)"):
+        choose_route(cpu, {"cuda"})
