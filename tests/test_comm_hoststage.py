@@ -38,6 +38,33 @@ def _items():
     return [PlanItem(*a, 0, 0, "a"), PlanItem(*b, 1, 1, "b"), PlanItem(*c, 2, 2, "c")]
 
 
+_REAL: dict = {}
+
+
+def stand_in(on: bool, decided: list | None = None) -> None:
+    """On this rank, from now on (`on`) or no longer: tensors reported as `cuda:0` to the run's preparation, the
+    real route decision recorded in `decided`, and the chosen route's device swapped back to the CPU."""
+    import reshard.comm._prepare as prep
+
+    if not _REAL:
+        _REAL.update(checked=prep._checked, route=prep.choose_route)
+    if not on:
+        prep._checked, prep.choose_route = _REAL["checked"], _REAL["route"]
+        return
+
+    def as_cuda(*args, **kwargs):
+        errs, _ = _REAL["checked"](*args, **kwargs)
+        return errs, torch.device("cuda", 0)
+
+    def route_on_cpu(device, backends):
+        route = _REAL["route"](device, backends)  # the real decision, from the group's data backends
+        if decided is not None:
+            decided.append((str(device), sorted(backends), route.wire, route.staged))
+        return prep.Route(torch.device("cpu"), route.wire, staged=route.staged)
+
+    prep._checked, prep.choose_route = as_cuda, route_on_cpu
+
+
 def job_staged(w, cuda_ranks: tuple[int, ...], verify: bool) -> dict:
     """Ranks in `cuda_ranks` stand in for CUDA ranks; two refits of the same plan (the second reuses the staging
     and its host mirror), each checked against DTensor."""
@@ -53,18 +80,6 @@ def job_staged(w, cuda_ranks: tuple[int, ...], verify: bool) -> dict:
     has_src = any(t is not None for t in srcs)
     has_dst = any(t is not None for t in dsts)
     decided: list = []
-    real_checked, real_route = prep._checked, prep.choose_route
-    if w.rank in cuda_ranks:
-        def as_cuda(*args, **kwargs):
-            errs, _ = real_checked(*args, **kwargs)
-            return errs, torch.device("cuda", 0)
-
-        def route_on_cpu(device, backends):
-            route = real_route(device, backends)  # the real decision, from the group's data backends
-            decided.append((str(device), sorted(backends), route.wire, route.staged))
-            return prep.Route(torch.device("cpu"), route.wire, staged=route.staged)
-
-        prep._checked, prep.choose_route = as_cuda, route_on_cpu
     def poison(staging) -> None:  # no byte left over from an earlier run can stand in for a missing copy
         for t in [*staging.slots, *(staging.host.slots if staging.host is not None else [])]:
             t.fill_(0xEE)
@@ -75,6 +90,7 @@ def job_staged(w, cuda_ranks: tuple[int, ...], verify: bool) -> dict:
     if prog.chunks:  # reserved here, poisoned, and then used by `execute` (it fits)
         poison(prep.staging_for(w.group, prog, torch.device("cpu"), verify, host=w.rank in cuda_ranks))
     try:
+        stand_in(w.rank in cuda_ranks, decided)
         for _ in range(2):
             for d in dsts:
                 if d is not None:
@@ -91,7 +107,7 @@ def job_staged(w, cuda_ranks: tuple[int, ...], verify: bool) -> dict:
             wrong.append([it.label for d, e, it in zip(dsts, expected, p.items)
                           if d is not None and not torch.equal(as_bytes(d), as_bytes(e))])
     finally:
-        prep._checked, prep.choose_route = real_checked, real_route
+        stand_in(False)
         w.group.cache.clear()
     r = reports[-1]
     return {"wrong": wrong, "decided": decided, "route": r.route, "host_staged": r.bytes_host_staged,
@@ -129,9 +145,34 @@ def test_host_staged_refit_is_exact_against_dtensor(pool, case: str, verify: boo
             assert o["verified"] > 0, o  # checksums came through the mirror and were checked
 
 
+def job_refit_into_staged_engine(w) -> dict:
+    """The model-level `Refit` (a tiny DeepSeek-style MoE, trainer TP2 on ranks 0-1, engine TP2 on ranks 2-3 with
+    fused and padded tensors): the engine ranks stand in for CUDA ones, the trainer ranks are CPU processes."""
+    from refit_cases import _verify, setup
+
+    decided: list = []
+    try:
+        stand_in(w.rank >= 2, decided)
+        refit, _, dests, sysm, config = setup("tiny-deepseek", "train=tp2 gen=tp2 domain=2", w.rank, 5,
+                                              staging_bytes=4096, group=w.group)
+        report = refit.run()
+        return {"mismatches": _verify(w.rank, dests, sysm, config, 5), "checked": len(dests), "decided": decided,
+                "report": repr(report)}
+    finally:
+        stand_in(False)
+        w.group.cache.clear()
+
+
+def test_refit_from_cpu_trainers_into_a_staged_engine_matches_vllms_layout(pool) -> None:
+    outs = pool.run_ok(job_refit_into_staged_engine, timeout=200)
+    for rank, o in enumerate(outs):
+        assert o["mismatches"] == [], (rank, o["mismatches"])
+        assert all(d[2:] == ("cpu", True) for d in o["decided"]) and bool(o["decided"]) == (rank >= 2), (rank, o)
+    assert sum(o["checked"] for o in outs[2:]) > 0
+
+
 def job_refused_without_host_staging(w) -> str | None:
     """A delta run cannot take the host-staged route: refused on both ranks before any byte."""
-    import reshard.comm._prepare as prep
     from reshard import Layout, Mesh, plan
     from reshard.comm import DeltaSession, execute
 
@@ -141,15 +182,13 @@ def job_refused_without_host_staging(w) -> str | None:
              Layout((6, 4), Mesh([1]), [Replicate()], torch.float32))
     src = [torch.arange(24.0).reshape(6, 4)] if w.rank == 0 else None
     dst = [torch.full((6, 4), -7.0)] if w.rank == 1 else None
-    real_checked = prep._checked
-    if w.rank == 1:
-        prep._checked = lambda *a, **k: (real_checked(*a, **k)[0], torch.device("cuda", 0))
     try:
+        stand_in(w.rank == 1)
         execute(p, w.rank, src, dst, w.group, delta=DeltaSession(), timeout=20)
     except ValueError as e:
         return f"ValueError: {e} untouched={dst is None or bool((dst[0] == -7.0).all())}"
     finally:
-        prep._checked = real_checked
+        stand_in(False)
         w.group.cache.clear()
     return "moved"
 
