@@ -272,9 +272,9 @@ def with_device(plan: Plan, kind: str) -> tuple[str, Callable[[], list[tuple[str
     moves. A CUDA rank staged through host memory has a `"cpu"` wire and agrees with CPU peers. `"cpu"` leaves
     the fingerprint as it is."""
     if kind == "cpu":
-        return plan.fingerprint, lambda: [*describe_plan(plan), ("tensors' device type", "'cpu'")]
+        return plan.fingerprint, lambda: [*describe_plan(plan), ("tensors' device type on the wire", "'cpu'")]
     folded = hashlib.sha256(f"{plan.fingerprint}|{kind}".encode()).hexdigest()[:len(plan.fingerprint)]
-    return folded, lambda: [*describe_plan(plan), ("tensors' device type", repr(kind))]
+    return folded, lambda: [*describe_plan(plan), ("tensors' device type on the wire", repr(kind))]
 
 
 def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequence[torch.Tensor] | None,
