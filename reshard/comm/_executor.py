@@ -44,6 +44,7 @@ nothing (except checksums with `verify=True`).
 
 On CUDA the stages run on three streams, ordered by events named for each hand-off, with no host synchronization
 in the steady state; on CPU the same order runs on the host, with gloo progressing transfers in the background.
+A host-staged rank (its route, `reshard.comm._hoststage`) runs the CUDA order with its slots' host mirror on the wire.
 """
 
 from __future__ import annotations
