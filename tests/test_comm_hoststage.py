@@ -7,7 +7,8 @@ group's data backends (gloo only here), and only the device of the route it chos
 runs: the device slots and their separate host mirror, the copy of each packed chunk to the mirror, gloo moving the
 mirror, the copy of each received chunk on to the device slot before the unpack, the slots and mirrors reused from
 chunk to chunk, relayed boxes forwarded after they landed, checksums through the mirror. The destinations are
-checked bit for bit against DTensor. What only a GPU shows (pinned memory, non-blocking copies and the stream and
+checked bit for bit against DTensor, and a model-level `Refit`'s against the oracle of vLLM's layout rules
+(`tests/vllm_oracle.py`). What only a GPU shows (pinned memory, non-blocking copies and the stream and
 event order around them) is not proven here: see docs/comm.md.
 """
 
@@ -163,7 +164,7 @@ def job_refit_into_staged_engine(w) -> dict:
         w.group.cache.clear()
 
 
-def test_refit_from_cpu_trainers_into_a_staged_engine_matches_vllms_layout(pool) -> None:
+def test_refit_from_cpu_trainers_into_a_staged_engine_matches_the_vllm_layout_oracle(pool) -> None:
     outs = pool.run_ok(job_refit_into_staged_engine, timeout=200)
     for rank, o in enumerate(outs):
         assert o["mismatches"] == [], (rank, o["mismatches"])
