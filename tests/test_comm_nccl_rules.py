@@ -235,7 +235,8 @@ def job_mixed_devices(w) -> str | None:
         prep._checked = as_cuda
         w.group._data["cuda"] = w.group._data["cpu"]
         real_staging = prep.staging_for
-        prep.staging_for = lambda group, prog, device, verify: real_staging(group, prog, torch.device("cpu"), verify)
+        prep.staging_for = lambda group, prog, device, verify, **kw: real_staging(group, prog, torch.device("cpu"),
+                                                                                  verify, **kw)
     try:
         reshard(src, dst, p, w.group, timeout=20)
     except ValueError as e:

@@ -44,6 +44,7 @@ nothing (except checksums with `verify=True`).
 
 On CUDA the stages run on three streams, ordered by events named for each hand-off, with no host synchronization
 in the steady state; on CPU the same order runs on the host, with gloo progressing transfers in the background.
+A host-staged rank (its route, `reshard.comm._hoststage`) runs the CUDA order with its slots' host mirror on the wire.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class _Run:
                  dst: Sequence[torch.Tensor], staging: Staging, verify: bool, timeout: datetime.timedelta,
                  report: ExecutionReport, prepared: _Prepared, zero_copy: bool = True) -> None:
         self.prog = prog
-        self.zero_copy = zero_copy
+        self.host = staging.host  # a host-staged route: the wire moves the slots' host mirror (see _hoststage)
+        self.zero_copy = zero_copy and self.host is None  # gloo cannot read device memory: all through the mirror
         self.prepared = prepared.copies
         self.plan = plan
         self.group = group
@@ -162,7 +164,8 @@ class _Run:
         self.streams = staging.streams
         # NCCL-style data backend (NCCL, or NCCL's rules on CPU): each chunk is one batch, as on CUDA; its
         # operations run in order, so recvs posted apart from the sends of the same chunk could wait on each other
-        self.batched = self.streams is not None or follows_nccl(group.data_backend(staging.device))
+        self.batched = (self.streams is not None or self.host is not None
+                        or follows_nccl(group.data_backend(staging.device)))
         self.errors: list[str] = []
         self.debug = logger.isEnabledFor(logging.DEBUG)
         self.packed_ahead: tuple[int, int] | None = None  # (chunk index, unit) packed during the handshake
@@ -263,9 +266,6 @@ class _Run:
     def post(self, step: RankChunk, slot: int, reused: bool) -> TransferHandle:
         st = self.staging
         paths = self._paths(step)
-        sends = Paths.wire(step.sends, paths.sends, st.send(slot, step))
-        recvs = Paths.wire(step.recvs, paths.recvs, st.recv(slot, step))
-        num_sends, num_recvs = len(sends), len(recvs)
         self._count(step, paths)
         s = self.streams
         with _on(s and s.comm):
@@ -273,10 +273,17 @@ class _Run:
                 s.comm.wait_event(s.packed[slot])  # pack -> comm
                 if reused:
                     s.comm.wait_event(s.unpacked[slot])  # unpack -> comm: chunk i-2's receive area is read
+            areas = st.send(slot, step), st.recv(slot, step), st.send_sums[slot], st.recv_sums[slot]
+            if self.host is not None:  # the packed sends go to the host mirror, the wire moves the mirror
+                areas = self.host.wire_areas(st, slot, step.send_bytes, step.recv_bytes, verify=self.verify)
+                self.report.bytes_host_staged += step.send_bytes
+            sends = Paths.wire(step.sends, paths.sends, areas[0])
+            recvs = Paths.wire(step.recvs, paths.recvs, areas[1])
+            num_sends, num_recvs = len(sends), len(recvs)
             what = f"chunk {step.index}"
             if self.verify:
-                sends += [(m.peer, st.send_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
-                recvs += [(m.peer, st.recv_sums[slot].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
+                sends += [(m.peer, areas[2].narrow(0, m.first_box, len(m.transfers))) for m in step.sends]
+                recvs += [(m.peer, areas[3].narrow(0, m.first_box, len(m.transfers))) for m in step.recvs]
             handle = _post_tagged(sends, recvs, self.group, num_sends, num_recvs, self.verify, self.timeout, what)
             if s is not None:
                 handle.order_stream()  # CUDA: the comm stream waits for NCCL; the host waits in `finish`
@@ -337,6 +344,12 @@ class _Run:
         s = self.streams
         t0 = time.perf_counter()
         flight.handle.wait()  # CUDA: until the chunk's batch completed (its events), under reshard's deadline
+        if self.host is not None:
+            with _on(s and s.comm):  # the host mirror's receive area goes on to the device slot
+                self.host.land(self.staging, slot, step.send_bytes, step.recv_bytes, verify=self.verify)
+                if s is not None:
+                    s.transferred[slot].record(s.comm)  # comm -> unpack: the bytes are on the device now
+            self.report.bytes_host_staged += step.recv_bytes
         t1 = time.perf_counter()
         self.report.seconds_wait += t1 - t0
         if step.unpack.boxes:
@@ -571,11 +584,13 @@ def execute(
                 ahead.append(first)
 
         staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify,
-                                 early=None if agreed else early, ranks=plan.ranks, agreed=agreed)
+                                 early=None if agreed else early, ranks=plan.ranks, agreed=agreed,
+                                 host_staging=True)
         return staging
 
     def run(prog: RankPlan, staging: Staging) -> list[str]:
         active = ahead[0] if ahead and ahead[0].staging is staging else new_run(prog, staging)
+        report.route = "host-staged" if staging.host is not None else "direct"
         active.run()
         return active.errors
 

@@ -268,6 +268,11 @@ class Group:
         """The gloo backend for control messages (CPU tensors)."""
         return self._control
 
+    @property
+    def data_types(self) -> frozenset[str]:
+        """The device types this group has a data backend for (`{"cpu"}`: gloo only; `{"cpu", "cuda"}`; ...)."""
+        return frozenset(self._data)
+
     def data_backend(self, device: torch.device) -> Any:
         """The backend that moves tensors on `device`: gloo for CPU, NCCL for CUDA.
 

@@ -19,6 +19,7 @@ import torch
 from reshard.comm._alias import overlap_errors
 from reshard.comm._group import Group
 from reshard.comm._handshake import EXACT_SUFFIX, PendingAgreement
+from reshard.comm._hoststage import HostStaging, Route, choose_route
 from reshard.planner import PIPELINE_DEPTH, Plan, RankChunk, RankPlan
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,12 @@ class Staging:
         device: where the buffers live.
         slots: `NUM_SLOTS` 1-D `uint8` tensors of `slot_bytes` each (separate allocations: no slot aliases another).
         send_sums, recv_sums: `NUM_SLOTS` 1-D `int64` checksum buffers (`verify=True`), one entry per box.
+        host: on a host-staged route (`reshard.comm._hoststage`), the pinned host mirror of the slots that the wire
+            reads and writes; None when the wire moves the slots themselves.
     """
 
-    def __init__(self, device: torch.device, slot_bytes: int, send_boxes: int = 0, recv_boxes: int = 0) -> None:
+    def __init__(self, device: torch.device, slot_bytes: int, send_boxes: int = 0, recv_boxes: int = 0, *,
+                 host: bool = False) -> None:
         self.device = device
         self.slot_bytes = slot_bytes
         self.send_boxes, self.recv_boxes = send_boxes, recv_boxes
@@ -58,10 +62,12 @@ class Staging:
         self.send_sums = [torch.zeros(send_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
         self.recv_sums = [torch.zeros(recv_boxes, dtype=torch.int64, device=device) for _ in range(NUM_SLOTS)]
         self.streams = _Streams(device) if device.type == "cuda" else None
+        self.host = HostStaging(device, slot_bytes, NUM_SLOTS, send_boxes, recv_boxes) if host else None
 
-    def fits(self, device: torch.device, slot_bytes: int, send_boxes: int, recv_boxes: int) -> bool:
+    def fits(self, device: torch.device, slot_bytes: int, send_boxes: int, recv_boxes: int, host: bool = False
+             ) -> bool:
         return (self.device == device and self.slot_bytes >= slot_bytes and self.send_boxes >= send_boxes
-                and self.recv_boxes >= recv_boxes)
+                and self.recv_boxes >= recv_boxes and (self.host is not None) == host)
 
     def send(self, slot: int, step: RankChunk) -> torch.Tensor:
         """The slot's send area for `step`: `step.send_bytes` bytes."""
@@ -73,10 +79,12 @@ class Staging:
 
     @property
     def nbytes(self) -> int:
-        return NUM_SLOTS * self.slot_bytes
+        """Device slots plus, host-staged, their host mirror."""
+        return NUM_SLOTS * self.slot_bytes + (self.host.nbytes if self.host is not None else 0)
 
     def __repr__(self) -> str:
-        return f"Staging({self.device}, {NUM_SLOTS} slots x {self.slot_bytes} B)"
+        mirror = ", host-staged" if self.host is not None else ""
+        return f"Staging({self.device}, {NUM_SLOTS} slots x {self.slot_bytes} B{mirror})"
 
 
 class _Streams:
@@ -97,12 +105,15 @@ class _Streams:
         self.done = [torch.cuda.Event() for _ in range(3)]
 
 
-def staging_for(group: Group | None, prog: RankPlan, device: torch.device, verify: bool) -> Staging:
+def staging_for(group: Group | None, prog: RankPlan, device: torch.device, verify: bool, *,
+                host: bool = False) -> Staging:
+    """The group's cached staging if it fits (device, sizes, host mirror), else a new one, cached.
+    `host`: with a host mirror (a host-staged route)."""
     need = (prog.max_chunk_bytes, prog.max_send_boxes if verify else 0, prog.max_recv_boxes if verify else 0)
     cached = group.cache.get("staging") if group is not None else None
-    if isinstance(cached, Staging) and cached.fits(device, *need):
+    if isinstance(cached, Staging) and cached.fits(device, *need, host):
         return cached
-    staging = Staging(device, *need)
+    staging = Staging(device, *need, host=host)
     if group is not None:
         group.cache["staging"] = staging
     return staging
@@ -118,6 +129,9 @@ class ExecutionReport:
     """What one rank did in one `execute` call (bytes exclude checksums; seconds are host wall time).
 
     `bytes_direct`: bytes sent or received on the zero-copy path (straight from or into the local tensors).
+    `bytes_host_staged`: on a host-staged route, the data bytes copied between the device slots and their host
+    mirror (each sent byte device -> host, each received byte host -> device); `route`: `"direct"` or
+    `"host-staged"` (empty: no chunks ran).
     `seconds_handshake`: checks, staging and the plan agreement round, including any packing done while the round
     is in flight (`sends_packed_early` wire sends, also counted in `seconds_pack`); `seconds_confirm`: the
     completion (or verify) round at the end, which includes waiting for the slowest rank.
@@ -131,6 +145,8 @@ class ExecutionReport:
     bytes_received: int = 0
     bytes_copied_locally: int = 0
     bytes_direct: int = 0
+    bytes_host_staged: int = 0
+    route: str = ""
     staging_bytes: int = 0
     seconds: float = 0.0
     seconds_handshake: float = 0.0
@@ -252,23 +268,24 @@ def _checked(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tensor] | 
     return errs, device
 
 
-def with_device(plan: Plan, device: torch.device | None) -> tuple[str, Callable[[], list[tuple[str, str]]]]:
-    """The plan's fingerprint and description with this rank's tensors' device type folded in, so ranks whose
-    tensors sit on different device types (a CPU trainer, a CUDA engine) are refused on every rank, naming them,
-    before any byte moves: gloo serves only CPU tensors and NCCL only CUDA ones. CPU tensors (or none) leave the
-    fingerprint as it is."""
-    kind = device.type if device is not None else "cpu"
+def with_device(plan: Plan, kind: str) -> tuple[str, Callable[[], list[tuple[str, str]]]]:
+    """The plan's fingerprint and description with the device type of this rank's wire buffers folded in (its
+    route's `wire`; without a route, its tensors' device type), so ranks whose bytes would go on different
+    backends (CPU tensors on gloo, CUDA tensors on NCCL) are refused on every rank, naming them, before any byte
+    moves. A CUDA rank staged through host memory has a `"cpu"` wire and agrees with CPU peers. `"cpu"` leaves
+    the fingerprint as it is."""
     if kind == "cpu":
-        return plan.fingerprint, lambda: [*describe_plan(plan), ("tensors' device type", "'cpu'")]
+        return plan.fingerprint, lambda: [*describe_plan(plan), ("tensors' device type on the wire", "'cpu'")]
     folded = hashlib.sha256(f"{plan.fingerprint}|{kind}".encode()).hexdigest()[:len(plan.fingerprint)]
-    return folded, lambda: [*describe_plan(plan), ("tensors' device type", repr(kind))]
+    return folded, lambda: [*describe_plan(plan), ("tensors' device type on the wire", repr(kind))]
 
 
 def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequence[torch.Tensor] | None,
                 dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
                 reserving: str = "staging", early: Callable[[Staging], None] | None = None,
-                ranks: Sequence[int] | None = None, agreed: bool = False) -> tuple[Staging | None, Any]:
+                ranks: Sequence[int] | None = None, agreed: bool = False,
+                host_staging: bool = False) -> tuple[Staging | None, Any]:
     """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
     plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
     the device, then agree with the other ranks (plan fingerprint + error flags), so bad input raises on every rank
@@ -282,6 +299,9 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
 
     `ranks`: `plan.ranks` if the caller has it already (it is computed from every item).
 
+    `host_staging`: whether the caller can run a host-staged route (`choose_route`); when it cannot, a rank that
+    needs one is refused like any bad input.
+
     `agreed`: the caller already agreed on this plan with every rank of it (the same plan ran on this group before,
     and the caller's own round says every rank runs it again now): no agreement round. A local error then raises
     here after recording a fault on the group (`Group.report_fault`), so the peers' waits for this rank end at once
@@ -294,14 +314,27 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
     errs, device = _checked(group, plan, rank, src, dst)
     errs.extend(errors)
     staging, reserved = None, None
+    # the route (direct, or through host staging) is decided here, once, from the group's data backends (made at
+    # rendezvous from the exchanged devices); the executor follows it. Its wire type goes into the fingerprint.
+    route: Route | None = None
+    wire = device.type if device is not None else "cpu"
+    if not errs and device is not None:
+        try:
+            route = choose_route(device, group.data_types)
+            wire = route.wire
+        except ValueError as e:
+            if prog.max_chunk_bytes:
+                errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
+        if route is not None and route.staged and not host_staging and prog.max_chunk_bytes:
+            errs.append(f"rank {rank}: this run cannot stage {device} tensors through host memory (full runs can; "
+                        f"the group moves data over {sorted(group.data_types)})")
     if not errs and prog.chunks:
         device = device or torch.device("cpu")
+        route = route or Route(device, device.type)
         try:
-            if prog.max_chunk_bytes:
-                group.data_backend(device)
-            staging = staging_for(group, prog, device, verify)
+            staging = staging_for(group, prog, route.device, verify, host=route.staged and bool(prog.max_chunk_bytes))
             reserved = reserve(device) if reserve is not None else None
-        except (ValueError, RuntimeError) as e:  # no backend for the device, or out of memory
+        except (ValueError, RuntimeError) as e:  # out of memory
             errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
     if agreed and errs:
         message = f"rank {rank}: bad input, nothing was moved by this rank:\n  " + "\n  ".join(errs)
@@ -310,7 +343,7 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             report(rank, message)
         raise ValueError(message)
     if len(ranks) > 1 and not agreed:
-        fingerprint, describe = with_device(plan, device)
+        fingerprint, describe = with_device(plan, wire)
         with group.exclusive("plan handshake"):
             pending = PendingAgreement(group, ranks, fingerprint, errs, describe, timeout=timeout,
                                        what="plan handshake")

@@ -82,9 +82,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
             sides. Not with `verify`.
         planning: `Refit`'s planning (`"auto"`, `"global"` or `"local"`), the same on both sides.
         comm_backend: `Group.rendezvous`'s `backend`, the same on both sides (the trainer's
-            `ReshardTrainerInitInfo.comm_backend`). Default: None on a CUDA worker (NCCL where every rank has CUDA,
-            gloo for CPU tensors: a CPU trainer meets a GPU engine and is refused by the plan handshake, naming
-            the device types, rather than waiting out the timeout), gloo on a CPU worker.
+            `ReshardTrainerInitInfo.comm_backend`). Default: None on a CUDA worker (NCCL where every rank has CUDA;
+            with CPU trainer processes the group moves data over gloo and the worker stages its CUDA tensors
+            through pinned host memory), gloo on a CPU worker. `"gloo"` on both sides: host staging for trainers
+            that hold their weights on CPU in GPU processes (FSDP2 with CPU offload). Not with `delta`.
     """
 
     master_address: str
