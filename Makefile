@@ -216,3 +216,41 @@ test-trl:
 	else \
 		echo "SKIPPED TRL tests: vLLM or TRL could not be installed (see the output of make trl-env)"; \
 	fi
+
+# The compatibility tier: the core tier on the oldest stack reshard supports and on a GPU machine image's stack,
+# each in a venv of its own built from nothing (docs/testing.md#compatibility). PyPI's torch wheels are CUDA builds
+# that run on a CPU (about 5 GB and 4 minutes to install each). The interpreters come from PATH or pyenv.
+# - oldest: Python 3.10, torch 2.10.0 and the Triton it pins (3.6.0): `make test-fast`'s selection;
+# - gpu: Python 3.12, torch 2.11.0 (its Triton 3.6.0), numpy >= 2.4, as GPU vLLM 0.22-0.26 and verl 0.9.1 pin it:
+#   the planner, kernel and single-process tiers (`-m "not slow and not distributed"`) plus the FSDP2/TP comm tests.
+# Each run's closing "reshard notes" line names the torch, Triton, numpy and Python it ran.
+find_python = $(firstword $(foreach p,$(wildcard $(shell pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1)) \
+	$(shell command -v python$(1) 2>/dev/null),$(shell "$(p)" -c 'print("$(p)")' 2>/dev/null)))
+COMPAT_OLDEST_VENV ?= .venv-compat-oldest
+COMPAT_OLDEST_PYTHON ?= $(call find_python,3.10)
+COMPAT_OLDEST_TORCH ?= 2.10.0
+COMPAT_GPU_VENV ?= .venv-compat-gpu
+COMPAT_GPU_PYTHON ?= $(call find_python,3.12)
+COMPAT_GPU_TORCH ?= 2.11.0
+
+.PHONY: compat-env test-compat
+
+compat-env: $(COMPAT_OLDEST_VENV)/.installed $(COMPAT_GPU_VENV)/.installed
+
+$(COMPAT_OLDEST_VENV)/.installed: pyproject.toml Makefile
+	@test -n "$(COMPAT_OLDEST_PYTHON)" || { echo "no Python 3.10 found (PATH or pyenv): set COMPAT_OLDEST_PYTHON"; exit 1; }
+	test -x $(COMPAT_OLDEST_VENV)/bin/python || "$(COMPAT_OLDEST_PYTHON)" -m venv $(COMPAT_OLDEST_VENV)
+	$(COMPAT_OLDEST_VENV)/bin/python -m pip install "torch==$(COMPAT_OLDEST_TORCH)"
+	$(COMPAT_OLDEST_VENV)/bin/python -m pip install -e ".[test]" "torch==$(COMPAT_OLDEST_TORCH)"
+	touch $@
+
+$(COMPAT_GPU_VENV)/.installed: pyproject.toml Makefile
+	@test -n "$(COMPAT_GPU_PYTHON)" || { echo "no Python 3.12 found (PATH or pyenv): set COMPAT_GPU_PYTHON"; exit 1; }
+	test -x $(COMPAT_GPU_VENV)/bin/python || "$(COMPAT_GPU_PYTHON)" -m venv $(COMPAT_GPU_VENV)
+	$(COMPAT_GPU_VENV)/bin/python -m pip install "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
+	$(COMPAT_GPU_VENV)/bin/python -m pip install -e ".[test]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
+	touch $@
+
+test-compat: compat-env
+	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(COMPAT_GPU_VENV)/bin/python -m pytest -q -m "not slow" tests
