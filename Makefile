@@ -34,6 +34,7 @@ test: $(STAMP)
 	$(MAKE) test-frameworks
 	$(MAKE) test-megatron
 	$(MAKE) test-trl
+	$(MAKE) test-compat
 
 # The core tier to iterate on: the core environment's suite without the tests marked `slow` (docs/testing.md).
 test-fast: $(STAMP)
@@ -222,7 +223,8 @@ test-trl:
 # that run on a CPU (about 5 GB and 4 minutes to install each). The interpreters come from PATH or pyenv.
 # - oldest: Python 3.10, torch 2.10.0 and the Triton it pins (3.6.0): `make test-fast`'s selection;
 # - gpu: Python 3.12, torch 2.11.0 (its Triton 3.6.0), numpy >= 2.4, as GPU vLLM 0.22-0.26 and verl 0.9.1 pin it:
-#   the planner, kernel and single-process tiers (`-m "not slow and not distributed"`) plus the FSDP2/TP comm tests.
+#   `make test-fast`'s selection too.
+# Both include tests/test_kernels_compile.py: every kernel variant compiled for sm_90 and sm_100 under their Triton.
 # Each run's closing "reshard notes" line names the torch, Triton, numpy and Python it ran.
 find_python = $(firstword $(foreach p,$(wildcard $(shell pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1)) \
 	$(shell command -v python$(1) 2>/dev/null),$(shell "$(p)" -c 'print("$(p)")' 2>/dev/null)))
@@ -241,14 +243,14 @@ $(COMPAT_OLDEST_VENV)/.installed: pyproject.toml Makefile
 	@test -n "$(COMPAT_OLDEST_PYTHON)" || { echo "no Python 3.10 found (PATH or pyenv): set COMPAT_OLDEST_PYTHON"; exit 1; }
 	test -x $(COMPAT_OLDEST_VENV)/bin/python || "$(COMPAT_OLDEST_PYTHON)" -m venv $(COMPAT_OLDEST_VENV)
 	$(COMPAT_OLDEST_VENV)/bin/python -m pip install "torch==$(COMPAT_OLDEST_TORCH)"
-	$(COMPAT_OLDEST_VENV)/bin/python -m pip install -e ".[test]" "torch==$(COMPAT_OLDEST_TORCH)"
+	$(COMPAT_OLDEST_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_OLDEST_TORCH)"
 	touch $@
 
 $(COMPAT_GPU_VENV)/.installed: pyproject.toml Makefile
 	@test -n "$(COMPAT_GPU_PYTHON)" || { echo "no Python 3.12 found (PATH or pyenv): set COMPAT_GPU_PYTHON"; exit 1; }
 	test -x $(COMPAT_GPU_VENV)/bin/python || "$(COMPAT_GPU_PYTHON)" -m venv $(COMPAT_GPU_VENV)
 	$(COMPAT_GPU_VENV)/bin/python -m pip install "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
-	$(COMPAT_GPU_VENV)/bin/python -m pip install -e ".[test]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
+	$(COMPAT_GPU_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
 	touch $@
 
 test-compat: compat-env

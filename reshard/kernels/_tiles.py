@@ -39,6 +39,14 @@ def launch_config(word_bytes: int, device_type: str, lanes: int | None = None) -
     return block, 8 if block >= 4096 else 4
 
 
+def max_vec(tensor_unit: int, buffer_unit: int) -> int:
+    """The widest VEC for elements of `tensor_unit` and `buffer_unit` bytes: 16-byte accesses on the wider side.
+
+    Example: `max_vec(4, 2)` is 4 (four float32 read as one 16-byte load); `max_vec(8, 8)` is 2.
+    """
+    return 16 // max(tensor_unit, buffer_unit)
+
+
 def tile_lanes(sizes: np.ndarray) -> int:
     """The lanes a tile needs to hold the largest of these boxes whole (`sizes`: `[num_boxes, D]` from
     `merge_dims`): its rows times the power of two >= its row length, as `tile_table` lays rows out. 0 for none.
