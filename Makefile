@@ -81,7 +81,7 @@ test-vllm:
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .venv-compat-* .pytest_cache .hypothesis perf/out
 
 # verl's checkpoint-engine backend (reshard.integrations.verl) is tested against verl itself, in its own environment
 # (verl pins transformers < 5.11, tensordict, ray[default], ...). With torch pinned to the CPU build, verl and its
@@ -253,6 +253,13 @@ $(COMPAT_GPU_VENV)/.installed: pyproject.toml Makefile
 	$(COMPAT_GPU_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
 	touch $@
 
+STACK_LINE := import platform, torch, triton, numpy; print(f"passed on Python {platform.python_version()}, torch \
+	{torch.__version__}, Triton {triton.__version__}, numpy {numpy.__version__}")
+
+# The compile test (slow: about 2 minutes) runs in the oldest venv only: the gpu venv has the same Triton.
 test-compat: compat-env
 	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -n 0 tests/test_kernels_compile.py
+	@printf "compatibility tier, oldest stack: "; $(COMPAT_OLDEST_VENV)/bin/python -c '$(STACK_LINE)'
 	$(COMPAT_GPU_VENV)/bin/python -m pytest -q -m "not slow" tests
+	@printf "compatibility tier, GPU image stack: "; $(COMPAT_GPU_VENV)/bin/python -c '$(STACK_LINE)'

@@ -42,7 +42,8 @@ def test_enumeration_follows_the_launchers() -> None:
     for v in variants:
         if v.family == "pack" and v.constexprs["CAST"] == 0:
             word = int(v.signature["tensor_ptr"][2:]) // 8
-            assert (v.constexprs["BLOCK"], v.num_warps) == launch_config(word, "cuda"), v.label
+            assert (v.constexprs["BLOCK"], v.num_warps) == launch_config(word, "cuda", vec=v.constexprs["VEC"]), \
+                v.label
             assert v.constexprs["VEC"] <= max_vec(word, word), v.label
         if v.family == "delta":
             assert (v.constexprs["BLOCK"], v.num_warps) == delta_launch_config(2, "cuda"), v.label

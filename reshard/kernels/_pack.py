@@ -137,8 +137,6 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         buffer_unit = buffer_itemsize if aligned else 1
         buffer_bytes = 0 if aligned else buffer_itemsize
         buffer_dtype = INT_DTYPE_BY_SIZE[buffer_itemsize] if aligned else torch.uint8
-    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type,
-                                      tile_lanes(sizes))
     vec = 1
     if not buffer_bytes and (strides[:, -1] == 1).all():
         # Widest group of elements (at most 16 bytes on either side) that every base, stride and row length keeps
@@ -149,6 +147,8 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         cap = max_vec(tensor_unit, buffer_unit)
         if cap > 1:
             vec = lowest_bit(np.concatenate([tensor_base, buffer_base, outer, sizes[:, -1]]), cap)
+    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type,
+                                      tile_lanes(sizes), vec=vec, cast=cast)
     starts_t, table_t, num_tiles, _ = tile_table(sizes, strides, (tensor_abs - tensor_storage) // tensor_unit,
                                                  (buffer_abs - buffer_storage) // buffer_unit, block, device)
     num_dims = sizes.shape[1]

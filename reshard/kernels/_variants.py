@@ -80,9 +80,9 @@ def _pack_variants() -> list[Variant]:
             choices.append((_int_ty(tensor), "u8", cast, buffer, max(tensor, buffer), 1, f"{cast.name} unaligned",
                             False))
         for tensor_ty, buffer_ty, cast, nbytes, unit, cap, what, bulk_able in choices:
-            block, warps = launch_config(unit, "cuda")
             vec = 1
             while vec <= cap:
+                block, warps = launch_config(unit, "cuda", vec=vec, cast=cast)
                 for dims in range(1, MAX_COMPILED_DIMS + 1):
                     constexprs = {"NUM_DIMS": dims, "CAST": int(cast), "BUFFER_BYTES": nbytes, "VEC": vec,
                                   "BLOCK": block}
