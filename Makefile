@@ -220,12 +220,12 @@ test-trl:
 
 # The compatibility tier: the core tier on the oldest stack reshard supports and on a GPU machine image's stack,
 # each in a venv of its own built from nothing (docs/testing.md#compatibility). PyPI's torch wheels are CUDA builds
-# that run on a CPU (about 5 GB and 4 minutes to install each). The interpreters come from PATH or pyenv.
-# - oldest: Python 3.10, torch 2.10.0 and the Triton it pins (3.6.0): `make test-fast`'s selection;
+# that run on a CPU (about 3 GB to download, 3 minutes to install each). The interpreters come from PATH or pyenv.
+# - oldest: Python 3.10, torch 2.10.0 and the Triton it pins (3.6.0): `make test-fast`'s selection, then
+#   tests/test_kernels_compile.py (every kernel variant compiled for sm_90 and sm_100 under the oldest Triton);
 # - gpu: Python 3.12, torch 2.11.0 (its Triton 3.6.0), numpy >= 2.4, as GPU vLLM 0.22-0.26 and verl 0.9.1 pin it:
-#   `make test-fast`'s selection too.
-# Both include tests/test_kernels_compile.py: every kernel variant compiled for sm_90 and sm_100 under their Triton.
-# Each run's closing "reshard notes" line names the torch, Triton, numpy and Python it ran.
+#   `make test-fast`'s selection.
+# Each run's "reshard notes" end with a `stack:` line, and the tier closes on one line per venv naming its stack.
 find_python = $(firstword $(foreach p,$(wildcard $(shell pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1)) \
 	$(shell command -v python$(1) 2>/dev/null),$(shell "$(p)" -c 'print("$(p)")' 2>/dev/null)))
 COMPAT_OLDEST_VENV ?= .venv-compat-oldest
