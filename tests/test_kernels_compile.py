@@ -7,7 +7,8 @@ only shows compiled, so this is the CPU-only check of the compiled path (`perf/b
 table). Run under the core environment's Triton and, in the compatibility tier (`make test-compat`), the oldest
 supported one, whose compiler needs more registers for the same kernels.
 
-Cost: the bulk set on two targets plus a sample of the rest, about 2 minutes on the 2-core VM (slow): the bulk
+Cost: the bulk set on two targets plus a sample of the rest, 2 to 4 minutes on the 2-core VM with an empty Triton
+cache, under 30 s with a warm one (slow): the bulk
 variants (aligned 16-byte copies and bf16 <-> fp32 casts at 1-4 dims, bf16 deltas, FP8 128x128) on sm_90 and
 sm_100; every other variant at 4 dims (its largest) on sm_90, where a compile error would show.
 """
@@ -22,7 +23,7 @@ from reshard.kernels import _variants  # noqa: E402
 from reshard.kernels._delta_launch import delta_launch_config  # noqa: E402
 from reshard.kernels._tiles import launch_config, max_vec  # noqa: E402
 
-pytestmark = pytest.mark.slow  # about 2 minutes (module docstring)
+pytestmark = pytest.mark.slow  # 2 to 4 minutes with an empty Triton cache (module docstring)
 
 
 def _compile(variant: _variants.Variant, sm: int) -> _variants.Compiled:
