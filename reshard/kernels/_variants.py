@@ -216,8 +216,8 @@ def _ptxas_figures(ptx: str, capability: int) -> Compiled:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        run = subprocess.run([ptxas_path(capability), "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True)
+        command = [ptxas_path(capability), "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "k.cubin")]
+        run = subprocess.run(command, capture_output=True, text=True, check=True)
     log = run.stdout + run.stderr
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
