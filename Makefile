@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/refit_demo.py
 
-# Everything, what CI runs: the core environment's suite, then the vLLM, verl/Ray and Megatron tiers in theirs.
+# Everything, what CI runs: the core environment's suite, then the vLLM, verl/Ray, Megatron, TRL and DeepSpeed tiers
+# in theirs, and last the compatibility tier (the oldest supported stack and a GPU image's stack).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) test-vllm
@@ -35,6 +36,7 @@ test: $(STAMP)
 	$(MAKE) test-megatron
 	$(MAKE) test-trl
 	$(MAKE) test-deepspeed
+	$(MAKE) test-compat
 
 # The core tier to iterate on: the core environment's suite without the tests marked `slow` (docs/testing.md).
 test-fast: $(STAMP)
@@ -81,7 +83,7 @@ test-vllm:
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .venv-compat-* .pytest_cache .hypothesis perf/out
 
 # verl's checkpoint-engine backend (reshard.integrations.verl) is tested against verl itself, in its own environment
 # (verl pins transformers < 5.11, tensordict, ray[default], ...). With torch pinned to the CPU build, verl and its
@@ -246,3 +248,49 @@ test-deepspeed:
 	else \
 		echo "SKIPPED DeepSpeed tests: DeepSpeed could not be installed (see the output of make deepspeed-env)"; \
 	fi
+
+# The compatibility tier: the core tier on the oldest stack reshard supports and on a GPU machine image's stack,
+# each in a venv of its own built from nothing (docs/testing.md#compatibility). PyPI's torch wheels are CUDA builds
+# that run on a CPU (about 3 GB to download, 3 minutes to install each). The interpreters come from PATH or pyenv.
+# - oldest: Python 3.10, torch 2.10.0 and the Triton it pins (3.6.0): `make test-fast`'s selection, then
+#   tests/test_kernels_compile.py (every kernel variant compiled for sm_90 and sm_100 under the oldest Triton);
+# - gpu: Python 3.12, torch 2.11.0 (its Triton 3.6.0), numpy >= 2.4, as GPU vLLM 0.22-0.26 and verl 0.9.1 pin it:
+#   `make test-fast`'s selection.
+# Each run's "reshard notes" end with a `stack:` line, and the tier closes on one line per venv naming its stack.
+find_python = $(firstword $(foreach p,$(wildcard $(shell pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1)) \
+	$(shell command -v python$(1) 2>/dev/null),$(shell "$(p)" -c 'print("$(p)")' 2>/dev/null)))
+COMPAT_OLDEST_VENV ?= .venv-compat-oldest
+COMPAT_OLDEST_PYTHON ?= $(call find_python,3.10)
+COMPAT_OLDEST_TORCH ?= 2.10.0
+COMPAT_GPU_VENV ?= .venv-compat-gpu
+COMPAT_GPU_PYTHON ?= $(call find_python,3.12)
+COMPAT_GPU_TORCH ?= 2.11.0
+
+.PHONY: compat-env test-compat
+
+compat-env: $(COMPAT_OLDEST_VENV)/.installed $(COMPAT_GPU_VENV)/.installed
+
+$(COMPAT_OLDEST_VENV)/.installed: pyproject.toml Makefile
+	@test -n "$(COMPAT_OLDEST_PYTHON)" || { echo "no Python 3.10 found (PATH or pyenv): set COMPAT_OLDEST_PYTHON"; exit 1; }
+	test -x $(COMPAT_OLDEST_VENV)/bin/python || "$(COMPAT_OLDEST_PYTHON)" -m venv $(COMPAT_OLDEST_VENV)
+	$(COMPAT_OLDEST_VENV)/bin/python -m pip install "torch==$(COMPAT_OLDEST_TORCH)"
+	$(COMPAT_OLDEST_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_OLDEST_TORCH)"
+	touch $@
+
+$(COMPAT_GPU_VENV)/.installed: pyproject.toml Makefile
+	@test -n "$(COMPAT_GPU_PYTHON)" || { echo "no Python 3.12 found (PATH or pyenv): set COMPAT_GPU_PYTHON"; exit 1; }
+	test -x $(COMPAT_GPU_VENV)/bin/python || "$(COMPAT_GPU_PYTHON)" -m venv $(COMPAT_GPU_VENV)
+	$(COMPAT_GPU_VENV)/bin/python -m pip install "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
+	$(COMPAT_GPU_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
+	touch $@
+
+STACK_LINE := import platform, torch, triton, numpy; print(f"passed on Python {platform.python_version()}, torch \
+	{torch.__version__}, Triton {triton.__version__}, numpy {numpy.__version__}")
+
+# The compile test (slow: about 2 minutes) runs in the oldest venv only: the gpu venv has the same Triton.
+test-compat: compat-env
+	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -n 0 tests/test_kernels_compile.py
+	@printf "compatibility tier, oldest stack: "; $(COMPAT_OLDEST_VENV)/bin/python -c '$(STACK_LINE)'
+	$(COMPAT_GPU_VENV)/bin/python -m pytest -q -m "not slow" tests
+	@printf "compatibility tier, GPU image stack: "; $(COMPAT_GPU_VENV)/bin/python -c '$(STACK_LINE)'

@@ -16,6 +16,9 @@ Subpackages: `reshard.planner`, `reshard.cost`, `reshard.kernels`, `reshard.comm
 (imported on use), `reshard.models`.
 """
 
+# first: refuses a torch older than reshard supports (ImportError naming the version), before DTensor is touched
+import reshard._compat  # noqa: F401, I001
+
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard.comm import (

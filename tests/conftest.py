@@ -175,7 +175,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _NOTES.extend(f"{report.nodeid}: {value}" for key, value in report.user_properties if key == NOTE)
 
 
+def stack_summary() -> str:
+    """One line: the Python, torch, Triton and numpy this run used (the compatibility tier's runs differ in these)."""
+    import platform
+    from importlib import metadata
+
+    versions = []
+    for name in ("torch", "triton", "numpy"):
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    return f"stack: Python {platform.python_version()}, " + ", ".join(versions)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     terminalreporter.section("reshard notes")
-    for line in [processor_summary(), *_NOTES]:
+    for line in [processor_summary(), *_NOTES, stack_summary()]:
         terminalreporter.write_line(line)

@@ -70,6 +70,9 @@ _GEOMETRY = {
     Cast.F16_TO_F32: (16, 32, 0x3FF, 13, 0x7FFFFF, 0x7E00, _PROBES_F16),
 }
 
+GEOMETRY_BITS: dict[Cast, tuple[int, int]] = {cast: g[:2] for cast, g in _GEOMETRY.items()}
+"""`(source bits, result bits)` of each fused cast."""
+
 
 def _to_signed(value: int, bits: int) -> int:
     """Two's-complement reinterpretation, so masks like `0x80000000` fit an int32 kernel argument."""

@@ -29,6 +29,27 @@ from reshard.kernels._tiles import launch_config, merge_dims, tile_lanes, tile_t
 from reshard.planner import Box
 
 
+DELTA_CUDA_BLOCK = 1024
+"""The delta kernels' BLOCK on CUDA, for every element size (with 4 warps: 8 elements a thread)."""
+
+
+def delta_launch_config(word_bytes: int, device_type: str, lanes: int | None = None) -> tuple[int, int]:
+    """`(BLOCK, num_warps)` of the four delta kernels for `word_bytes`-byte elements: the one place these are chosen.
+
+    On CUDA a tile is `DELTA_CUDA_BLOCK` elements on 4 warps whatever the element size: the count and compact kernels
+    scan their tile and the decode kernels search it, so their registers grow with the elements each thread holds,
+    not with bytes. With the pack kernels' 8192 lanes for 2-byte words every bf16 compact and scatter variant ran at
+    255 registers and spilled (up to 3.4 KB of stack a thread at 4 dims, ptxas for sm_90); at 1024 on 4 warps none
+    spills (`perf/bench_compile.py`). Not tuned by GPU measurement. Elsewhere (the interpreter) the pack kernels'
+    choice (`_tiles.launch_config`), holding `lanes` whole.
+
+    Example: `delta_launch_config(2, "cuda")` is `(1024, 4)`; `delta_launch_config(2, "cpu", 10)` is `(256, 1)`.
+    """
+    if device_type == "cuda":
+        return DELTA_CUDA_BLOCK, 4
+    return launch_config(word_bytes, device_type, lanes)
+
+
 def _device_code(interpret: bool) -> ModuleType:
     """`_delta_triton.py` loaded with Triton's interpreter on (CPU tensors) or off (CUDA tensors), once per process."""
     name = f"reshard.kernels._delta_triton_{'interpreted' if interpret else 'compiled'}"
@@ -100,7 +121,7 @@ def _tile_groups(args, which: list[int]) -> list[_TileGroup]:
             raise NotImplementedError("delta kernels: a tensor's storage is not aligned to its elements; the Triton "
                                       "backend cannot address it, use backend='torch'")
         sizes, strides = merge_dims(sizes, strides)
-        block, num_warps = launch_config(itemsize, device.type, tile_lanes(sizes))
+        block, num_warps = delta_launch_config(itemsize, device.type, tile_lanes(sizes))
         starts, table, num_tiles, tiles = tile_table(sizes, strides, (tensor_abs - tensor_storage) // itemsize,
                                                      (snap_abs - snap_storage) // itemsize, block, device)
         word = INT_DTYPE_BY_SIZE[itemsize]
@@ -171,8 +192,8 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
     code = _device_code(interpret)
     for itemsize, idx in by_size.items():
         word = INT_DTYPE_BY_SIZE[itemsize]
-        block = launch_config(itemsize, buffer.device.type, max(
-            headers[i].count if headers[i].format == DeltaFormat.INDICES else headers[i].numel for i in idx))[0]
+        block, num_warps = delta_launch_config(itemsize, buffer.device.type, max(
+            headers[i].count if headers[i].format == DeltaFormat.INDICES else headers[i].numel for i in idx))
         ndim = max(1, max(boxes[i].ndim for i in idx))
         base = dests[idx[0]]
         base_ptr = base.untyped_storage().data_ptr()
@@ -198,7 +219,7 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
         grid = (int(counts.sum()),)
         bits = torch.zeros(grid[0], dtype=torch.int32, device=buffer.device)
         launch_in_mode(code._delta_bits_kernel[grid], interpret, table, block_box, first, words, bits,
-                       NUM_DIMS=ndim, BLOCK=block)
+                       NUM_DIMS=ndim, BLOCK=block, num_warps=num_warps)
         per_box = torch.zeros(len(idx), dtype=torch.int64, device=buffer.device).index_add_(
             0, block_box, bits.to(torch.int64)).tolist()
         for k, i in enumerate(idx):
@@ -218,12 +239,12 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
         tc64 = bits.to(torch.int64)
         before = torch.cumsum(tc64, 0) - tc64
         block_base = before - before[first][block_box]
-        launches.append((word, base, table, block_box, first, block_base, grid, ndim, block))
+        launches.append((word, base, table, block_box, first, block_base, grid, ndim, block, num_warps))
     dense = [i for i, h in enumerate(headers) if h.format == DeltaFormat.DENSE and h.numel]
     if dense:
         unpack(buffer, [offs[i] + DELTA_HEADER_BYTES for i in dense], [dests[i] for i in dense],
                [boxes[i] for i in dense], backend="triton")
-    for word, base, table, block_box, first, block_base, grid, ndim, block in launches:
+    for word, base, table, block_box, first, block_base, grid, ndim, block, num_warps in launches:
         launch_in_mode(code._delta_scatter_kernel[grid], interpret, _storage_view(base, word), table, block_box,
                        first, block_base, _storage_view(buffer, word), _storage_view(buffer, torch.int32),
-                       NUM_DIMS=ndim, BLOCK=block)
+                       NUM_DIMS=ndim, BLOCK=block, num_warps=num_warps)

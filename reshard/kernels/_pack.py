@@ -22,12 +22,13 @@ from reshard.kernels._backend import choose_backend
 from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
 from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
-from reshard.kernels._tiles import launch_config, lowest_bit, merge_dims, tile_lanes, tile_table
+from reshard.kernels._tiles import launch_config, lowest_bit, max_vec, merge_dims, tile_lanes, tile_table
 from reshard.planner import Box
 
 logger = logging.getLogger(__name__)
 
-_MAX_WORD_BYTES = 8  # widest int Triton loads natively; a raw copy moves words of 1, 2, 4 or 8 bytes
+WORD_BYTES = (1, 2, 4, 8)  # the words a raw copy moves: the widest int Triton loads natively is 8 bytes
+_MAX_WORD_BYTES = WORD_BYTES[-1]
 # ---------------------------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,8 +137,6 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         buffer_unit = buffer_itemsize if aligned else 1
         buffer_bytes = 0 if aligned else buffer_itemsize
         buffer_dtype = INT_DTYPE_BY_SIZE[buffer_itemsize] if aligned else torch.uint8
-    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type,
-                                      tile_lanes(sizes))
     vec = 1
     if not buffer_bytes and (strides[:, -1] == 1).all():
         # Widest group of elements (at most 16 bytes on either side) that every base, stride and row length keeps
@@ -145,9 +144,11 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
         tensor_base = (tensor_abs - tensor_storage) // tensor_unit
         buffer_base = (buffer_abs - buffer_storage) // buffer_unit
         outer = strides[:, :-1][sizes[:, :-1] > 1]
-        cap = 16 // max(tensor_unit, buffer_unit)
+        cap = max_vec(tensor_unit, buffer_unit)
         if cap > 1:
             vec = lowest_bit(np.concatenate([tensor_base, buffer_base, outer, sizes[:, -1]]), cap)
+    block, num_warps = launch_config(tensor_unit if raw else max(tensor_unit, buffer_itemsize), device.type,
+                                      tile_lanes(sizes), vec=vec, cast=cast)
     starts_t, table_t, num_tiles, _ = tile_table(sizes, strides, (tensor_abs - tensor_storage) // tensor_unit,
                                                  (buffer_abs - buffer_storage) // buffer_unit, block, device)
     num_dims = sizes.shape[1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from reshard.kernels._cast import Cast
+
 _TABLE_HEAD = 5  # columns before the sizes in a descriptor row (see _triton.py)
 
 
@@ -16,11 +18,17 @@ INTERPRETED_MAX_BLOCK = 1 << 16
 _INTERPRETED_MIN_BLOCK = 256
 
 
-def launch_config(word_bytes: int, device_type: str, lanes: int | None = None) -> tuple[int, int]:
+def launch_config(word_bytes: int, device_type: str, lanes: int | None = None, *, vec: int | None = None,
+                  cast: Cast = Cast.NONE) -> tuple[int, int]:
     """`(BLOCK, num_warps)` for kernels moving `word_bytes`-byte elements: the one place these are chosen.
 
     On CUDA a program moves about 16 KiB (BLOCK elements), so the grid is large enough to fill the GPU and each
-    thread has several independent loads in flight. Not autotuned: no GPU measurement has been made yet.
+    thread has several independent loads in flight. Not autotuned: no GPU measurement has been made yet. Where each
+    lane costs more, the tile is cut until ptxas (`-v`, sm_90 and sm_100) reports no spills (`perf/bench_compile.py`):
+    a copy without 16-byte accesses (`vec` 1: int64 offsets and the dims' divisions for every lane; 1- and 2-byte
+    words at 3-4 dims used up to 3.4 KB of stack a thread at 8192) takes at most 4096 lanes, and a fused `cast`
+    without them, or float16 -> float32 (its subnormal path), at most 2048 on 8 warps (8 lanes a thread). `vec`
+    `None` is a vectorized copy (the delta kernels' interpreter tiles).
 
     The interpreter (any other device) runs programs one after another in Python, and a program costs about the same
     (6 to 8 ms on the 2-core dev VM) whatever its tile holds up to about 16,384 lanes; past that numpy's work on the
@@ -29,14 +37,29 @@ def launch_config(word_bytes: int, device_type: str, lanes: int | None = None) -
     large box is few (measured: 2**20 float32 elements in 1.26 s with BLOCK 1024, 0.33 s with 4096, 0.09 s with
     2**18). Without `lanes`, `INTERPRETED_MAX_BLOCK`.
 
-    Example: `launch_config(4, "cpu", 10)` is `(256, 1)`; `launch_config(4, "cuda")` is `(4096, 8)`.
+    Example: `launch_config(4, "cpu", 10)` is `(256, 1)`; `launch_config(4, "cuda")` is `(4096, 8)`;
+    `launch_config(2, "cuda", vec=1)` is `(4096, 8)`; `launch_config(4, "cuda", vec=1, cast=Cast.F32_TO_BF16)` is
+    `(2048, 8)`.
     """
     if device_type != "cuda":
         if lanes is None:
             return INTERPRETED_MAX_BLOCK, 1
         return min(INTERPRETED_MAX_BLOCK, max(_INTERPRETED_MIN_BLOCK, 1 << max(int(lanes) - 1, 0).bit_length())), 1
     block = min(8192, max(1024, 16384 // word_bytes))
+    vectorized = vec is None or vec > 1
+    if cast != Cast.NONE and (not vectorized or cast == Cast.F16_TO_F32):
+        return min(block, 2048), 8
+    if not vectorized:
+        block = min(block, 4096)
     return block, 8 if block >= 4096 else 4
+
+
+def max_vec(tensor_unit: int, buffer_unit: int) -> int:
+    """The widest VEC for elements of `tensor_unit` and `buffer_unit` bytes: 16-byte accesses on the wider side.
+
+    Example: `max_vec(4, 2)` is 4 (four float32 read as one 16-byte load); `max_vec(8, 8)` is 2.
+    """
+    return 16 // max(tensor_unit, buffer_unit)
 
 
 def tile_lanes(sizes: np.ndarray) -> int:
