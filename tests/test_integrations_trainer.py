@@ -60,7 +60,9 @@ def test_spec_pair_equals_distribute_tensor(fake_world) -> None:
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
     full = torch.randn(7, 6)
     placements = [Shard(0), Shard(1)]
-    want = distribute_tensor(full, mesh, placements)
+    # src_data_rank=None: each rank cuts its own shard from `full` (the fake group's collectives move no data, so a
+    # scattered or broadcast DTensor would hold uninitialised memory, NaNs included)
+    want = distribute_tensor(full, mesh, placements, src_data_rank=None)
     spec = SimpleNamespace(full_shape=(7, 6), mesh=mesh, placements=placements)
     flat = want.to_local().reshape(-1)  # verl's FSDP engine flattens the local shard
     got = stream_source("w", flat, spec, 1, 2)
@@ -69,8 +71,8 @@ def test_spec_pair_equals_distribute_tensor(fake_world) -> None:
     assert stream_source("w", want, None, 1, 2) is want
     with pytest.raises(ValueError, match="local shard of 5 elements does not match its ShardSpec"):
         local_of(torch.zeros(5), spec)
-    other = distribute_tensor(full, mesh, [Replicate(), Shard(0)])
-    assert torch.equal(local_of(other, None), other.to_local())
+    other = distribute_tensor(full, mesh, [Replicate(), Shard(0)], src_data_rank=None)
+    assert torch.equal(local_of(other, None), full.chunk(2, 0)[1])
 
 
 def _fsdp2_refit(worker) -> dict:
