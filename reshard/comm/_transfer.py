@@ -116,17 +116,23 @@ def _waiter(group: Group) -> queue.SimpleQueue:
 
 
 def _wait_loop(jobs: queue.SimpleQueue) -> None:
+    """Run the jobs of `jobs` until a `None`. Between jobs the thread holds no reference to the last one: a job's
+    `block` holds the group's backends, and a closed group's last reference dropped here at interpreter exit would
+    run a gloo destructor on a daemon thread that Python is stopping (`std::terminate`, SIGABRT)."""
     while True:
         job = jobs.get()
         if job is None:
             return
         block, done, error = job
+        del job
         try:
             block()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             error.append(e)
         finally:
+            del block
             done.set()
+            del done, error
 
 
 TensorMap = Mapping[int, "torch.Tensor | Sequence[torch.Tensor]"]
