@@ -29,14 +29,22 @@ demo: $(STAMP)
 
 # Everything, what CI runs: the core environment's suite, then the vLLM, verl/Ray, Megatron, TRL and DeepSpeed tiers
 # in theirs, and last the compatibility tier (the oldest supported stack and a GPU image's stack).
+# With PRUNE_ENVS=1 (what .ci/run passes) each environment is removed as soon as no later tier needs it, so the
+# disk holds at most about 8 GB of environments at once instead of about 22 GB (docs/testing.md#disk).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	$(call prune,$(VENV))
 	$(MAKE) test-vllm
 	$(MAKE) test-frameworks
+	$(call prune,$(VERL_VENV))
 	$(MAKE) test-megatron
 	$(MAKE) test-trl
 	$(MAKE) test-deepspeed
+	$(call prune,$(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV))
 	$(MAKE) test-compat
+
+PRUNE_ENVS ?= 0
+prune = $(if $(filter 1,$(PRUNE_ENVS)),rm -rf $(1) && echo "PRUNE_ENVS=1: removed $(1)",@true)
 
 # The core tier to iterate on: the core environment's suite without the tests marked `slow` (docs/testing.md).
 test-fast: $(STAMP)
@@ -83,7 +91,7 @@ test-vllm:
 	fi
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .venv-compat-* .pytest_cache .hypothesis perf/out
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(VERL_VLLM_DIR) $(TRL_VENV) .venv-compat-* .pytest_cache .hypothesis perf/out
 
 # verl's checkpoint-engine backend (reshard.integrations.verl) is tested against verl itself, in its own environment
 # (verl pins transformers < 5.11, tensordict, ray[default], ...). With torch pinned to the CPU build, verl and its
@@ -266,31 +274,48 @@ COMPAT_GPU_VENV ?= .venv-compat-gpu
 COMPAT_GPU_PYTHON ?= $(call find_python,3.12)
 COMPAT_GPU_TORCH ?= 2.11.0
 
-.PHONY: compat-env test-compat
+.PHONY: compat-env test-compat test-compat-oldest test-compat-gpu
 
 compat-env: $(COMPAT_OLDEST_VENV)/.installed $(COMPAT_GPU_VENV)/.installed
+
+# torch and the CUDA libraries it pins go in one package at a time (`--no-deps`, the set pip resolves for them):
+# one pip run holds all ~25 downloaded wheels (about 3 GB) beside what it has installed, one package at a time
+# holds one. The project then installs beside them.
+pip_each = "$(1)" -m pip install --dry-run --quiet --report $(1).report.json $(2) && "$(1)" -c 'import json, subprocess, \
+	sys; [subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-deps", \
+	p["metadata"]["name"] + "==" + p["metadata"]["version"]], check=True) for p in json.load(open(sys.argv[1]))["install"]]' \
+	$(1).report.json
 
 $(COMPAT_OLDEST_VENV)/.installed: pyproject.toml Makefile
 	@test -n "$(COMPAT_OLDEST_PYTHON)" || { echo "no Python 3.10 found (PATH or pyenv): set COMPAT_OLDEST_PYTHON"; exit 1; }
 	test -x $(COMPAT_OLDEST_VENV)/bin/python || "$(COMPAT_OLDEST_PYTHON)" -m venv $(COMPAT_OLDEST_VENV)
-	$(COMPAT_OLDEST_VENV)/bin/python -m pip install "torch==$(COMPAT_OLDEST_TORCH)"
-	$(COMPAT_OLDEST_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_OLDEST_TORCH)"
+	$(call pip_each,$(COMPAT_OLDEST_VENV)/bin/python,"torch==$(COMPAT_OLDEST_TORCH)")
+	$(COMPAT_OLDEST_VENV)/bin/python -m pip install --no-cache-dir -e ".[test,perf]" "torch==$(COMPAT_OLDEST_TORCH)"
 	touch $@
 
 $(COMPAT_GPU_VENV)/.installed: pyproject.toml Makefile
 	@test -n "$(COMPAT_GPU_PYTHON)" || { echo "no Python 3.12 found (PATH or pyenv): set COMPAT_GPU_PYTHON"; exit 1; }
 	test -x $(COMPAT_GPU_VENV)/bin/python || "$(COMPAT_GPU_PYTHON)" -m venv $(COMPAT_GPU_VENV)
-	$(COMPAT_GPU_VENV)/bin/python -m pip install "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
-	$(COMPAT_GPU_VENV)/bin/python -m pip install -e ".[test,perf]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
+	$(call pip_each,$(COMPAT_GPU_VENV)/bin/python,"torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4")
+	$(COMPAT_GPU_VENV)/bin/python -m pip install --no-cache-dir -e ".[test,perf]" "torch==$(COMPAT_GPU_TORCH)" "numpy>=2.4"
 	touch $@
 
 STACK_LINE := import platform, torch, triton, numpy; print(f"passed on Python {platform.python_version()}, torch \
 	{torch.__version__}, Triton {triton.__version__}, numpy {numpy.__version__}")
 
+# One venv at a time (with PRUNE_ENVS=1 the first is removed before the second is built).
+test-compat:
+	$(MAKE) test-compat-oldest
+	$(call prune,$(COMPAT_OLDEST_VENV))
+	$(MAKE) test-compat-gpu
+	$(call prune,$(COMPAT_GPU_VENV))
+
 # The compile test (slow: about 2 minutes) runs in the oldest venv only: the gpu venv has the same Triton.
-test-compat: compat-env
+test-compat-oldest: $(COMPAT_OLDEST_VENV)/.installed
 	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -m "not slow" tests
 	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -n 0 tests/test_kernels_compile.py
 	@printf "compatibility tier, oldest stack: "; $(COMPAT_OLDEST_VENV)/bin/python -c '$(STACK_LINE)'
+
+test-compat-gpu: $(COMPAT_GPU_VENV)/.installed
 	$(COMPAT_GPU_VENV)/bin/python -m pytest -q -m "not slow" tests
 	@printf "compatibility tier, GPU image stack: "; $(COMPAT_GPU_VENV)/bin/python -c '$(STACK_LINE)'
