@@ -60,4 +60,4 @@ def test_killed_rank_makes_every_other_rank_raise_within_timeout(pool) -> None:
         assert o.error_type == "CommError", f"rank {o.rank}: {o.error}\n{o.trace}"
         assert f"rank {o.rank} of" in o.error
         assert "rank 1" in o.error.replace(f"rank {o.rank} of", ""), o.error  # the victim is named
-        assert o.seconds < TIMEOUT + 2.0, (o.rank, o.seconds)
+        assert o.seconds < TIMEOUT + 5.0, (o.rank, o.seconds)  # time-to-error (a hang takes 60 s)
