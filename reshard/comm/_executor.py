@@ -68,7 +68,7 @@ from reshard.comm._run import run_plan
 from reshard.comm._devices import follows_nccl
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
-from reshard.planner import BoxList, Plan, RankChunk, RankPlan
+from reshard.planner import BoxList, Plan, RankChunk, RankPlan, region_view
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class _Run:
         tensors = self._tensors(step.pack)
         sums = self.staging.send_sums[slot]
         for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
-            _checksum(t[box.slices()], sums[k], wire)
+            _checksum(region_view(t, box), sums[k], wire)
 
     def _count(self, step: RankChunk, paths: Paths) -> None:
         self.report.bytes_direct += paths.direct_bytes
@@ -333,8 +333,8 @@ class _Run:
                 outs, ins = [], []
                 for t in step.local:
                     source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
-                    outs.append(self.dst[t.dst_tensor][t.dst_box.slices()])
-                    ins.append(source[t.src_box.slices()])
+                    outs.append(region_view(self.dst[t.dst_tensor], t.dst_box))
+                    ins.append(region_view(source, t.src_box))
                 views = self.prepared[("local", step.index)] = (outs, ins)
             torch._foreach_copy_(*views)  # one call for all of the chunk's local copies
             self.report.bytes_copied_locally += sum(t.nbytes for t in step.local)
@@ -379,7 +379,7 @@ class _Run:
         n = len(step.unpack.boxes)
         got = torch.empty(n, dtype=torch.int64, device=self.staging.device)
         for k, (t, box) in enumerate(zip(tensors, step.unpack.boxes)):
-            _checksum(t[box.slices()], got[k])
+            _checksum(region_view(t, box), got[k])
         expected = self.staging.recv_sums[slot][:n].cpu()  # verify mode syncs the host here, once per chunk
         got = got.cpu()
         self.report.verified_boxes += n

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from reshard.kernels import PreparedCopy, prepare_pack
-from reshard.planner import Box, BoxList, Message, RankChunk
+from reshard.planner import Box, BoxList, Message, RankChunk, region_view
 
 
 class Paths:
@@ -45,7 +45,7 @@ class Paths:
             view = None
             if zero_copy and m.direct:
                 k = m.first_box
-                view = tensors[k][boxes.boxes[k].slices()]
+                view = region_view(tensors[k], boxes.boxes[k])
                 if view.is_contiguous():
                     view = view.reshape(-1).view(torch.uint8)
                     self.direct_bytes += m.nbytes

@@ -40,6 +40,7 @@ from reshard.planner._index import BoxIndex
 from reshard.planner._item import PlanItem
 from reshard.planner._layout import Layout, _geometry_id
 from reshard.planner._plan import _as_items
+from reshard.planner._region import delta as _delta, shift as _translate
 from reshard.planner._topology import Topology
 from reshard.planner._types import PIPELINE_DEPTH, Link
 
@@ -99,12 +100,6 @@ class RankPart:
 _new_transfer = tuple.__new__  # a LocalTransfer without NamedTuple argument parsing (hot)
 
 
-def _translate(box: Box, delta: Delta) -> Box:
-    return Box._make(tuple(map(operator.add, box.offsets, delta)), box.shape)
-
-
-def _delta(global_box: Box, local_box: Box) -> Delta:
-    return tuple(map(operator.sub, local_box.offsets, global_box.offsets))
 
 
 def _pieces_of(layout: Any) -> Callable[[int], tuple[Any, ...]]:
