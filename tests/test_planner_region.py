@@ -26,9 +26,12 @@ from reshard.planner import (
     LayoutLike,
     Mesh,
     Piece,
+    Transfer,
     flat_partition,
     is_dtensor,
     local_region,
+    plan_local,
+    plan_rank,
     region_fits,
     region_strides,
     region_view,
@@ -181,3 +184,34 @@ def test_layouts_meet_the_layout_protocol_and_is_dtensor() -> None:
             return torch.zeros(1)
 
     assert is_dtensor(LooksLikeDTensor())
+
+
+def test_one_transfer_record_from_rank_part_to_the_moved_bytes() -> None:
+    """A rank part's transfers (`plan_rank`) and the scheduled ones (`plan_local`) are the same `Transfer` records
+    (scheduling only sets `chunk` and the tensor indices), and those records, read through `region_view`, move a
+    flat-range source (odd sizes: rows split mid-row over 3 ranks) into `Shard(1)` destinations exactly as torch
+    chunks the global tensor (DTensor's `Shard` rule)."""
+    shape = (7, 5)
+    full = torch.arange(35, dtype=torch.float32).reshape(shape)
+    src = FlatRangeLayout(shape, torch.float32, flat_partition(35, 3))
+    dst = Layout(shape, Mesh((3, 4)), (Shard(1),), torch.float32)
+    items = [(src, dst)]
+    windows = {}
+    for r in range(3):
+        start, stop = src.ranges[r]
+        w = torch.full(src.local_shape(r), float("nan"))  # outside the range: never read
+        w.view(-1)[start - src.window_start(r):stop - src.window_start(r)] = full.reshape(-1)[start:stop]
+        windows[r] = w
+    dsts = {r: torch.full(dst.local_shape(r), -1.0) for r in (3, 4)}
+    moved: set[Transfer] = set()
+    for r in range(5):
+        part = plan_rank(items, None, r)
+        scheduled = plan_local(items, None, r).for_rank(r).transfers
+        assert all(type(t) is Transfer for t in (*part.transfers, *scheduled))
+        assert {t._replace(chunk=0, src_tensor=0, dst_tensor=0) for t in scheduled} == set(part.transfers)
+        moved.update(t for t in part.transfers if t.src == r)
+    assert moved
+    for t in moved:
+        region_view(dsts[t.dst], t.dst_box).copy_(region_view(windows[t.src], t.src_box))
+    for r, want in zip((3, 4), full.chunk(2, dim=1)):
+        assert torch.equal(dsts[r], want)
