@@ -63,12 +63,12 @@ import torch
 from reshard.comm._delta import execute_delta
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._paths import Paths, SendUnits
-from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, prepare_run
+from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, flat_frames, prepare_run
 from reshard.comm._run import run_plan
 from reshard.comm._devices import follows_nccl
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
-from reshard.planner import BoxList, Plan, RankChunk, RankPlan, region_view
+from reshard.planner import BoxList, Plan, RankChunk, RankPlan, on_flat_sources, region_view
 
 logger = logging.getLogger(__name__)
 
@@ -571,9 +571,10 @@ def execute(
     srcs, dsts = src_tensors or (), dst_tensors or ()
     report = ExecutionReport(rank)
     ahead: list[_Run] = []
+    frames = flat_frames(plan, rank, src_tensors)  # flat partitions given in place of their windows
 
     def new_run(prog: RankPlan, staging: Staging) -> _Run:
-        prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+        prepared, prog = _prepared_for(group, plan, rank, srcs, dsts, staging), on_flat_sources(prog, frames)
         return _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
 
     def prepare(prog: RankPlan) -> Staging | None:
@@ -585,7 +586,7 @@ def execute(
 
         staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify,
                                  early=None if agreed else early, ranks=plan.ranks, agreed=agreed,
-                                 host_staging=True)
+                                 host_staging=True, flat_sources=True)
         return staging
 
     def run(prog: RankPlan, staging: Staging) -> list[str]:

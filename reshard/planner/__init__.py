@@ -11,7 +11,8 @@ Exports:
         window, ZeRO-3's even partition.
     LocalRegion, FlatRun, local_region, region_view, region_strides, region_fits: where a piece lies in its local
         tensor (a box of it, or a run of a flat 1-D one) and the one translation and view of it that the kernels and
-        the runtime use; is_dtensor, LayoutLike: the one DTensor check and the layout protocol.
+        the runtime use; is_dtensor, LayoutLike: the one DTensor check and the layout protocol; on_flat_sources:
+        a rank's program reading flat partitions in place of their windows.
     scale_layout, block_halo_layout, is_block_aligned: the layouts of block-quantized (FP8) weights' scales and
         halos.
     DEFAULT_BLOCK, check_block, block_aligned, scale_box: the FP8 block geometry: the default `(128, 128)` block, a
@@ -69,6 +70,7 @@ from reshard.planner._plan import (
     plan,
     plan_many,
 )
+from reshard.planner._reframe import on_flat_sources
 from reshard.planner._region import (
     FlatRun, LayoutLike, LocalRegion, is_dtensor, local_region, region_fits, region_strides, region_view,
 )
@@ -141,6 +143,7 @@ __all__ = [
     "is_block_aligned",
     "is_dtensor",
     "local_region",
+    "on_flat_sources",
     "parse_layout",
     "placement_str",
     "plan",

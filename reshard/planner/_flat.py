@@ -83,6 +83,17 @@ class FlatRangeLayout(ExplicitLayout):
         start, stop = self.ranges.get(rank, (0, 0))
         return flat_window(self.shape, start, stop)[0]
 
+    def flat_frame(self, rank: int) -> FlatRun:
+        """`rank`'s window (its local shape) as a run of its 1-D partition (element 0 the range's first element):
+        it starts `start - window_start` elements before the partition, and every box of the window that a plan
+        reads (the range's) lies inside it. `local_region(box, Box((0,) * n, window), frame)` is a window box's
+        place in the partition: how the executor reads a partition given in place of the window.
+
+        Example (`(5, 3)`, rank 1 holding `[8, 15)`): `FlatRun(-2, (3, 3))`.
+        """
+        start, _ = self.ranges.get(rank, (0, 0))
+        return FlatRun(self.window_start(rank) - start, self.local_shape(rank))
+
     def flat_pieces(self, rank: int) -> list[Piece]:
         """`rank`'s pieces with flat-run local regions: each piece's elements as the run of the rank's 1-D
         partition (element 0 is the range's first element) it occupies, so the partition itself is the local tensor,

@@ -42,8 +42,11 @@ class FlatRun:
     """A box of a piece laid out row-major at `start` of a 1-D local tensor.
 
     Attributes:
-        start: the element of the flat local tensor where the piece's first element (row-major) lies, `>= 0`.
-        run: the piece's shape; its `prod(run)` elements are `[start, start + prod(run))` of the flat tensor.
+        start: the element of the flat local tensor where the run's first element (row-major) lies. Negative when
+            the run begins before the tensor: a rank's row-aligned window around its partition (`FlatRangeLayout.
+            flat_frame`), whose boxes that are read all lie inside the partition (`region_fits` checks that).
+        run: the run's shape (a piece's shape, or a window's); its elements are `[start, start + prod(run))` of the
+            flat tensor.
         offsets, shape: the box inside `run` this region is (the whole run when `offsets` is all zeros and
             `shape == run`); `offsets[d] + shape[d] <= run[d]`.
 
@@ -61,7 +64,7 @@ class FlatRun:
         offsets = tuple(operator.index(v) for v in self.offsets) if self.offsets else (0,) * len(run)
         shape = tuple(operator.index(v) for v in self.shape) if self.shape or not run else run
         start = operator.index(self.start)
-        if start < 0 or len(offsets) != len(run) or len(shape) != len(run) or any(
+        if len(offsets) != len(run) or len(shape) != len(run) or any(
                 o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, run)):
             raise ValueError(f"FlatRun: box offsets {offsets} shape {shape} does not fit run {run} at start {start}")
         object.__setattr__(self, "start", start)
@@ -81,6 +84,14 @@ class FlatRun:
     def stop(self) -> int:
         """One past the last element of the flat tensor the whole run covers."""
         return self.start + math.prod(self.run)
+
+    def span(self) -> tuple[int, int]:
+        """`[first, last + 1)`: the elements of the flat tensor the box itself touches (`(0, 0)` when empty)."""
+        if any(s == 0 for s in self.shape):
+            return 0, 0
+        strides = _row_major(self.run)
+        first = self.start + sum(map(operator.mul, self.offsets, strides))
+        return first, first + 1 + sum((s - 1) * st for s, st in zip(self.shape, strides))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape))
@@ -146,7 +157,8 @@ def region_strides(strides: tuple[int, ...], region: LocalRegion) -> tuple[int, 
 def region_fits(shape: tuple[int, ...], region: LocalRegion) -> bool:
     """Whether `region` lies inside a local tensor of `shape` (a `FlatRun`: a 1-D tensor long enough)."""
     if isinstance(region, FlatRun):
-        return len(shape) == 1 and region.stop <= shape[0]
+        first, stop = region.span()
+        return len(shape) == 1 and first >= 0 and stop <= shape[0]
     return len(region.shape) == len(shape) and all(o + s <= n for o, s, n in zip(region.offsets, region.shape,
                                                                                   shape))
 
