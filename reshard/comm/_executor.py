@@ -520,8 +520,8 @@ def execute(
     Args:
         plan: from `plan` / `plan_many`, built with the group's rank numbering, identical on every rank.
         rank: this process's rank in `group` (None: `group.rank`).
-        src_tensors: the source local tensors, indexed by the plan items' `src_tensor`; None on a rank that holds
-            no source. Tensor `i` has the local shape and dtype of the items' source layouts on this rank.
+        src_tensors: the source local tensors, indexed by the plan items' `src_tensor` (None: this rank holds none),
+            of the items' source layouts' local shapes and dtypes (a `FlatRangeLayout`'s: or its flat partition).
         dst_tensors: the destination local tensors, indexed by the items' `dst_tensor`, written in place; None on
             a rank that holds no destination. None may share memory with a source tensor or another destination
             (two sources may share memory).

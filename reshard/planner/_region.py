@@ -8,6 +8,8 @@ elements lie in the rank's local tensor. A region is one of two kinds:
 - a flat run (`FlatRun`): the local tensor is 1-D (a ZeRO-3 partition, an FSDP1 flat parameter) and the piece's
   elements are its elements `[start, start + prod(run))`, row-major in the piece's shape `run`. A sub-box of the
   piece (`offsets`, `shape` inside `run`) is a strided view of that run, so the flat tensor is a piece with no copy.
+  A run may start before the tensor (a row-aligned window around a partition: `FlatRangeLayout.flat_frame`) as
+  long as the box itself lies inside.
 
 Everything that turns a region into memory goes through here: `local_region` moves a sub-box of a piece's global box
 to its region (the planner's `delta` / `shift` are the same map for box regions, in the form its inner loops use);
