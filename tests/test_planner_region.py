@@ -30,7 +30,9 @@ from reshard.planner import (
     flat_partition,
     is_dtensor,
     local_region,
+    on_flat_sources,
     plan_local,
+    plan_many,
     plan_rank,
     region_fits,
     region_strides,
@@ -215,3 +217,40 @@ def test_one_transfer_record_from_rank_part_to_the_moved_bytes() -> None:
         region_view(dsts[t.dst], t.dst_box).copy_(region_view(windows[t.src], t.src_box))
     for r, want in zip((3, 4), full.chunk(2, dim=1)):
         assert torch.equal(dsts[r], want)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple), st.integers(1, 4), st.data())
+def test_a_program_on_flat_sources_reads_in_the_partition_what_it_reads_in_the_window(shape, ranks, data) -> None:
+    """`on_flat_sources`: every box a rank's program reads from its source (pack lists, local copies, sends), moved
+    into the rank's partition, is the very box it reads in the window (torch's view of the window), and nothing else
+    of the program changes."""
+    n = math.prod(shape)
+    full = torch.arange(n, dtype=torch.int64).reshape(shape)
+    src = FlatRangeLayout(shape, torch.int64, flat_partition(n, ranks))
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    dst = Layout(shape, Mesh(tuple(range(ranks, ranks + 2))), (Shard(dim),), torch.int64)
+    p = plan_many([(src, dst)], None, staging_bytes=data.draw(st.sampled_from([64, 1 << 12])), min_split_bytes=8)
+    read = 0
+    for r in range(ranks):
+        start, stop = src.ranges[r]
+        first = src.window_start(r)
+        window = torch.full(src.local_shape(r), -1, dtype=torch.int64)
+        window.view(-1)[start - first:stop - first] = full.reshape(-1)[start:stop]
+        part = torch.full((-(-n // ranks),), -1, dtype=torch.int64)
+        part[:stop - start] = full.reshape(-1)[start:stop]
+        prog = p.for_rank(r)
+        moved = on_flat_sources(prog, {0: src.flat_frame(r)})
+        assert on_flat_sources(prog, {}) is prog
+        for c, m in zip(prog.chunks, moved.chunks):
+            assert (c.index, c.recvs, c.unpack, c.send_bytes) == (m.index, m.recvs, m.unpack, m.send_bytes)
+            assert [x.offsets for x in c.sends] == [x.offsets for x in m.sends]
+            reads = [(a, b) for d, a, b in zip(c.pack.from_dst, c.pack.boxes, m.pack.boxes) if not d]
+            reads += [(a.src_box, b.src_box) for a, b in zip(c.local, m.local) if not a.stage]
+            reads += [(a.src_box, b.src_box) for x, y in zip(c.sends, m.sends) for a, b in zip(x.transfers,
+                                                                                                y.transfers)]
+            for old, new in reads:
+                assert isinstance(new, FlatRun) and region_fits(tuple(part.shape), new)
+                assert torch.equal(region_view(part, new), region_view(window, old))
+                read += old.numel
+    assert read >= n  # every element is read from some partition (twice when packed and sent)
