@@ -75,7 +75,7 @@ from reshard.kernels import (
     scan_changes,
     unpack,
 )
-from reshard.planner import Box, Message, Plan, RankChunk, RankPlan
+from reshard.planner import Box, Message, Plan, RankChunk, RankPlan, region_view
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class _Run:
                     h = self.state.held[k][b]
                     v = NO_VERSION
                     if h is not None:
-                        if _fingerprint(tensors[b][step.unpack.boxes[b].slices()], check) == h[1]:
+                        if _fingerprint(region_view(tensors[b], step.unpack.boxes[b]), check) == h[1]:
                             v = h[0]
                         else:
                             self.state.held[k][b] = None
@@ -209,7 +209,7 @@ class _Run:
         views, bxs = [], []
         for t, box, wire in zip(tensors, step.pack.boxes, step.pack.wire):
             if wire is not None and wire != t.dtype:
-                t = t[box.slices()].to(wire)
+                t = region_view(t, box).to(wire)
                 box = _whole(t)
             views.append(t)
             bxs.append(box)
@@ -491,7 +491,7 @@ class _Run:
         t1 = time.perf_counter()
         self.report._time("decode", t1 - t0)
         for b, v, _, _ in applied:
-            held[b] = (v, _fingerprint(tensors[b][step.unpack.boxes[b].slices()], check))
+            held[b] = (v, _fingerprint(region_view(tensors[b], step.unpack.boxes[b]), check))
         self.report._time("decode_fingerprint", time.perf_counter() - t1)
 
     def local(self, step: RankChunk) -> None:
@@ -500,8 +500,8 @@ class _Run:
         outs, ins = [], []
         for t in step.local:
             source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
-            outs.append(self.dst[t.dst_tensor][t.dst_box.slices()])
-            ins.append(source[t.src_box.slices()])
+            outs.append(region_view(self.dst[t.dst_tensor], t.dst_box))
+            ins.append(region_view(source, t.src_box))
         torch._foreach_copy_(outs, ins)
         self.report.bytes_copied_locally += sum(t.nbytes for t in step.local)
 

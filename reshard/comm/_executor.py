@@ -63,12 +63,12 @@ import torch
 from reshard.comm._delta import execute_delta
 from reshard.comm._group import CommError, Group, Timeout, as_timedelta
 from reshard.comm._paths import Paths, SendUnits
-from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, prepare_run
+from reshard.comm._prepare import NUM_SLOTS, ExecutionReport, Staging, flat_frames, prepare_run
 from reshard.comm._run import run_plan
 from reshard.comm._devices import follows_nccl
 from reshard.comm._transfer import TAG_CHECKSUM, TAG_DATA, TransferHandle, joined, post
 from reshard.kernels import PreparedCopy, checksum, prepare_pack, prepare_unpack
-from reshard.planner import BoxList, Plan, RankChunk, RankPlan
+from reshard.planner import BoxList, Plan, RankChunk, RankPlan, on_flat_sources, region_view
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class _Run:
         tensors = self._tensors(step.pack)
         sums = self.staging.send_sums[slot]
         for k, (t, box, wire) in enumerate(zip(tensors, step.pack.boxes, step.pack.wire)):
-            _checksum(t[box.slices()], sums[k], wire)
+            _checksum(region_view(t, box), sums[k], wire)
 
     def _count(self, step: RankChunk, paths: Paths) -> None:
         self.report.bytes_direct += paths.direct_bytes
@@ -333,8 +333,8 @@ class _Run:
                 outs, ins = [], []
                 for t in step.local:
                     source = self.dst[t.src_tensor] if t.stage > 0 else self.src[t.src_tensor]
-                    outs.append(self.dst[t.dst_tensor][t.dst_box.slices()])
-                    ins.append(source[t.src_box.slices()])
+                    outs.append(region_view(self.dst[t.dst_tensor], t.dst_box))
+                    ins.append(region_view(source, t.src_box))
                 views = self.prepared[("local", step.index)] = (outs, ins)
             torch._foreach_copy_(*views)  # one call for all of the chunk's local copies
             self.report.bytes_copied_locally += sum(t.nbytes for t in step.local)
@@ -379,7 +379,7 @@ class _Run:
         n = len(step.unpack.boxes)
         got = torch.empty(n, dtype=torch.int64, device=self.staging.device)
         for k, (t, box) in enumerate(zip(tensors, step.unpack.boxes)):
-            _checksum(t[box.slices()], got[k])
+            _checksum(region_view(t, box), got[k])
         expected = self.staging.recv_sums[slot][:n].cpu()  # verify mode syncs the host here, once per chunk
         got = got.cpu()
         self.report.verified_boxes += n
@@ -520,8 +520,8 @@ def execute(
     Args:
         plan: from `plan` / `plan_many`, built with the group's rank numbering, identical on every rank.
         rank: this process's rank in `group` (None: `group.rank`).
-        src_tensors: the source local tensors, indexed by the plan items' `src_tensor`; None on a rank that holds
-            no source. Tensor `i` has the local shape and dtype of the items' source layouts on this rank.
+        src_tensors: the source local tensors, indexed by the plan items' `src_tensor` (None: this rank holds none),
+            of the items' source layouts' local shapes and dtypes (a `FlatRangeLayout`'s: or its flat partition).
         dst_tensors: the destination local tensors, indexed by the items' `dst_tensor`, written in place; None on
             a rank that holds no destination. None may share memory with a source tensor or another destination
             (two sources may share memory).
@@ -571,9 +571,10 @@ def execute(
     srcs, dsts = src_tensors or (), dst_tensors or ()
     report = ExecutionReport(rank)
     ahead: list[_Run] = []
+    frames = flat_frames(plan, rank, src_tensors)  # flat partitions given in place of their windows
 
     def new_run(prog: RankPlan, staging: Staging) -> _Run:
-        prepared = _prepared_for(group, plan, rank, srcs, dsts, staging)
+        prepared, prog = _prepared_for(group, plan, rank, srcs, dsts, staging), on_flat_sources(prog, frames)
         return _Run(prog, plan, group, srcs, dsts, staging, verify, td, report, prepared, zero_copy)
 
     def prepare(prog: RankPlan) -> Staging | None:
@@ -585,7 +586,7 @@ def execute(
 
         staging, _ = prepare_run(plan, prog, rank, group, src_tensors, dst_tensors, td, verify=verify,
                                  early=None if agreed else early, ranks=plan.ranks, agreed=agreed,
-                                 host_staging=True)
+                                 host_staging=True, flat_sources=True)
         return staging
 
     def run(prog: RankPlan, staging: Staging) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from reshard.kernels import PreparedCopy, prepare_pack
-from reshard.planner import Box, BoxList, Message, RankChunk
+from reshard.planner import Box, BoxList, LocalRegion, Message, RankChunk, local_region, region_view
 
 
 class Paths:
@@ -45,7 +45,7 @@ class Paths:
             view = None
             if zero_copy and m.direct:
                 k = m.first_box
-                view = tensors[k][boxes.boxes[k].slices()]
+                view = region_view(tensors[k], boxes.boxes[k])
                 if view.is_contiguous():
                     view = view.reshape(-1).view(torch.uint8)
                     self.direct_bytes += m.nbytes
@@ -67,18 +67,20 @@ class Paths:
         return out
 
 
-def part_boxes(m: Message, box: Box) -> list[tuple[int, Box]]:
+def part_boxes(m: Message, box: LocalRegion) -> list[tuple[int, LocalRegion]]:
     """`(byte offset in the message, sub-box)` of each part of a one-box message `m` whose box (in the local
     tensor) is `box`: the parts cut `box` along its outermost dim of extent > 1 (see `Message.cuts`)."""
     if not m.cuts:
         return [(0, box)]
     d = next(k for k, n in enumerate(box.shape) if n > 1)
+    whole = Box((0,) * box.ndim, box.shape)  # the parts in the box's own coordinates, then where they live
     row_bytes = m.nbytes // box.shape[d]
     out = []
     for off, n in m.parts:
         r0, rows = off // row_bytes, n // row_bytes
-        out.append((off, Box(tuple(o + r0 if k == d else o for k, o in enumerate(box.offsets)),
-                             tuple(rows if k == d else s for k, s in enumerate(box.shape)))))
+        part = Box(tuple(r0 if k == d else 0 for k in range(box.ndim)), tuple(rows if k == d else s for k, s in
+                                                                          enumerate(box.shape)))
+        out.append((off, local_region(part, whole, box)))
     return out
 
 

@@ -20,7 +20,7 @@ from reshard.comm._alias import overlap_errors
 from reshard.comm._group import Group
 from reshard.comm._handshake import EXACT_SUFFIX, PendingAgreement
 from reshard.comm._hoststage import HostStaging, Route, choose_route
-from reshard.planner import PIPELINE_DEPTH, Plan, RankChunk, RankPlan
+from reshard.planner import PIPELINE_DEPTH, FlatRun, Plan, RankChunk, RankPlan, region_fits
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +164,29 @@ class ExecutionReport:
 # -------------------------------------------------------------------------------------------------------------
 
 
+def _flat_partition(layout: Any, rank: int, t: torch.Tensor) -> bool:
+    """Whether `t` is given as `rank`'s flat partition in place of its window: a 1-D tensor, not of the window's
+    shape, for a layout with flat frames (`FlatRangeLayout`)."""
+    return (hasattr(layout, "flat_frame") and isinstance(t, torch.Tensor) and t.dim() == 1
+            and tuple(t.shape) != tuple(layout.local_shape(rank)))
+
+
+def flat_frames(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None) -> dict[int, FlatRun]:
+    """Source tensor index -> its window as a run of the flat partition given in its place (`on_flat_sources`)."""
+    out: dict[int, FlatRun] = {}
+    for item in plan.items:
+        k = item.src_tensor
+        if src is not None and k < len(src) and rank in item.src.ranks and _flat_partition(item.src, rank, src[k]):
+            out[k] = item.src.flat_frame(rank)
+    return out
+
+
 def check_tensors(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
-                   dst: Sequence[torch.Tensor] | None) -> tuple[list[str], torch.device | None]:
-    """Local shapes, dtypes and devices against the plan's layouts; returns error messages and the device."""
+                  dst: Sequence[torch.Tensor] | None, *, flat: bool = False) -> tuple[list[str], torch.device | None]:
+    """Local shapes, dtypes and devices against the plan's layouts; returns error messages and the device.
+
+    `flat`: a `FlatRangeLayout` source may be its 1-D flat partition (element 0 its range's first) in place of its
+    window, as long enough as every piece's run needs (`FlatRangeLayout.flat_pieces`)."""
     errors: list[str] = []
     devices: dict[str, torch.device] = {}
     seen: set[tuple[str, int]] = set()
@@ -190,7 +210,12 @@ def check_tensors(plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
             if not isinstance(t, torch.Tensor):
                 errors.append(f"{who}: {side} local tensor {idx} must be a torch.Tensor, got {type(t).__name__}")
                 continue
-            if tuple(t.shape) != expected:
+            if flat and side == "source" and _flat_partition(layout, rank, t):
+                need = max((p.local_box.span()[1] for p in layout.flat_pieces(rank)), default=0)
+                if not all(region_fits(tuple(t.shape), p.local_box) for p in layout.flat_pieces(rank)):
+                    errors.append(f"{who}: source flat partition {idx} has {t.numel()} elements, expected at least "
+                                  f"{need} (the range {layout.ranges.get(rank)} of {layout!r})")
+            elif tuple(t.shape) != expected:
                 errors.append(f"{who}: {side} local tensor {idx} has shape {tuple(t.shape)}, expected {expected} "
                               f"(the local shape of {layout!r})")
             if t.dtype != layout.dtype:
@@ -251,16 +276,16 @@ _CHECKED = 4
 
 
 def _checked(group: Group, plan: Plan, rank: int, src: Sequence[torch.Tensor] | None,
-             dst: Sequence[torch.Tensor] | None) -> tuple[list[str], torch.device | None]:
+             dst: Sequence[torch.Tensor] | None, flat: bool = False) -> tuple[list[str], torch.device | None]:
     """`check_tensors`, skipped when the same plan and the same tensors (addresses, shapes, strides, dtypes,
     devices: everything it reads) passed it before on this group; only clean results are remembered."""
     ks, kd = tensor_key(src), tensor_key(dst)
-    key = None if ks is None or kd is None else (plan.fingerprint, rank, ks, kd)
+    key = None if ks is None or kd is None else (plan.fingerprint, rank, ks, kd, flat)
     cache: OrderedDict = group.cache.setdefault("checked", OrderedDict())
     if key is not None and key in cache:
         cache.move_to_end(key)
         return [], cache[key]
-    errs, device = check_tensors(plan, rank, src, dst)
+    errs, device = check_tensors(plan, rank, src, dst, flat=flat)
     if not errs and key is not None:
         cache[key] = device
         while len(cache) > _CHECKED:
@@ -285,7 +310,7 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
                 reserving: str = "staging", early: Callable[[Staging], None] | None = None,
                 ranks: Sequence[int] | None = None, agreed: bool = False,
-                host_staging: bool = False) -> tuple[Staging | None, Any]:
+                host_staging: bool = False, flat_sources: bool = False) -> tuple[Staging | None, Any]:
     """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
     plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
     the device, then agree with the other ranks (plan fingerprint + error flags), so bad input raises on every rank
@@ -302,6 +327,9 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
     `host_staging`: whether the caller can run a host-staged route (`choose_route`); when it cannot, a rank that
     needs one is refused like any bad input.
 
+    `flat_sources`: a flat-range source may be its flat partition (`check_tensors`'s `flat`); the caller reads it
+    through `on_flat_sources`.
+
     `agreed`: the caller already agreed on this plan with every rank of it (the same plan ran on this group before,
     and the caller's own round says every rank runs it again now): no agreement round. A local error then raises
     here after recording a fault on the group (`Group.report_fault`), so the peers' waits for this rank end at once
@@ -311,7 +339,7 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
         `(staging, reserve(device))`, or `(None, None)` for a rank without chunks.
     """
     ranks = plan.ranks if ranks is None else ranks
-    errs, device = _checked(group, plan, rank, src, dst)
+    errs, device = _checked(group, plan, rank, src, dst, flat_sources)
     errs.extend(errors)
     staging, reserved = None, None
     # the route (direct, or through host staging) is decided here, once, from the group's data backends (made at

@@ -26,7 +26,7 @@ from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._pack import _storage_view, pack, unpack
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
 from reshard.kernels._tiles import launch_config, merge_dims, tile_lanes, tile_table
-from reshard.planner import Box
+from reshard.planner import Box, region_strides
 
 
 DELTA_CUDA_BLOCK = 1024
@@ -110,9 +110,9 @@ def _tile_groups(args, which: list[int]) -> list[_TileGroup]:
         start = np.zeros(len(idx), dtype=np.int64)
         for k, (t, box) in enumerate(zip(tensors, boxes)):
             if box.ndim:
+                start[k], box_strides = region_strides(t.stride(), box)
                 sizes[k, ndim - box.ndim:] = box.shape
-                strides[k, ndim - box.ndim:] = t.stride()
-                start[k] = sum(o * st for o, st in zip(box.offsets, t.stride()))
+                strides[k, ndim - box.ndim:] = box_strides
         tensor_abs = np.array([t.data_ptr() for t in tensors], dtype=np.int64) + start * itemsize
         tensor_storage = tensors[0].untyped_storage().data_ptr()
         snap_abs = args.buffer.data_ptr() + np.array([args.offsets[i] for i in idx], dtype=np.int64)
@@ -203,9 +203,10 @@ def _decode_triton(buffer: torch.Tensor, offs: list[int], dests: list[torch.Tens
             if t.untyped_storage().data_ptr() != base_ptr and (t.data_ptr() - base_ptr) % itemsize:
                 raise NotImplementedError(f"{op}: destination storages are not aligned to each other; use "
                                           "backend='torch'")
-            start = (t.data_ptr() - base_ptr) // itemsize + sum(a * st for a, st in zip(box.offsets, t.stride()))
+            first, box_strides = region_strides(t.stride(), box)
+            start = (t.data_ptr() - base_ptr) // itemsize + first
             sizes = [1] * (ndim - box.ndim) + list(box.shape)
-            strides = [0] * (ndim - box.ndim) + list(t.stride())
+            strides = [0] * (ndim - box.ndim) + list(box_strides)
             at = buffer.data_ptr() - storage + o
             n = h.count if h.format == DeltaFormat.INDICES else h.numel
             rows.append([n, (at + encoded_values_offset(h)) // itemsize, (at + DELTA_HEADER_BYTES) // 4, int(h.format),

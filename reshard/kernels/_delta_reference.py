@@ -30,15 +30,13 @@ from reshard.kernels._delta_format import (
     _write_headers,
 )
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, OffsetArg, TensorArg
-from reshard.planner import Box
+from reshard.planner import Box, region_view
 
 
 def _box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
     """Box `box` of `t` as the same-width int dtype (a strided view: writes go to `t`), at least 1-D."""
     base = t.view(INT_DTYPE_BY_SIZE[t.element_size()]) if t.dtype != INT_DTYPE_BY_SIZE[t.element_size()] else t
-    stride = base.stride()
-    start = base.storage_offset() + sum(o * s for o, s in zip(box.offsets, stride))
-    view = base.as_strided(box.shape, stride, start)
+    view = region_view(base, box)
     return view.unsqueeze(0) if view.ndim == 0 else view
 
 

@@ -23,7 +23,7 @@ from reshard.kernels._cast import SUPPORTED_CASTS, Cast, cast_code, nan_policy
 from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE, CopyArgs, OffsetArg, TensorArg, check_copy_args
 from reshard.kernels._tiles import launch_config, lowest_bit, max_vec, merge_dims, tile_lanes, tile_table
-from reshard.planner import Box
+from reshard.planner import Box, LocalRegion, region_strides, region_view
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ def _build_launch(op: str, args: CopyArgs, idx: list[int], cast: Cast) -> _Launc
     for k, (t, box) in enumerate(zip(tensors, boxes)):
         n = box.ndim
         if n:
+            starts_elem[k], box_strides = region_strides(t.stride(), box)
             sizes[k, ndim - n: ndim] = box.shape
-            strides[k, ndim - n: ndim] = t.stride()
-            starts_elem[k] = sum(o * s for o, s in zip(box.offsets, t.stride()))
+            strides[k, ndim - n: ndim] = box_strides
     tensor_abs = ptr + starts_elem * itemsize
     buffer_abs = args.buffer.data_ptr() + np.array([args.offsets[i] for i in idx], dtype=np.int64)
     tensor_storage = tensors[0].untyped_storage().data_ptr()
@@ -391,13 +391,11 @@ class _Views:
     def __init__(self) -> None:
         self.cache: dict[int, torch.Tensor] = {}
 
-    def __call__(self, t: torch.Tensor, box: Box) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, box: LocalRegion) -> torch.Tensor:
         base = self.cache.get(id(t))
         if base is None:
             base = self.cache[id(t)] = t.view(INT_DTYPE_BY_SIZE[t.element_size()])
-        stride = base.stride()
-        start = base.storage_offset() + sum(o * s for o, s in zip(box.offsets, stride))
-        return base.as_strided(box.shape, stride, start)
+        return region_view(base, box)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard.planner import Box
+from reshard.planner import Box, FlatRun, LocalRegion, region_fits
 
 # Same-width integer dtype per element size: a raw (no-cast) copy moves every dtype as these bits.
 INT_DTYPE_BY_SIZE: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -98,7 +98,7 @@ class CopyArgs:
     """
 
     tensors: list[torch.Tensor]
-    boxes: list[Box]
+    boxes: list[LocalRegion]
     offsets: list[int]
     numels: list[int]
     buffer_dtypes: list[torch.dtype]
@@ -121,7 +121,7 @@ def _as_offsets(offsets: OffsetArg, op: str) -> list[int]:
 def check_copy_args(
     op: str,
     tensors: TensorArg,
-    boxes: Sequence[Box],
+    boxes: Sequence[LocalRegion],
     buffer: torch.Tensor,
     offsets: OffsetArg,
     dtype: torch.dtype | None,
@@ -164,12 +164,13 @@ def check_copy_args(
         if meta is None:
             meta = known[id(t)] = _check_tensor(op, i, t, device, dtype)
         shape, bdtype, itemsize = meta
-        if type(box) is not Box and not isinstance(box, Box):
-            raise TypeError(f"{op}: boxes[{i}] must be a Box, got {type(box)}")
+        if type(box) is not Box and not isinstance(box, (Box, FlatRun)):
+            raise TypeError(f"{op}: boxes[{i}] must be a Box or a FlatRun, got {type(box)}")
         box_shape = box.shape
-        if len(box_shape) != len(shape) or any(o + s > n for o, s, n in zip(box.offsets, box_shape, shape)):
+        if not region_fits(shape, box):
             raise ValueError(f"{op}: box {i} {box!r} does not fit in tensor {i} of shape {shape}; a box needs the "
-                             "tensor's rank and offsets + shape <= the tensor's shape along every dim")
+                             "tensor's rank and offsets + shape <= the tensor's shape along every dim (a FlatRun: a "
+                             "1-D tensor holding its whole run)")
         numel = math.prod(box_shape)
         if off < 0 or off + numel * itemsize > capacity:
             raise ValueError(f"{op}: buffer too small or offset out of range for box {i} {box!r} of tensor {i} of "

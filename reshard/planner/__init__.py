@@ -9,6 +9,10 @@ Exports:
     FlatRangeLayout, flat_boxes, flat_window, flat_partition: flat-sharded tensors (ZeRO-3, FSDP1 flat parameters,
         distributed-optimizer buffers): each rank's contiguous range of the flattened tensor as boxes, its local
         window, ZeRO-3's even partition.
+    LocalRegion, FlatRun, local_region, region_view, region_strides, region_fits: where a piece lies in its local
+        tensor (a box of it, or a run of a flat 1-D one) and the one translation and view of it that the kernels and
+        the runtime use; is_dtensor, LayoutLike: the one DTensor check and the layout protocol; on_flat_sources:
+        a rank's program reading flat partitions in place of their windows.
     scale_layout, block_halo_layout, is_block_aligned: the layouts of block-quantized (FP8) weights' scales and
         halos.
     DEFAULT_BLOCK, check_block, block_aligned, scale_box: the FP8 block geometry: the default `(128, 128)` block, a
@@ -66,6 +70,10 @@ from reshard.planner._plan import (
     plan,
     plan_many,
 )
+from reshard.planner._reframe import on_flat_sources
+from reshard.planner._region import (
+    FlatRun, LayoutLike, LocalRegion, is_dtensor, local_region, region_fits, region_strides, region_view,
+)
 from reshard.planner._topology import Topology
 from reshard.planner._types import (
     LINKS,
@@ -92,9 +100,12 @@ __all__ = [
     "BoxList",
     "ExplicitLayout",
     "FlatRangeLayout",
+    "FlatRun",
     "Fp8Items",
     "Layout",
+    "LayoutLike",
     "LocalPlan",
+    "LocalRegion",
     "LocalTransfer",
     "Mesh",
     "Message",
@@ -130,12 +141,18 @@ __all__ = [
     "fuse",
     "intersect",
     "is_block_aligned",
+    "is_dtensor",
+    "local_region",
+    "on_flat_sources",
     "parse_layout",
     "placement_str",
     "plan",
     "plan_local",
     "plan_many",
     "plan_rank",
+    "region_fits",
+    "region_strides",
+    "region_view",
     "relabel",
     "scale_box",
     "scale_layout",

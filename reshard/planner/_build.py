@@ -19,6 +19,7 @@ from reshard.planner._chunks import Member, Members, Unit, _new_unit, _Transfers
 from reshard.planner._index import BoxIndex, intersection_volume, union_volume
 from reshard.planner._item import PlanItem
 from reshard.planner._layout import _geometry_id
+from reshard.planner._region import delta as _delta, shift as _translate
 from reshard.planner._topology import Topology
 
 SPREAD_FACTOR = 1
@@ -72,8 +73,8 @@ class _Builder:
         nbytes = itemsize
         for s in shape:
             nbytes *= s
-        src_box = Box._make(tuple(map(operator.add, gbox.offsets, src_delta)), shape)
-        dst_box = Box._make(tuple(map(operator.add, gbox.offsets, dst_delta)), shape)
+        src_box = _translate(gbox, src_delta)
+        dst_box = _translate(gbox, dst_delta)
         self.raw.append(_new_unit(Unit, (src, dst, src_box, dst_box, gbox, nbytes, link, stage, members, dep)))
         nbytes *= len(members)
         if link == "network":
@@ -111,9 +112,6 @@ class _Builder:
             out.extend(split_to_fit(part, cap_numel))
         return out
 
-
-def _delta(global_box: Box, local_box: Box) -> tuple[int, ...]:
-    return tuple(map(operator.sub, local_box.offsets, global_box.offsets))
 
 
 @dataclass(slots=True)
@@ -172,9 +170,6 @@ class _Recipe:
     check_arrivals: bool
     max_part_bytes: int  # the largest box that takes staging (0 when there is none)
 
-
-def _translate(box: Box, delta: tuple[int, ...]) -> Box:
-    return Box._make(tuple(map(operator.add, box.offsets, delta)), box.shape)
 
 
 def _part(box: Box, itemsize: int, dst_deltas: Sequence[tuple[int, ...]],
@@ -243,7 +238,7 @@ def _recipe(b: _Builder, item: PlanItem) -> _Recipe:
         dom_needs = net_needs.get(dom)
         for piece in dst.pieces(r):
             gbox = piece.global_box
-            d_delta = tuple(map(operator.sub, piece.local_box.offsets, gbox.offsets))
+            d_delta = _delta(gbox, piece.local_box)
             remaining = [gbox]
             for sp in own:
                 x = intersect(sp.global_box, gbox)

@@ -23,86 +23,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from reshard.planner._box import Box, _as_int
+from reshard.planner._box import _as_int
 from reshard.planner._explicit import ExplicitLayout, _sizes
 from reshard.planner._layout import Piece
+from reshard.planner._region import (FlatRun, _boxes, _row_major, flat_boxes, flat_partition, flat_window,
+                                     shift)
 
-
-def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
-    """The boxes of a row-major tensor of `shape` that its flattened elements `[start, stop)` cover, in order.
-
-    Algorithm: split off dim 0 (rows of `inner = prod(shape[1:])` elements): the range is a partial first row
-    (recursing into `shape[1:]`), whole rows (one box), and a partial last row (recursing). At most `2 N - 1` boxes
-    for `N` dims; a range inside one row is that row's sub-range.
-
-    Example: `flat_boxes((5, 3), 2, 10)` is `[Box[0:1, 2:3], Box[1:3, 0:3], Box[3:4, 0:1]]`.
-
-    Raises:
-        ValueError: `not 0 <= start <= stop <= prod(shape)`.
-    """
-    shape = tuple(int(s) for s in shape)
-    n = math.prod(shape)
-    if not 0 <= start <= stop <= n:
-        raise ValueError(f"flat_boxes: range [{start}, {stop}) is not within the {n} elements of shape {shape}")
-    return _boxes(shape, start, stop)
-
-
-def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    if start >= stop:
-        return []
-    if not shape:
-        return [Box((), ())]
-    inner = math.prod(shape[1:])
-    rest = shape[1:]
-    r0, c0 = divmod(start, inner)
-    r1, c1 = divmod(stop, inner)
-
-    def row(r: int, lo: int, hi: int) -> list[Box]:
-        return [Box((r, *b.offsets), (1, *b.shape)) for b in _boxes(rest, lo, hi)]
-
-    if r0 == r1:
-        return row(r0, c0, c1)
-    out: list[Box] = []
-    if c0:
-        out += row(r0, c0, inner)
-        r0 += 1
-    if r1 > r0:
-        out.append(Box((r0,) + (0,) * len(rest), (r1 - r0, *rest)))
-    if c1:
-        out += row(r1, 0, c1)
-    return out
-
-
-def flat_window(shape: Sequence[int], start: int, stop: int) -> tuple[int, tuple[int, ...]]:
-    """The local window of the range `[start, stop)`: `(first, window_shape)`, where `first` is the flat index of
-    the window's first element (`(start // inner) * inner`, `inner = prod(shape[1:])`) and `window_shape` is
-    `(rows, *shape[1:])` with `rows` the rows the range touches (0 for an empty range). A 0-d tensor's window is
-    itself: `(0, ())`.
-
-    Example: `flat_window((5, 3), 8, 15)` is `(6, (3, 3))`: rows 2-4, the range starting 2 elements in.
-    """
-    shape = tuple(int(s) for s in shape)
-    if not shape:
-        return 0, ()
-    inner = math.prod(shape[1:])
-    if start >= stop or inner == 0:
-        return 0, (0, *shape[1:])
-    r0 = start // inner
-    r1 = -(-stop // inner)
-    return r0 * inner, (r1 - r0, *shape[1:])
-
-
-def flat_partition(numel: int, num_ranks: int) -> dict[int, tuple[int, int]]:
-    """ZeRO-3's even flat partition: rank `r` of `num_ranks` holds `[r * ps, min((r + 1) * ps, numel))` with
-    `ps = ceil(numel / num_ranks)`; the padding (`ps * num_ranks - numel` elements) is at the tail only, so the
-    last ranks of a small tensor may hold only padding (an empty range here).
-
-    Example: `flat_partition(4, 3)` is `{0: (0, 2), 1: (2, 4), 2: (4, 4)}`.
-    """
-    if num_ranks < 1:
-        raise ValueError(f"flat_partition: num_ranks must be >= 1, got {num_ranks}")
-    ps = -(-numel // num_ranks)
-    return {r: (min(r * ps, numel), min((r + 1) * ps, numel)) for r in range(num_ranks)}
+__all__ = ["FlatRangeLayout", "flat_boxes", "flat_partition", "flat_window"]
 
 
 class FlatRangeLayout(ExplicitLayout):
@@ -145,8 +72,8 @@ class FlatRangeLayout(ExplicitLayout):
         for r, (start, stop) in checked.items():
             first, window = flat_window(shape, start, stop)
             row0 = first // math.prod(shape[1:]) if shape and math.prod(shape[1:]) else 0
-            shift = (-row0,) + (0,) * (len(shape) - 1) if shape else ()
-            pieces[r] = [Piece(b, b.translate(shift), tensor=name) for b in _boxes(shape, start, stop)]
+            by = (-row0,) + (0,) * (len(shape) - 1) if shape else ()
+            pieces[r] = [Piece(b, shift(b, by), tensor=name) for b in _boxes(shape, start, stop)]
             local_shapes[r] = window
         super().__init__(shape, dtype, pieces, local_shapes, name=name)
         self.ranges: dict[int, tuple[int, int]] = checked
@@ -155,6 +82,32 @@ class FlatRangeLayout(ExplicitLayout):
         """The flat index of the first element of `rank`'s window (its range starts `start - window_start` in)."""
         start, stop = self.ranges.get(rank, (0, 0))
         return flat_window(self.shape, start, stop)[0]
+
+    def flat_frame(self, rank: int) -> FlatRun:
+        """`rank`'s window (its local shape) as a run of its 1-D partition (element 0 the range's first element):
+        it starts `start - window_start` elements before the partition, and every box of the window that a plan
+        reads (the range's) lies inside it. `local_region(box, Box((0,) * n, window), frame)` is a window box's
+        place in the partition: how the executor reads a partition given in place of the window.
+
+        Example (`(5, 3)`, rank 1 holding `[8, 15)`): `FlatRun(-2, (3, 3))`.
+        """
+        start, _ = self.ranges.get(rank, (0, 0))
+        return FlatRun(self.window_start(rank) - start, self.local_shape(rank))
+
+    def flat_pieces(self, rank: int) -> list[Piece]:
+        """`rank`'s pieces with flat-run local regions: each piece's elements as the run of the rank's 1-D
+        partition (element 0 is the range's first element) it occupies, so the partition itself is the local tensor,
+        with no window and no copy (`reshard.planner.region_view(part, piece.local_box)`).
+
+        Example (`(5, 3)`, rank 1 holding `[8, 15)`): `[Piece(Box[2:3, 2:3], FlatRun[0:1 as (1, 1)]), Piece(Box[3:5,
+        0:3], FlatRun[1:7 as (2, 3)])]`.
+        """
+        start, _ = self.ranges.get(rank, (0, 0))
+        out = []
+        for p in self.pieces(rank):
+            first = sum(o * s for o, s in zip(p.global_box.offsets, _row_major(self.shape)))
+            out.append(Piece(p.global_box, FlatRun(first - start, p.global_box.shape), tensor=p.tensor))
+        return out
 
     def __repr__(self) -> str:
         return "Flat" + super().__repr__().replace("ExplicitLayout", "RangeLayout", 1)

@@ -34,7 +34,9 @@ Interval = tuple[int, int]
 class Piece:
     """One box of a global tensor held by a rank, and where it lies in that rank's local tensor.
 
-    `global_box.shape == local_box.shape` always. `tensor` names the global tensor when a local tensor is built from
+    `local_box` is the piece's local region (`reshard.planner.LocalRegion`): a `Box` of the local tensor, or a
+    `FlatRun` of a flat (1-D) local tensor (`FlatRangeLayout.flat_pieces`); `global_box.shape == local_box.shape`
+    always. `tensor` names the global tensor when a local tensor is built from
     pieces of several global tensors (fused layouts); it is None for a plain layout.
     """
 

@@ -40,28 +40,18 @@ from reshard.planner._index import BoxIndex
 from reshard.planner._item import PlanItem
 from reshard.planner._layout import Layout, _geometry_id
 from reshard.planner._plan import _as_items
+from reshard.planner._region import delta as _delta, shift as _translate
 from reshard.planner._topology import Topology
-from reshard.planner._types import PIPELINE_DEPTH, Link
+from reshard.planner._types import PIPELINE_DEPTH, Link, Transfer
 
 __all__ = ["LocalTransfer", "RankPart", "plan_rank"]
 
 Delta = tuple[int, ...]
 
 
-class LocalTransfer(NamedTuple):
-    """One box of item `item` moving from rank `src` (at `src_box` of its local tensor) to rank `dst` (at `dst_box`);
-    `global_box` in the global tensor, `nbytes` bytes, `stage` 1 for a relay forward (it waits for the arrival of
-    the same `global_box` at `src`)."""
-
-    src: int
-    dst: int
-    item: int
-    src_box: Box
-    dst_box: Box
-    global_box: Box
-    nbytes: int
-    link: Link
-    stage: int
+LocalTransfer = Transfer
+"""A rank part's transfer: the plan's one transfer record (`Transfer`), before it is scheduled (`chunk`,
+`src_tensor` and `dst_tensor` are 0 until `plan_local` sets them); `src` / `dst` are its ranks."""
 
 
 @dataclass(frozen=True)
@@ -96,15 +86,9 @@ class RankPart:
         return out
 
 
-_new_transfer = tuple.__new__  # a LocalTransfer without NamedTuple argument parsing (hot)
+_new_transfer = tuple.__new__  # a Transfer without NamedTuple argument parsing (hot)
 
 
-def _translate(box: Box, delta: Delta) -> Box:
-    return Box._make(tuple(map(operator.add, box.offsets, delta)), box.shape)
-
-
-def _delta(global_box: Box, local_box: Box) -> Delta:
-    return tuple(map(operator.sub, local_box.offsets, global_box.offsets))
 
 
 def _pieces_of(layout: Any) -> Callable[[int], tuple[Any, ...]]:
@@ -386,7 +370,8 @@ class _Emitter:
     def add(self, src: int, dst: int, item: int, src_box: Box, dst_box: Box, gbox: Box, nbytes: int, link: Link,
             stage: int) -> None:
         if self.rank in (src, dst):
-            self.out.append(_new_transfer(LocalTransfer, (src, dst, item, src_box, dst_box, gbox, nbytes, link, stage)))
+            self.out.append(_new_transfer(Transfer, (src, dst, src_box, dst_box, gbox, nbytes, link, stage, 0, item, 0,
+                                                     0)))
 
 
 def _network(geo: _Geometry, item: int, dom: Hashable, gid: int, relay: bool, em: _Emitter) -> None:

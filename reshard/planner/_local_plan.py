@@ -137,8 +137,7 @@ def schedule(part: RankPart, items: Sequence[PlanItem], chunk_cap: int,
     def as_transfer(t: LocalTransfer, chunk: int) -> Transfer:
         it = items[t.item]
         src_tensor = it.dst_tensor if t.stage else it.src_tensor  # a forward reads the relay's destination
-        return Transfer(t.src, t.dst, t.src_box, t.dst_box, t.global_box, t.nbytes, t.link, t.stage, chunk, t.item,
-                        src_tensor, it.dst_tensor)
+        return t._replace(chunk=chunk, src_tensor=src_tensor, dst_tensor=it.dst_tensor)
 
     out: list[ChunkWork] = []
     for c, (_, _, batches, dep) in enumerate(chunks):

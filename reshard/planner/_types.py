@@ -26,7 +26,8 @@ LINKS: tuple[Link, ...] = ("local", "nvlink", "network")
 
 
 class Transfer(NamedTuple):
-    """One box moving from a source rank to a destination rank.
+    """One box moving from a source rank to a destination rank: the plan's one transfer record (a `Plan`'s, a
+    `LocalPlan`'s, and a rank part's `LocalTransfer`s before they are scheduled into chunks).
 
     Attributes:
         src_rank, dst_rank: global ranks (equal for a local copy).
@@ -57,6 +58,16 @@ class Transfer(NamedTuple):
     item: int = 0
     src_tensor: int = 0
     dst_tensor: int = 0
+
+    @property
+    def src(self) -> int:
+        """`src_rank` (the name a rank part's transfers use)."""
+        return self.src_rank
+
+    @property
+    def dst(self) -> int:
+        """`dst_rank`."""
+        return self.dst_rank
 
     def __repr__(self) -> str:
         relay = f" stage={self.stage}" if self.stage else ""

@@ -11,7 +11,7 @@ import torch
 
 from reshard.kernels import quantize_fp8_block
 from reshard.planner import DEFAULT_BLOCK as BLOCK
-from reshard.planner import FP8, Fp8Items, plan_many
+from reshard.planner import FP8, Fp8Items, plan_many, region_view
 
 
 def quantize(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
@@ -62,7 +62,7 @@ class Fp8Weight(Fp8Items):
         (hp,) = self.halo.pieces(rank)
         own = tuple(slice(g - h, g - h + n) for g, h, n in
                     zip(piece.global_box.offsets, hp.global_box.offsets, piece.global_box.shape))
-        dst[self.q_index][piece.local_box.slices()] = hq[own]
+        region_view(dst[self.q_index], piece.local_box).copy_(hq[own])
         dst[self.s_index].copy_(hs)
 
     @property

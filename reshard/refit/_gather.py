@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from reshard.comm import execute
-from reshard.planner import Layout, Mesh, PlanItem, plan
+from reshard.planner import Layout, Mesh, PlanItem, plan, region_view
 
 
 class GatherBroadcastWeight:
@@ -50,7 +50,7 @@ class GatherBroadcastWeight:
             out = dst_tensors[item.dst_tensor]
             assert full is not None and out is not None
             for p in item.dst.pieces(rank):
-                out[p.local_box.slices()] = full[p.global_box.slices()]
+                region_view(out, p.local_box).copy_(full[p.global_box.slices()])
 
 
 def _device(*lists: list) -> torch.device:

@@ -13,9 +13,7 @@ from typing import Any
 import torch
 
 from reshard.planner import DEFAULT_BLOCK as BLOCK
-from reshard.planner import FP8, ExplicitLayout, Layout, scale_layout
-
-LayoutLike = Layout | ExplicitLayout
+from reshard.planner import FP8, LayoutLike, scale_layout
 
 Geometry = tuple[tuple[int, ...], torch.dtype, torch.device]
 

@@ -17,13 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from reshard.planner import Layout
+from reshard.planner import Layout, is_dtensor
 from reshard.refit._meta import Geometry, LayoutLike, changed, check_local, geometry
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether `t` looks like a DTensor (has `to_local` and `placements`)."""
-    return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
 def rebind_error(name: str, tensor: Any, layout: LayoutLike, coord: list[int] | None, rank: int,

@@ -38,12 +38,13 @@ from reshard.comm import (
 )
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
-    ExplicitLayout,
     Layout,
+    LayoutLike,
     LocalPlan,
     Plan,
     Topology,
     fuse,
+    is_dtensor,
     relabel,
 )
 from reshard.refit import _facts
@@ -240,7 +241,7 @@ class Refit:
         if aliases:
             self._src_aliases[name] = alias_names("add_source", name, aliases)
         if layout is None:
-            if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
+            if not is_dtensor(tensor):
                 raise ValueError(f"Refit.add_source: {name!r} is a plain tensor; pass its layout too")
             coord = tensor.device_mesh.get_coordinate()
             if coord is None:  # a process outside the DTensor's mesh holds nothing of it (as DTensor says)
@@ -346,7 +347,7 @@ class Refit:
         self._check_open(name)
         if name in self._dests:
             raise ValueError(f"Refit.add_destination: {name!r} registered twice on rank {self.rank}")
-        if isinstance(layout, (Layout, ExplicitLayout)):
+        if isinstance(layout, LayoutLike):
             components: tuple[tuple[str, LayoutLike], ...] = ((layout.name or name, layout),)
         else:
             parts = list(layout)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from reshard.planner import region_view
 from reshard.refit._meta import LayoutLike
 
 
@@ -34,7 +35,8 @@ def replica_digests(rank: int, layouts: Mapping[str, LayoutLike], locals_: Mappi
             continue
         t = locals_[name]
         for p in lay.pieces(rank):
-            out.append([name, list(p.global_box.offsets), list(p.global_box.shape), _digest(t[p.local_box.slices()])])
+            digest = _digest(region_view(t, p.local_box))
+            out.append([name, list(p.global_box.offsets), list(p.global_box.shape), digest])
     return out
 
 
