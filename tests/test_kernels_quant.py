@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard.kernels import (
-    BACKEND_ENV,
     block_aligned,
     dequantize_fp8_block,
     quantize_fp8_block,
     quantize_fp8_block_reference,
     scale_box,
 )
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels import _quant as quant_module
 from reshard.testing import device_under_test
 

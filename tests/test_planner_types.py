@@ -17,7 +17,8 @@ import reshard.comm
 import reshard.planner
 from reshard import Layout, Mesh, Topology, plan, plan_many
 from reshard.comm import Staging
-from reshard.planner import PIPELINE_DEPTH, RELAY_CHUNK_LAG, Box, Plan, PlanData, format_bytes, format_stats
+from reshard.planner import PIPELINE_DEPTH, RELAY_CHUNK_LAG, Box, Plan, PlanData, format_bytes
+from reshard.planner._contract import format_stats
 from reshard.planner._chunks import Unit, _Transfers
 
 
@@ -133,7 +134,7 @@ def test_units_are_named() -> None:
 def test_pipeline_depth_is_defined_once() -> None:
     assert PIPELINE_DEPTH == 2
     assert RELAY_CHUNK_LAG == PIPELINE_DEPTH
-    assert reshard.comm.NUM_SLOTS == PIPELINE_DEPTH
+    assert reshard.comm._prepare.NUM_SLOTS == PIPELINE_DEPTH
     from reshard.planner._chunks import RELAY_CHUNK_LAG as lag
     from reshard.sim._simulate import RELAY_CHUNK_LAG as sim_lag
     assert lag == sim_lag == PIPELINE_DEPTH
