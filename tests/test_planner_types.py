@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 import reshard.comm
 import reshard.planner
 from reshard import Layout, Mesh, Topology, plan, plan_many
-from reshard.comm import Staging
+from reshard.comm._prepare import Staging
 from reshard.planner import PIPELINE_DEPTH, RELAY_CHUNK_LAG, Box, Plan, PlanData, format_bytes
 from reshard.planner._contract import format_stats
 from reshard.planner._chunks import Unit, _Transfers

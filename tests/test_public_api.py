@@ -39,7 +39,7 @@ take it out of `__all__`); each entry must still be undocumented, so the list on
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FENCE = re.compile(r"^```.*?$(.*?)^```", re.S | re.M)
-_SPAN = re.compile(r"`([^`\n]+)`")
+_SPAN = re.compile(r"`((?:[^`\n]|\n(?!\s*\n))+)`")  # a code span may break a line, not a paragraph
 
 
 def public_modules() -> list[tuple[str, Path]]:

@@ -3,7 +3,7 @@
 Exports:
     Group: a process group whose ranks plans use; `Group.world()` or `Group.rendezvous(host, port, rank, size)`.
     transfer, TransferHandle: post the sends and receives of one step together; `wait()` on the handle.
-    execute, ExecutionReport, Staging: run one rank's part of a (multi-tensor) plan, chunk by chunk.
+    execute, ExecutionReport: run one rank's part of a (multi-tensor) plan, chunk by chunk.
     reshard: execute a one-tensor plan on local tensors.
     reshard_dtensor, exchange_layouts: reshard DTensors on their own meshes; a side may be None on ranks not on it.
     CommError, ChecksumError: a peer failed or timed out; a received box failed verification.
@@ -28,7 +28,7 @@ from reshard.comm._delta_session import SNAPSHOTS, DeltaLinkStats, DeltaReport, 
 from reshard.comm._executor import ChecksumError, execute
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group
 from reshard.comm._handshake import agree, all_gather_json
-from reshard.comm._prepare import ExecutionReport, Staging
+from reshard.comm._prepare import ExecutionReport
 from reshard.comm._rendezvous import TOKEN_ENV, is_loopback, serve_store
 from reshard.comm._transfer import TransferHandle, transfer
 
@@ -43,7 +43,6 @@ __all__ = [
     "DeltaSession",
     "ExecutionReport",
     "Group",
-    "Staging",
     "TransferHandle",
     "agree",
     "all_gather_json",
