@@ -570,3 +570,64 @@ def test_private_check_passes_own_room_and_public_names() -> None:
 )
 def test_integration_check(module: str, source: str, flagged: bool) -> None:
     assert bool(integration_crossings(source, module)) == flagged, integration_crossings(source, module)
+
+
+# ---- perf/: the benchmarks use what users can use --------------------------------------------------------------------
+
+PERF_INTERNALS: dict[tuple[str, str], str] = {
+    ("perf/bench_megatron.py", "reshard.refit._gather"): "wraps the gather-and-broadcast weights' own `execute` to "
+    "count their bytes (instrumentation)",
+    ("perf/gpu_streams_check.py", "reshard.comm._executor"): "sets the executor's slot count to compare pipeline "
+    "depths (instrumentation)",
+    ("perf/bench_scale.py", "reshard.refit._metawire"): "measures the metadata round's records and tables, which "
+    "have no public face",
+    ("perf/bench_scale.py", "reshard.refit._sources"): "times the trainer layouts' merge of the metadata round",
+    ("perf/bench_scale.py", "reshard.comm._wire"): "sizes the metadata round's control messages",
+    ("perf/bench_scale.py", "reshard.comm._contract"): "times the metadata round's table broadcast",
+    ("perf/bench_scale.py", "reshard.comm._handshake"): "counts the agreement tree's messages from its shape",
+    ("perf/bench_scale.py", "reshard._progress"): "the library's progress lines, for a long benchmark",
+    ("perf/verl_gloo_baseline.py", "reshard.integrations.verl"): "the single-sender baseline engine reuses the verl "
+    "backend's bucket layout (`_buckets`)",
+}
+"""`(perf file, reshard module)` of the benchmarks that measure or instrument what has no public name, each with
+its reason; every other `reshard` import of `perf/` is of exported names."""
+
+
+def perf_crossings(source: str, path: str) -> list[tuple[str, str]]:
+    """`(imported module, what is wrong)` for each import of a benchmark's source of a private module or name of
+    `reshard`, or of a name its module does not export."""
+    found = []
+    for node, target, names, _ in _imports(ast.parse(source), "perf", False):
+        if target.split(".")[0] != "reshard":
+            continue
+        private = [p for p in target.split(".")[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+        listed = declared_all(target)
+        unlisted = [n for n in names if listed is not None and n not in listed and module_path(f"{target}.{n}") is None]
+        if private or unlisted:
+            found.append((target, f"{path}:{node.lineno}: imports {', '.join(private + unlisted)} of {target}"))
+    return found
+
+
+def perf_sources() -> list[Path]:
+    return sorted((ROOT / "perf").glob("*.py"))
+
+
+def test_perf_uses_public_names() -> None:
+    found, seen = [], set()
+    for path in perf_sources():
+        rel = str(path.relative_to(ROOT))
+        for target, what in perf_crossings(path.read_text(), rel):
+            seen.add((rel, target))
+            if (rel, target) not in PERF_INTERNALS:
+                found.append(what)
+    assert not found, "perf/ imports what users cannot (export and document it, or list the bench in " \
+        "PERF_INTERNALS with why it measures an internal):\n" + "\n".join(found)
+    stale = sorted(set(PERF_INTERNALS) - seen)
+    assert not stale, f"PERF_INTERNALS entries no bench needs any more: {stale}"
+
+
+def test_perf_check_flags_private_imports() -> None:
+    src = ("from reshard.kernels._variants import kernel_variants\nfrom reshard.comm import broadcast_bytes\n"
+           "from reshard.comm import Group, agree\nfrom reshard.integrations import hf\nimport reshard.refit._gather\n")
+    assert [t for t, _ in perf_crossings(src, "perf/x.py")] == ["reshard.kernels._variants", "reshard.comm",
+                                                                "reshard.refit._gather"]

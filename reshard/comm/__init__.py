@@ -11,6 +11,8 @@ Exports:
     DeltaSession, DeltaReport, DeltaLinkStats: delta runs (`execute(..., delta=session)`): after the first run only
         the changed elements of each box move; the session keeps snapshots and versions, the report what was sent.
     SNAPSHOTS: where a `DeltaSession` may keep its snapshots (`"device"`, `"host"`), the default first.
+    CHECKS, fingerprint: how a delta receiver checks its boxes (`DeltaSession(check=...)`: `"checksum"`, `"sum"`,
+        `"none"`), and the fingerprint of a box's bytes for one of them.
 
 For integrations that run their own protocol on a group (e.g. `reshard.integrations.verl`):
     all_gather_json: every rank gets every rank's JSON-able value (one collective round over the control backend).
@@ -26,6 +28,7 @@ What only sibling packages use is in `reshard.comm._contract`.
 from reshard.comm._api import exchange_layouts, reshard, reshard_dtensor
 from reshard.comm._delta_session import SNAPSHOTS, DeltaLinkStats, DeltaReport, DeltaSession
 from reshard.comm._executor import ChecksumError, execute
+from reshard.comm._fingerprint import CHECKS, fingerprint
 from reshard.comm._group import DEFAULT_TIMEOUT, CommError, Group
 from reshard.comm._handshake import agree, all_gather_json
 from reshard.comm._prepare import ExecutionReport
@@ -33,6 +36,7 @@ from reshard.comm._rendezvous import TOKEN_ENV, is_loopback, serve_store
 from reshard.comm._transfer import TransferHandle, transfer
 
 __all__ = [
+    "CHECKS",
     "DEFAULT_TIMEOUT",
     "SNAPSHOTS",
     "TOKEN_ENV",
@@ -48,6 +52,7 @@ __all__ = [
     "all_gather_json",
     "exchange_layouts",
     "execute",
+    "fingerprint",
     "is_loopback",
     "reshard",
     "reshard_dtensor",

@@ -11,6 +11,8 @@ Exports:
     packed_nbytes, packed_offsets: buffer sizes and offsets for a list of boxes.
     Box: the box type the functions take (`reshard.planner.Box`, re-exported).
     launch_config: the kernels' block size and warp count.
+    kernel_variants, compile_variant: every specialization the CUDA launchers can pick, and one compiled for a GPU
+        target with `triton.compile` (no GPU needed), with its register and spill figures.
     checksum, CHECKSUM_STEP: a 64-bit position-sensitive, non-linear hash of a tensor's bytes in row-major order
         (the check of `verify=True`), the same bits on CPU and CUDA, computed in slices of `CHECKSUM_STEP` bytes;
         `cpu_checksum`: the same bits as a Python int, computed with numpy on CPU (about 5 times faster).
@@ -72,6 +74,7 @@ from reshard.kernels._pack import (
 from reshard.kernels._quant import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_block_reference
 from reshard.kernels._spec import packed_nbytes, packed_offsets
 from reshard.kernels._tiles import launch_config
+from reshard.kernels._variants import compile_variant, kernel_variants
 from reshard.planner import Box, block_aligned, scale_box
 
 __all__ = [
@@ -85,6 +88,7 @@ __all__ = [
     "PreparedCopy",
     "block_aligned",
     "checksum",
+    "compile_variant",
     "choose_delta_format",
     "count_changed",
     "count_changed_reference",
@@ -98,6 +102,7 @@ __all__ = [
     "delta_nbytes",
     "delta_offsets",
     "dequantize_fp8_block",
+    "kernel_variants",
     "launch_config",
     "pack",
     "pack_reference",
