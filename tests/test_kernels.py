@@ -29,8 +29,8 @@ from reshard.kernels import (
     unpack,
     unpack_reference,
 )
-from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels import _pack as pack_module
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.planner._box import Box
 from reshard.testing import device_under_test
 

@@ -26,8 +26,8 @@ from reshard.kernels import (
     quantize_fp8_block_reference,
     scale_box,
 )
-from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels import _quant as quant_module
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.testing import device_under_test
 
 FP8 = torch.float8_e4m3fn

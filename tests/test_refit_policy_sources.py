@@ -97,8 +97,8 @@ def test_auto_uses_the_whole_model_plan() -> None:
     """A big weight held whole by one trainer rank and wanted by 8 engine ranks without relays: the source NIC
     sends it 8 times, a broadcast chain once per hop, so gather-and-broadcast (same bytes) wins; 32 small norms
     share the plan's messages and stay reshard although alone each would pay a message latency."""
-    from reshard.refit._policy import choose
     from reshard.cost import get_hardware
+    from reshard.refit._policy import choose
 
     hw, topo = get_hardware("h100"), Topology(domain_size=8)
     big = PlanItem(Layout((1024, 1024), Mesh([0]), [Replicate()], torch.bfloat16, name="big"),
