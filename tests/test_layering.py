@@ -572,7 +572,7 @@ def test_integration_check(module: str, source: str, flagged: bool) -> None:
     assert bool(integration_crossings(source, module)) == flagged, integration_crossings(source, module)
 
 
-# ---- perf/: the benchmarks use what users can use --------------------------------------------------------------------
+# ---- perf/ and examples/: they use what users can use -------------------------------------------------------------
 
 PERF_INTERNALS: dict[tuple[str, str], str] = {
     ("perf/bench_megatron.py", "reshard.refit._gather"): "wraps the gather-and-broadcast weights' own `execute` to "
@@ -609,7 +609,8 @@ def perf_crossings(source: str, path: str) -> list[tuple[str, str]]:
 
 
 def perf_sources() -> list[Path]:
-    return sorted((ROOT / "perf").glob("*.py"))
+    """The benchmarks and the examples (the examples import only exported names: none is listed)."""
+    return sorted((ROOT / "perf").glob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_perf_uses_public_names() -> None:
