@@ -3,7 +3,7 @@
 Usage:
     python perf/bench_compile.py [--capabilities 90,100] [--only pack,delta,quant] [--out perf/out]
 
-`reshard.kernels._variants.kernel_variants()` lists the specializations from the launchers' own choices (word
+`reshard.kernels.kernel_variants()` lists the specializations from the launchers' own choices (word
 sizes, VEC, dims, BLOCK and warps, casts, FP8 blocks); each is compiled with `triton.compile` for
 `GPUTarget("cuda", capability, 32)` (no GPU needed: Triton's wheel ships ptxas), and ptxas `-v` on its PTX gives
 the registers per thread, spill stores / loads and stack frame. Writes `kernels/compile.csv` (one row per variant
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_csv  # noqa: E402
 
-from reshard.kernels._variants import compile_variant, kernel_variants  # noqa: E402
+from reshard.kernels import compile_variant, kernel_variants  # noqa: E402
 
 log = logging.getLogger("bench_compile")
 

@@ -261,10 +261,10 @@ def _check_patterns(box: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def checks(mib: int, repeat: int, seed: int) -> list[dict[str, object]]:
-    """What each delta destination check (`DeltaSession(check=...)`, `reshard.comm._fingerprint`) costs on one
+    """What each delta destination check (`DeltaSession(check=...)`, `reshard.comm.fingerprint`) costs on one
     `mib` MiB bf16 box, contiguous and strided (the left half of a tensor twice as wide: a TP column shard), and
     which engine-side changes it detects; next to `kernels.checksum`'s torch form and a prepared unpack of the box."""
-    from reshard.comm._fingerprint import CHECKS, fingerprint
+    from reshard.comm import CHECKS, fingerprint
 
     numel = mib * MiB // 2
     cols = 4096

@@ -152,8 +152,9 @@ SIM_CONFIGS = (("qwen3-235b-a22b", "qwen235b-TP2CP2PP4EP16-128gpus-gb200"), ("de
 def simulate_split(model: str, system: str, hardware: str = "gb200") -> list[dict]:
     """Bytes of reshard, the split and gather-and-broadcast on a modelled cluster (plans only, no devices)."""
     from reshard import Topology, gather_broadcast_bytes, plan_many
+    from reshard.cost import get_hardware
     from reshard.models import PRESETS
-    from reshard.sim import get_hardware, load_system, model_layouts, plan_items
+    from reshard.sim import load_system, model_layouts, plan_items
 
     sys_ = load_system(system)
     dom = sys_.domain_size or get_hardware(hardware).domain_size

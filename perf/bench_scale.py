@@ -249,7 +249,8 @@ def _control_job(w, rounds: int) -> dict[str, float]:
     import datetime
     import statistics
 
-    from reshard.comm._handshake import agree, all_gather_json, broadcast_bytes
+    from reshard.comm import agree, all_gather_json
+    from reshard.comm._contract import broadcast_bytes
 
     group = w.new_group("control", timeout=60)
     td = datetime.timedelta(seconds=60)

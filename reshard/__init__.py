@@ -8,7 +8,7 @@ The public API:
 - the data-path primitives: `pack`, `unpack` (Triton kernels on CUDA, torch on CPU), `transfer` and its
   `TransferHandle`, and `Group` (with `DEFAULT_TIMEOUT`);
 - execution: `reshard` (a planned tensor), `execute` (one rank's part of a plan of many tensors, with its
-  `ExecutionReport` and `Staging`), `reshard_dtensor` and `exchange_layouts` (DTensors on their own meshes);
+  `ExecutionReport`), `reshard_dtensor` and `exchange_layouts` (DTensors on their own meshes);
   errors `CommError`, `ChecksumError`;
 - model refit: `Refit`, `RefitReport`.
 
@@ -27,7 +27,6 @@ from reshard.comm import (
     CommError,
     ExecutionReport,
     Group,
-    Staging,
     TransferHandle,
     exchange_layouts,
     execute,
@@ -81,7 +80,6 @@ __all__ = [
     "RefitReport",
     "Replicate",
     "Shard",
-    "Staging",
     "Topology",
     "Transfer",
     "TransferHandle",

@@ -160,7 +160,7 @@ def run_cases(w: Any, cases: list[Case], *, staged: bool = False) -> list[tuple[
     `RESHARD_ZERO_COPY=0`, so every message goes through staging (the zero-copy path otherwise)."""
     import os
 
-    from reshard.comm import ZERO_COPY_ENV
+    from reshard.comm._executor import ZERO_COPY_ENV
 
     before = os.environ.get(ZERO_COPY_ENV)
     os.environ[ZERO_COPY_ENV] = "0" if staged else "1"
@@ -185,7 +185,7 @@ def run_cases(w: Any, cases: list[Case], *, staged: bool = False) -> list[tuple[
 
 
 def _pl(p: Any) -> str:
-    from reshard.planner import placement_str
+    from reshard.planner._contract import placement_str
 
     return placement_str(p).replace(" ", "")
 

@@ -214,7 +214,7 @@ def on_rank_two_threads_unguarded(w, calls: int, attempt: int = 0) -> dict:
     import contextlib
     import os
 
-    from reshard.comm import ZERO_COPY_ENV
+    from reshard.comm._executor import ZERO_COPY_ENV
 
     original = Group.exclusive
     Group.exclusive = lambda self, what: contextlib.nullcontext()

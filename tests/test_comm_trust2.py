@@ -344,7 +344,8 @@ def on_rank_store_host_dies(w, port: int, timeout: float) -> dict:
     import os
 
     import reshard.comm._executor as ex
-    from reshard.comm import ZERO_COPY_ENV, Group, reshard
+    from reshard.comm import Group, reshard
+    from reshard.comm._executor import ZERO_COPY_ENV
 
     os.environ[ZERO_COPY_ENV] = "0"  # staged: one chunk at a time, so rank 1 stops sending to rank 2 when it raises
     group = Group.rendezvous(w.host, port, w.rank, WORLD, prefix="store-dies", is_master=w.rank == 0,

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard.kernels import (
-    BACKEND_ENV,
     _tiles,
     pack,
     pack_reference,
@@ -31,6 +30,7 @@ from reshard.kernels import (
     unpack_reference,
 )
 from reshard.kernels import _pack as pack_module
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.planner._box import Box
 from reshard.testing import device_under_test
 

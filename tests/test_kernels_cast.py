@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from reshard.kernels import BACKEND_ENV, pack, pack_reference, prepare_pack, unpack
+from reshard.kernels import pack, pack_reference, prepare_pack, unpack
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.planner._box import Box
 from reshard.testing import device_under_test
 

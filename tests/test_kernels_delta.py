@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from reshard.kernels import (
-    DELTA_HEADER_BYTES,
     DeltaFormat,
     DeltaVersionError,
     choose_delta_format,
@@ -33,8 +32,8 @@ from reshard.kernels import (
     packed_offsets,
     read_delta_headers,
     scan_changes,
-    walk_delta_offsets,
 )
+from reshard.kernels._delta_format import DELTA_HEADER_BYTES, walk_delta_offsets
 from reshard.planner._box import Box
 from reshard.testing import device_under_test
 

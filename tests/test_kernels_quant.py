@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard.kernels import (
-    BACKEND_ENV,
     block_aligned,
     dequantize_fp8_block,
     quantize_fp8_block,
@@ -28,6 +27,7 @@ from reshard.kernels import (
     scale_box,
 )
 from reshard.kernels import _quant as quant_module
+from reshard.kernels._backend import BACKEND_ENV
 from reshard.testing import device_under_test
 
 FP8 = torch.float8_e4m3fn

@@ -13,7 +13,9 @@ functions included) has no cycle, so each module can be read knowing only the on
 
 And every room keeps its private parts: a room is a package of `reshard/` or one integration, and no module imports
 another room's private module or name (`reshard.comm._handshake`, `from reshard.kernels import _pieces`): what
-crosses is exported by the room's package, with a docstring (on `70ef1cc` 26 imports crossed). Integrations import
+crosses is in the room's `__all__` (what users are promised, each name documented: tests/test_public_api.py) or
+in its contract module `_contract` (the names only sibling packages use; each one used by another room, none also in
+`__all__`), and nothing else the package happens to hold (on `70ef1cc` 26 imports crossed). Integrations import
 each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, trl -> vllm, the trainer side's home -> megatron), plus
 the shared `engine`, `trainer` and `hf` modules.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -350,19 +353,78 @@ def room_of(module: str) -> str:
     return parts[1]
 
 
-def private_crossings(source: str, module: str, *, is_package: bool = False, path: str = "<source>") -> list[str]:
+CONTRACT = "_contract"
+"""The one private module of a room that other rooms may import: `reshard/<room>/_contract.py`, the names only
+sibling packages use (users import what the package's `__all__` lists)."""
+
+
+UNLISTED_CROSSINGS: frozenset[tuple[str, str, str]] = frozenset({
+    # the engine side's layout type: the integrations' shared modules are being regrouped (one layout protocol)
+    ("reshard.integrations.hf", "reshard.integrations.engine", "LayoutLike"),
+})
+"""`(importing module, imported module, name)` of the crossings of a name in neither `__all__` nor a contract that
+are still waiting for their room to export it or move it to its contract; each must still occur."""
+
+
+def module_path(module: str) -> Path | None:
+    """The source file of `reshard` module `module` (`reshard.comm` -> `reshard/comm/__init__.py`), or None."""
+    base = PACKAGE.parent.joinpath(*module.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def declared_all(module: str) -> frozenset[str] | None:
+    """The literal `__all__` of `reshard` module `module`, read from its source (no import), or None without one."""
+    path = module_path(module)
+    if path is None:
+        return None
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return frozenset(ast.literal_eval(node.value))
+    return None
+
+
+def is_contract(target: str) -> bool:
+    """Whether `target` is a room's contract module (`reshard.planner._contract`,
+    `reshard.integrations.vllm._contract`)."""
+    parts = target.split(".")
+    return parts[-1] == CONTRACT and not any(p.startswith("_") for p in parts[1:-1]) and room_of(target) != TOP
+
+
+def private_crossings(source: str, module: str, *, is_package: bool = False, path: str = "<source>",
+                      exports: Callable[[str], frozenset[str] | None] | None = None) -> list[str]:
     """Every import of `source` (the text of `reshard` module `module`) of another room's private module (a `_`
-    part in the imported module's name) or private name (`from reshard.comm import _wire`, `... import _x`)."""
+    part in the imported module's name, but a room's `_contract`) or private name (`from reshard.comm import
+    _wire`, `... import _x`), and of a name the room does not export: `from reshard.planner import X` needs `X` in
+    `reshard.planner.__all__` (`from reshard.planner._contract import X` in the contract's). `exports(module)` gives
+    a module's `__all__` (default: read from its source); a submodule (`from reshard import planner`) is no name."""
+    exports = exports or declared_all
     room = room_of(module)
     found = []
     for node, target, names, _ in _imports(ast.parse(source), module, is_package):
         if target.split(".")[0] != "reshard" or room_of(target) == room:
             continue
-        private = [p for p in target.split(".")[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+        shown = f"from {target} import {', '.join(names)}" if names else f"import {target}"
+        parts = target.split(".")[1:]
+        private = [p for p in (parts[:-1] if is_contract(target) else parts) if p.startswith("_")]
+        private += [n for n in names if n.startswith("_")]
         if private:
-            shown = f"from {target} import {', '.join(names)}" if names else f"import {target}"
             found.append(f"{path}:{node.lineno}: {module} ({room}) {shown}: {', '.join(private)} is private to "
-                         f"{room_of(target)}; import what its package exports (or export it there, with a docstring)")
+                         f"{room_of(target)}; import what its package exports (or, for sibling packages only, its "
+                         f"{CONTRACT} module)")
+            continue
+        listed = exports(target)
+        if listed is None:
+            continue
+        unlisted = [n for n in names if n not in listed and module_path(f"{target}.{n}") is None
+                    and (module, target, n) not in UNLISTED_CROSSINGS]
+        if unlisted:
+            what = "contract" if is_contract(target) else "__all__"
+            found.append(f"{path}:{node.lineno}: {module} ({room}) {shown}: {', '.join(unlisted)} not in {target}'s "
+                         f"{what}; a name another room uses is exported (documented) or in {room_of(target)}'s "
+                         f"{CONTRACT} module")
     return found
 
 
@@ -400,6 +462,63 @@ def test_module_keeps_to_public_names_of_other_rooms(path: Path) -> None:
     source, module = path.read_text(), module_name(path)
     found = private_crossings(source, module, **kw) + integration_crossings(source, module, **kw)
     assert not found, "\n".join(found)
+
+
+def test_unlisted_crossings_are_current() -> None:
+    for module, target, name in sorted(UNLISTED_CROSSINGS):
+        path = module_path(module)
+        assert path is not None, module
+        imported = {(t, n) for _, t, names, _ in _imports(ast.parse(path.read_text()), module,
+                                                           path.name == "__init__.py") for n in names}
+        assert (target, name) in imported, f"{module} no longer imports {name} from {target}: drop the entry"
+        assert name not in (declared_all(target) or ()), f"{target} now exports {name}: drop the entry"
+
+
+def test_contract_modules_hold_only_what_siblings_use() -> None:
+    # a contract name is used by another room (else it is the room's own) and is not also promised to users
+    contracts = sorted(module_name(p) for p in library_modules() if p.stem == CONTRACT)
+    assert {"reshard.planner._contract", "reshard.comm._contract"} <= set(contracts)
+    used: set[tuple[str, str]] = set()
+    for path in library_modules():
+        module = module_name(path)
+        for _, target, names, _ in _imports(ast.parse(path.read_text()), module, path.name == "__init__.py"):
+            if is_contract(target) and room_of(target) != room_of(module):
+                used |= {(target, n) for n in names}
+    for contract in contracts:
+        names = declared_all(contract)
+        assert names, f"{contract} declares no __all__"
+        package = contract.rsplit(".", 1)[0]
+        unused = sorted(n for n in names if (contract, n) not in used)
+        assert not unused, f"{contract} lists {unused}, which no other room imports: keep them private to {package}"
+        both = sorted(names & (declared_all(package) or frozenset()))
+        assert not both, f"{both} are in both {package}.__all__ and its contract: a name is one or the other"
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # a name the package holds but does not export, and a contract name imported from the package
+        ("reshard.refit._x", "from reshard.planner import Box, _checks\n", "_checks is private to planner"),
+        ("reshard.refit._x", "from reshard.comm import broadcast_bytes\n",
+         "broadcast_bytes not in reshard.comm's __all__"),
+        ("reshard.refit._x", "from reshard.planner._contract import Box\n",
+         "Box not in reshard.planner._contract's contract"),
+        ("reshard.sim._x", "from reshard.planner._plan import plan\n", "_plan is private to planner"),
+        ("reshard.sim._x", "from reshard.planner._contract._x import y\n", "_contract, _x is private to planner"),
+    ],
+)
+def test_private_check_flags_an_unexported_name(module: str, source: str, expected: str) -> None:
+    found = private_crossings(source, module)
+    assert any(expected in f for f in found), (expected, found)
+
+
+def test_private_check_allows_contracts_and_exports() -> None:
+    source = ("from reshard.planner._contract import Fp8Items, encode_layout\nfrom reshard.planner import Box, plan\n"
+              "from reshard.comm._contract import broadcast_bytes\nfrom reshard import planner\n")
+    assert private_crossings(source, "reshard.refit._x") == []
+    # the exports come from the package's __all__: a made-up export list flags what it leaves out
+    assert private_crossings("from reshard.planner import Box, plan\n", "reshard.refit._x",
+                             exports=lambda m: frozenset({"Box"}) if m == "reshard.planner" else None)
 
 
 @pytest.mark.parametrize(
@@ -451,3 +570,65 @@ def test_private_check_passes_own_room_and_public_names() -> None:
 )
 def test_integration_check(module: str, source: str, flagged: bool) -> None:
     assert bool(integration_crossings(source, module)) == flagged, integration_crossings(source, module)
+
+
+# ---- perf/ and examples/: they use what users can use -------------------------------------------------------------
+
+PERF_INTERNALS: dict[tuple[str, str], str] = {
+    ("perf/bench_megatron.py", "reshard.refit._gather"): "wraps the gather-and-broadcast weights' own `execute` to "
+    "count their bytes (instrumentation)",
+    ("perf/gpu_streams_check.py", "reshard.comm._executor"): "sets the executor's slot count to compare pipeline "
+    "depths (instrumentation)",
+    ("perf/bench_scale.py", "reshard.refit._metawire"): "measures the metadata round's records and tables, which "
+    "have no public face",
+    ("perf/bench_scale.py", "reshard.refit._sources"): "times the trainer layouts' merge of the metadata round",
+    ("perf/bench_scale.py", "reshard.comm._wire"): "sizes the metadata round's control messages",
+    ("perf/bench_scale.py", "reshard.comm._contract"): "times the metadata round's table broadcast",
+    ("perf/bench_scale.py", "reshard.comm._handshake"): "counts the agreement tree's messages from its shape",
+    ("perf/bench_scale.py", "reshard._progress"): "the library's progress lines, for a long benchmark",
+    ("perf/verl_gloo_baseline.py", "reshard.integrations.verl"): "the single-sender baseline engine reuses the verl "
+    "backend's bucket layout (`_buckets`)",
+}
+"""`(perf file, reshard module)` of the benchmarks that measure or instrument what has no public name, each with
+its reason; every other `reshard` import of `perf/` is of exported names."""
+
+
+def perf_crossings(source: str, path: str) -> list[tuple[str, str]]:
+    """`(imported module, what is wrong)` for each import of a benchmark's source of a private module or name of
+    `reshard`, or of a name its module does not export."""
+    found = []
+    for node, target, names, _ in _imports(ast.parse(source), "perf", False):
+        if target.split(".")[0] != "reshard":
+            continue
+        private = [p for p in target.split(".")[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+        listed = declared_all(target)
+        unlisted = [n for n in names if listed is not None and n not in listed and module_path(f"{target}.{n}") is None]
+        if private or unlisted:
+            found.append((target, f"{path}:{node.lineno}: imports {', '.join(private + unlisted)} of {target}"))
+    return found
+
+
+def perf_sources() -> list[Path]:
+    """The benchmarks and the examples (the examples import only exported names: none is listed)."""
+    return sorted((ROOT / "perf").glob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
+
+
+def test_perf_uses_public_names() -> None:
+    found, seen = [], set()
+    for path in perf_sources():
+        rel = str(path.relative_to(ROOT))
+        for target, what in perf_crossings(path.read_text(), rel):
+            seen.add((rel, target))
+            if (rel, target) not in PERF_INTERNALS:
+                found.append(what)
+    assert not found, "perf/ imports what users cannot (export and document it, or list the bench in " \
+        "PERF_INTERNALS with why it measures an internal):\n" + "\n".join(found)
+    stale = sorted(set(PERF_INTERNALS) - seen)
+    assert not stale, f"PERF_INTERNALS entries no bench needs any more: {stale}"
+
+
+def test_perf_check_flags_private_imports() -> None:
+    src = ("from reshard.kernels._variants import kernel_variants\nfrom reshard.comm import broadcast_bytes\n"
+           "from reshard.comm import Group, agree\nfrom reshard.integrations import hf\nimport reshard.refit._gather\n")
+    assert [t for t, _ in perf_crossings(src, "perf/x.py")] == ["reshard.kernels._variants", "reshard.comm",
+                                                                "reshard.refit._gather"]

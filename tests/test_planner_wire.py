@@ -18,14 +18,13 @@ from reshard.planner import (
     ExplicitLayout,
     Layout,
     Mesh,
-    decode_layout,
     dtype_from_name,
     dtype_name,
-    encode_layout,
     fuse,
     scale_layout,
     vocab_parallel_layout,
 )
+from reshard.planner._contract import decode_layout, encode_layout
 
 
 def _layouts() -> list:

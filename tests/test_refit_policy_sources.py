@@ -9,7 +9,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from reshard.planner import Layout, Mesh, PlanItem, Topology, decode_layout, encode_layout, plan_many
+from reshard.planner import Layout, Mesh, PlanItem, Topology, plan_many
+from reshard.planner._contract import decode_layout, encode_layout
 from reshard.refit._policy import GB_MARGIN, decide
 from reshard.refit._sources import remap_ranks, source_layouts
 
@@ -96,8 +97,8 @@ def test_auto_uses_the_whole_model_plan() -> None:
     """A big weight held whole by one trainer rank and wanted by 8 engine ranks without relays: the source NIC
     sends it 8 times, a broadcast chain once per hop, so gather-and-broadcast (same bytes) wins; 32 small norms
     share the plan's messages and stay reshard although alone each would pay a message latency."""
+    from reshard.cost import get_hardware
     from reshard.refit._policy import choose
-    from reshard.sim import get_hardware
 
     hw, topo = get_hardware("h100"), Topology(domain_size=8)
     big = PlanItem(Layout((1024, 1024), Mesh([0]), [Replicate()], torch.bfloat16, name="big"),

@@ -18,14 +18,11 @@ from reshard.planner import (
     Mesh,
     Plan,
     Topology,
-    decode_placements,
     dtype_from_name,
     dtype_name,
-    encode_placements,
-    flat_index,
-    placement_str,
     plan,
 )
+from reshard.planner._contract import decode_placements, encode_placements, flat_index, placement_str
 
 
 def reshard(

@@ -8,7 +8,8 @@ import time
 from typing import Any, TextIO
 
 from reshard.cost._baseline import gather_broadcast_bytes
-from reshard.planner import Topology, format_bytes, format_stats, plan
+from reshard.planner import Topology, format_bytes, plan
+from reshard.planner._contract import format_stats
 
 
 def print_plan_report(src: Any, dst: Any, topology: Topology, *, relay: bool, describe: bool,

@@ -10,8 +10,9 @@ Exports:
         oracle of the tests.
     packed_nbytes, packed_offsets: buffer sizes and offsets for a list of boxes.
     Box: the box type the functions take (`reshard.planner.Box`, re-exported).
-    BACKEND_ENV: the environment variable (`RESHARD_KERNEL_BACKEND`) that overrides `backend=None`.
     launch_config: the kernels' block size and warp count.
+    kernel_variants, compile_variant: every specialization the CUDA launchers can pick, and one compiled for a GPU
+        target with `triton.compile` (no GPU needed), with its register and spill figures.
     checksum, CHECKSUM_STEP: a 64-bit position-sensitive, non-linear hash of a tensor's bytes in row-major order
         (the check of `verify=True`), the same bits on CPU and CUDA, computed in slices of `CHECKSUM_STEP` bytes;
         `cpu_checksum`: the same bits as a Python int, computed with numpy on CPU (about 5 times faster).
@@ -23,19 +24,17 @@ Exports:
         delta encoding of boxes against a snapshot (a pack buffer of what was last sent): count (and locate) the
         elements whose bits changed, encode
         them per box as DENSE, BITMASK + values or INDICES + values behind a self-describing header
-        (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers`,
-        `walk_delta_offsets` (a receiver's offsets, from the headers); `delta_encode_dense` (DENSE boxes without a
-        snapshot).
-    delta_nbytes, delta_max_nbytes, delta_offsets, choose_delta_format, resolve_delta_formats: exact encoded sizes
-        from changed counts, the worst case, buffer offsets and the per-box format choice.
-    DeltaFormat, DeltaHeader, DeltaVersionError, DELTA_HEADER_BYTES, DELTA_DENSE_FRACTION: the formats, the header,
-        the error a stale destination raises, the header size and the default dense fallback fraction.
+        (`DeltaHeader`, with versions), and scatter them into destination boxes; `read_delta_headers` (the headers
+        of a received buffer); `delta_encode_dense` (DENSE boxes without a snapshot).
+    delta_nbytes, delta_max_nbytes, delta_offsets, choose_delta_format: exact encoded sizes from changed counts,
+        the worst case, buffer offsets and the per-box format choice.
+    DeltaFormat, DeltaHeader, DeltaVersionError, DELTA_DENSE_FRACTION: the formats, the header, the error a stale
+        destination raises and the default dense fallback fraction.
     block_aligned, scale_box: whether a box of a weight covers whole blocks (then it quantizes to its own slice of
         the full quantization), and the box of `scale_inv` that a box of the weight touches (the planner's block
         geometry, re-exported).
 """
 
-from reshard.kernels._backend import BACKEND_ENV
 from reshard.kernels._checksum import CHECKSUM_STEP, checksum
 from reshard.kernels._checksum_numpy import cpu_checksum
 from reshard.kernels._delta import (
@@ -47,7 +46,6 @@ from reshard.kernels._delta import (
 )
 from reshard.kernels._delta_format import (
     DELTA_DENSE_FRACTION,
-    DELTA_HEADER_BYTES,
     ChangeScan,
     DeltaFormat,
     DeltaHeader,
@@ -57,8 +55,6 @@ from reshard.kernels._delta_format import (
     delta_nbytes,
     delta_offsets,
     read_delta_headers,
-    resolve_delta_formats,
-    walk_delta_offsets,
 )
 from reshard.kernels._delta_reference import (
     count_changed_reference,
@@ -78,13 +74,12 @@ from reshard.kernels._pack import (
 from reshard.kernels._quant import dequantize_fp8_block, quantize_fp8_block, quantize_fp8_block_reference
 from reshard.kernels._spec import packed_nbytes, packed_offsets
 from reshard.kernels._tiles import launch_config
+from reshard.kernels._variants import compile_variant, kernel_variants
 from reshard.planner import Box, block_aligned, scale_box
 
 __all__ = [
-    "BACKEND_ENV",
     "CHECKSUM_STEP",
     "DELTA_DENSE_FRACTION",
-    "DELTA_HEADER_BYTES",
     "Box",
     "ChangeScan",
     "DeltaFormat",
@@ -94,6 +89,7 @@ __all__ = [
     "block_aligned",
     "checksum",
     "choose_delta_format",
+    "compile_variant",
     "count_changed",
     "count_changed_reference",
     "cpu_checksum",
@@ -106,6 +102,7 @@ __all__ = [
     "delta_nbytes",
     "delta_offsets",
     "dequantize_fp8_block",
+    "kernel_variants",
     "launch_config",
     "pack",
     "pack_reference",
@@ -116,11 +113,9 @@ __all__ = [
     "quantize_fp8_block",
     "quantize_fp8_block_reference",
     "read_delta_headers",
-    "resolve_delta_formats",
     "scale_box",
     "scan_changes",
     "scan_changes_reference",
     "unpack",
     "unpack_reference",
-    "walk_delta_offsets",
 ]

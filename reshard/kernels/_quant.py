@@ -41,7 +41,8 @@ from reshard.kernels._backend import choose_backend
 from reshard.kernels._loader import launch_in_mode, load_device_module
 from reshard.kernels._pack import _kernels
 from reshard.kernels._spec import INT_DTYPE_BY_SIZE
-from reshard.planner import DEFAULT_BLOCK, check_block, scale_box
+from reshard.planner import DEFAULT_BLOCK, scale_box
+from reshard.planner._contract import check_block
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

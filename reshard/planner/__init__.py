@@ -2,9 +2,8 @@
 
 Exports:
     Box, intersect, split_box, split_to_fit, subtract: n-D index boxes and their arithmetic.
-    Mesh, Layout, Piece, placement_str: DTensor-exact layouts and their local pieces; `parse_layout` reads the
-        command-line notation (`"ranks=0-7 mesh=2x4 R,S(0)"`); `flat_index`: a mesh coordinate's row-major
-        position.
+    Mesh, Layout, Piece: DTensor-exact layouts and their local pieces; `parse_layout` reads the command-line
+        notation (`"ranks=0-7 mesh=2x4 R,S(0)"`).
     ExplicitLayout, fuse, relabel, vocab_parallel_layout: layouts given piece by piece (fused and padded tensors).
     FlatRangeLayout, flat_boxes, flat_window, flat_partition: flat-sharded tensors (ZeRO-3, FSDP1 flat parameters,
         distributed-optimizer buffers): each rank's contiguous range of the flattened tensor as boxes, its local
@@ -13,14 +12,10 @@ Exports:
         tensor (a box of it, or a run of a flat 1-D one) and the one translation and view of it that the kernels and
         the runtime use; is_dtensor, LayoutLike: the one DTensor check and the layout protocol; on_flat_sources:
         a rank's program reading flat partitions in place of their windows.
-    scale_layout, block_halo_layout, is_block_aligned: the layouts of block-quantized (FP8) weights' scales and
-        halos.
-    DEFAULT_BLOCK, check_block, block_aligned, scale_box: the FP8 block geometry: the default `(128, 128)` block, a
-        block size checked, whether a box of a weight covers whole blocks, the box of `scale_inv` a box touches.
-    FP8, Fp8Items: the FP8 dtype (`torch.float8_e4m3fn`) and the plan items of one FP8 block-quantized weight (where
-        it is quantized, which layouts move).
-    encode_layout, decode_layout: a layout as JSON values and back (checked); encode_placements,
-        decode_placements: DTensor placements as JSON strings (`"S(0)"`, `"R"`) and back (checked).
+    scale_layout, block_halo_layout: the layouts of block-quantized (FP8) weights' scales and halos.
+    DEFAULT_BLOCK, block_aligned, scale_box: the FP8 block geometry: the default `(128, 128)` block, whether a box
+        of a weight covers whole blocks, the box of `scale_inv` a box touches.
+    FP8: the FP8 dtype (`torch.float8_e4m3fn`).
     dtype_name, dtype_from_name: torch dtype <-> its name.
     Topology: ranks -> NVLink domains.
     plan, plan_many, PlanItem, Plan, PlanData, clear_plan_cache, DEFAULT_STAGING_BYTES, DEFAULT_MIN_SPLIT_BYTES:
@@ -34,15 +29,15 @@ Exports:
         (`Plan.for_rank`) is a `RankPlan` of `RankChunk`s of `Message`s and `BoxList`s.
     TransferColumns, LINKS: every transfer of a plan as numeric columns (`Plan.transfer_columns`), link kinds by
         their code there.
-    format_bytes, format_stats: the report formatting.
+    format_bytes: a byte count for reports (`"1.5 MiB"`).
+
+What only sibling packages use is in `reshard.planner._contract`.
 """
 
 from reshard.planner._blocks import (
     DEFAULT_BLOCK,
     block_aligned,
     block_halo_layout,
-    check_block,
-    is_block_aligned,
     scale_box,
     scale_layout,
 )
@@ -52,12 +47,12 @@ from reshard.planner._chunks import TransferColumns
 from reshard.planner._dtypes import dtype_from_name, dtype_name
 from reshard.planner._explicit import ExplicitLayout, fuse, relabel, vocab_parallel_layout
 from reshard.planner._flat import FlatRangeLayout, flat_boxes, flat_partition, flat_window
-from reshard.planner._format import format_bytes, format_stats
-from reshard.planner._fp8 import FP8, Fp8Items
-from reshard.planner._layout import Layout, Piece, placement_str
+from reshard.planner._format import format_bytes
+from reshard.planner._fp8 import FP8
+from reshard.planner._layout import Layout, Piece
 from reshard.planner._local import LocalTransfer, RankPart, plan_rank
 from reshard.planner._local_plan import LocalPlan, plan_local
-from reshard.planner._mesh import Mesh, flat_index
+from reshard.planner._mesh import Mesh
 from reshard.planner._notation import parse_layout
 from reshard.planner._plan import (
     DEFAULT_MIN_SPLIT_BYTES,
@@ -86,7 +81,6 @@ from reshard.planner._types import (
     RankPlan,
     Transfer,
 )
-from reshard.planner._wire import decode_layout, decode_placements, encode_layout, encode_placements
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -101,7 +95,6 @@ __all__ = [
     "ExplicitLayout",
     "FlatRangeLayout",
     "FlatRun",
-    "Fp8Items",
     "Layout",
     "LayoutLike",
     "LocalPlan",
@@ -124,28 +117,19 @@ __all__ = [
     "TransferColumns",
     "block_aligned",
     "block_halo_layout",
-    "check_block",
     "clear_plan_cache",
-    "decode_layout",
-    "decode_placements",
     "dtype_from_name",
     "dtype_name",
-    "encode_layout",
-    "encode_placements",
     "flat_boxes",
-    "flat_index",
     "flat_partition",
     "flat_window",
     "format_bytes",
-    "format_stats",
     "fuse",
     "intersect",
-    "is_block_aligned",
     "is_dtensor",
     "local_region",
     "on_flat_sources",
     "parse_layout",
-    "placement_str",
     "plan",
     "plan_local",
     "plan_many",

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reshard.cost import get_hardware
-from reshard.planner import LocalPlan, Plan, PlanItem, Topology, decode_layout, plan_local, plan_many
+from reshard.planner import LocalPlan, Plan, PlanItem, Topology, plan_local, plan_many
+from reshard.planner._contract import decode_layout
 from reshard.refit._fp8 import FP8, Fp8Weight
 from reshard.refit._gather import GatherBroadcastWeight
 from reshard.refit._meta import LayoutLike
@@ -212,7 +213,7 @@ def _fixed_method(refit: BuildOptions, sname: str, item: PlanItem) -> Choice | N
 
 def spec_difference(a: Any, b: Any, who_a: str, who_b: str, path: str = "") -> str:
     """The first field where two registrations' metadata differ (the `[[global name, encoded layout], ...]` lists
-    `reshard.planner.encode_layout` writes), with both values: `"component 'w' field axis_names: rank 2 has
+    `reshard.planner._contract.encode_layout` writes), with both values: `"component 'w' field axis_names: rank 2 has
     ['dp', 'tp'], rank 3 has ['x', 'y']"`. Lists of plain values are shown whole."""
     nested = isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and any(
         isinstance(x, (list, dict)) for x in a)

@@ -11,7 +11,8 @@ import torch
 
 from reshard.kernels import quantize_fp8_block
 from reshard.planner import DEFAULT_BLOCK as BLOCK
-from reshard.planner import FP8, Fp8Items, plan_many, region_view
+from reshard.planner import FP8, plan_many, region_view
+from reshard.planner._contract import Fp8Items
 
 
 def quantize(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from reshard.comm import agree, as_timedelta
+from reshard.comm import agree
+from reshard.comm._contract import as_timedelta
 from reshard.refit._build import Built
 from reshard.refit._meta import LayoutLike, changed, geometry
 from reshard.refit._rebind import rebind_error

@@ -27,8 +27,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from reshard.comm import CommError, all_gather_json, as_timedelta, broadcast_bytes
-from reshard.planner import encode_layout, flat_index
+from reshard.comm import CommError, all_gather_json
+from reshard.comm._contract import as_timedelta, broadcast_bytes
+from reshard.planner._contract import encode_layout, flat_index
 from reshard.refit._meta import LayoutLike, aliases_ok, check_local, check_scale
 
 DIGEST_CHARS = 32

@@ -27,15 +27,8 @@ from typing import Any
 
 import torch
 
-from reshard.comm import (
-    SNAPSHOTS,
-    CommError,
-    DeltaSession,
-    Group,
-    all_gather_json,
-    as_timedelta,
-    execute,
-)
+from reshard.comm import SNAPSHOTS, CommError, DeltaSession, Group, all_gather_json, execute
+from reshard.comm._contract import as_timedelta
 from reshard.planner import (
     DEFAULT_STAGING_BYTES,
     Layout,

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate
 
-from reshard.planner import ExplicitLayout, Layout, Mesh, decode_layout, dtype_name, flat_index
+from reshard.planner import ExplicitLayout, Layout, Mesh, dtype_name
+from reshard.planner._contract import decode_layout, flat_index
 from reshard.refit._meta import LayoutLike
 
 

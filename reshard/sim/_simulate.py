@@ -20,17 +20,8 @@ from reshard.cost import (
     relay_fill_s,
 )
 from reshard.models import ModelConfig, get_preset
-from reshard.planner import (
-    DEFAULT_STAGING_BYTES,
-    FP8,
-    RELAY_CHUNK_LAG,
-    Fp8Items,
-    Plan,
-    PlanItem,
-    Topology,
-    plan_many,
-    relabel,
-)
+from reshard.planner import DEFAULT_STAGING_BYTES, FP8, RELAY_CHUNK_LAG, Plan, PlanItem, Topology, plan_many, relabel
+from reshard.planner._contract import Fp8Items
 from reshard.sim._layouts import WeightLayouts, model_layouts
 from reshard.sim._system import System, load_system
 

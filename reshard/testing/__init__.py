@@ -35,7 +35,6 @@ from reshard.testing._nccl_rules import set_device as set_rules_device
 from reshard.testing._nccl_rules import violations as rules_violations
 from reshard.testing._oracle import close_fake_world, dtensor_local, index_tensor, use_fake_rank
 from reshard.testing._pool import (
-    PRELOAD,
     Outcome,
     RankError,
     RankPool,
@@ -53,7 +52,6 @@ __all__ = [
     "DEVICE_ENV",
     "NCCL_RULES",
     "NcclRulesGroup",
-    "PRELOAD",
     "Outcome",
     "RankError",
     "RankPool",
