@@ -69,34 +69,13 @@ def refit_job(w, model: str, system: str, policy: str, layers: int | None, plann
     weights = model_layouts(config, sysm, stack_experts=True)
     refit = Refit(Group.world(), topology=Topology(domain_size=sysm.domain_size), policy=policy,
                   staging_bytes=64 << 20, planning=planning)
-    sources = {}
-    for w in weights:
-        if rank in w.train.ranks:
-            local = _local(weight_values(w.spec.name, w.spec.shape, w.spec.dtype, 0), w.train, rank)
-            refit.add_source(w.spec.name, local, w.train)
-            sources[w.spec.name] = (local, w)
-    dests = []
-    for et in engine_tensors([(w.spec.name, w.gen) for w in weights]):
-        if rank in et.ranks:
-            local = torch.zeros(et.local_shape(rank), dtype=et.dtype)
-            refit.add_destination(et.name, local, list(et.components), dim=et.dim)
-            dests.append((local, et))
+    sources, dests = register(refit, rank, weights)
     dist.barrier()  # time the refit, not the set-up skew between ranks
     first = refit.run()
-    # an optimizer step: new values written in place into the trainer's tensors
-    for local, w in sources.values():
-        local.copy_(_local(weight_values(w.spec.name, w.spec.shape, w.spec.dtype, 1), w.train, rank))
+    step(sources, rank, 1)
     dist.barrier()
     steady = refit.run()
-    bad = []
-    specs = {w.spec.name: w.spec for w in weights}
-    for local, et in dests:
-        for gname, lay in et.fused():
-            spec = specs[gname]
-            full = weight_values(gname, spec.shape, spec.dtype, 1)
-            for p in lay.pieces(rank):
-                if not torch.equal(_bits(local[p.local_box.slices()]), _bits(full[p.global_box.slices()])):
-                    bad.append(f"{et.name} <- {gname} {p.global_box}")
+    bad = differences(dests, weights, rank, 1)
     return {
         "rank": rank,
         "first": first.seconds,
@@ -111,6 +90,45 @@ def refit_job(w, model: str, system: str, policy: str, layers: int | None, plann
         "dest_tensors": len(dests),
         "bad": bad,
     }
+
+
+def register(refit: Refit, rank: int, weights: list) -> tuple[dict, list]:
+    """Register this rank's part of `weights` (`reshard.sim.model_layouts`) with `refit`: the trainer's tensors hold
+    step 0's values, the engine's (vLLM-style fused tensors) zeros. Returns `(sources, dests)` for `step` and
+    `differences`."""
+    sources = {}
+    for w in weights:
+        if rank in w.train.ranks:
+            local = _local(weight_values(w.spec.name, w.spec.shape, w.spec.dtype, 0), w.train, rank)
+            refit.add_source(w.spec.name, local, w.train)
+            sources[w.spec.name] = (local, w)
+    dests = []
+    for et in engine_tensors([(w.spec.name, w.gen) for w in weights]):
+        if rank in et.ranks:
+            local = torch.zeros(et.local_shape(rank), dtype=et.dtype)
+            refit.add_destination(et.name, local, list(et.components), dim=et.dim)
+            dests.append((local, et))
+    return sources, dests
+
+
+def step(sources: dict, rank: int, n: int) -> None:
+    """An optimizer step: step `n`'s values written in place into the trainer's tensors."""
+    for local, w in sources.values():
+        local.copy_(_local(weight_values(w.spec.name, w.spec.shape, w.spec.dtype, n), w.train, rank))
+
+
+def differences(dests: list, weights: list, rank: int, n: int) -> list[str]:
+    """The destination boxes of this rank that do not hold step `n`'s values, bit for bit."""
+    bad = []
+    specs = {w.spec.name: w.spec for w in weights}
+    for local, et in dests:
+        for gname, lay in et.fused():
+            spec = specs[gname]
+            full = weight_values(gname, spec.shape, spec.dtype, n)
+            for p in lay.pieces(rank):
+                if not torch.equal(_bits(local[p.local_box.slices()]), _bits(full[p.global_box.slices()])):
+                    bad.append(f"{et.name} <- {gname} {p.global_box}")
+    return bad
 
 
 def run_refit_demo(world_size: int = 8, model: str = "qwen3-0.6b", layers: int | None = None) -> int:

@@ -132,3 +132,60 @@ def job_live(worker, case: str) -> dict:
         if old is not None:
             out["old"] = old.view(SHAPE[0], 3).clone()
     return out
+
+
+def job_rounds(worker, runs: int, *, idle: bool = False, separate: bool = False, fault: str = "") -> dict:
+    """Run 1, then `runs` steady runs (the trainer's values updated in place to seed 2, 3, ...) on a group whose
+    control messages are counted (`reshard.testing.counted_group`).
+
+    `idle`: rank 2 alone is the engine (the whole weight), rank 3 holds nothing and is outside the plan.
+    `separate`: the older steady run (`Refit._separate_handshake`: the live check, then the plan handshake).
+    `fault`: on the last run, `"shape"` gives rank 1 a source of another shape (the live check refuses it),
+    `"alias"` makes rank 2's destination share memory with a second destination of its own (the executor's check,
+    which only the plan handshake made before, refuses it).
+
+    Returns per run the rounds this rank saw (`rounds`), the collectives (`collectives`), on engine ranks the
+    destination after each run (`runs`), and the `ValueError` of the last run (`error`, None if it ran).
+    """
+    from reshard.testing import counted_group
+
+    group, counter = counted_group(Group.world())
+    refit = Refit(group, timeout=60)
+    refit._separate_handshake = separate
+    rank = worker.rank
+    model, engine, other = None, None, None
+    if rank in TRAIN:
+        model = Model(1)
+        refit.add_source("weight", model.weight)
+    elif rank == 2 or not idle:
+        cols = SHAPE[1] if idle else 3
+        engine = torch.zeros(SHAPE[0], cols)
+        layout = (Layout(SHAPE, Mesh([2]), [Replicate()], torch.float32, name="weight") if idle
+                  else _engine_layout())
+        refit.add_destination("weight", engine, layout)
+        if fault == "alias" and rank == 2:  # a second weight of this rank, a (4,) tensor trained on rank 0
+            other = torch.zeros(4)
+            refit.add_destination("bias", other, Layout((4,), Mesh([2]), [Replicate()], torch.float32))
+    if rank == 0 and fault == "alias":
+        refit.add_source("bias", torch.arange(4.0), Layout((4,), Mesh([0]), [Replicate()], torch.float32))
+    out: dict = {"rounds": [], "collectives": [], "runs": [], "error": None}
+    refit.run()
+    for i in range(runs):
+        last = i == runs - 1
+        if model is not None:
+            with torch.no_grad():
+                model.weight.to_local().copy_(dtensor(2 + i).to_local())
+            if last and fault == "shape" and rank == 1:
+                model.weight._local_tensor = torch.zeros(SHAPE[0] // 2 + 1, SHAPE[1])
+        if last and fault == "alias" and rank == 2:  # the bias now lands in the weight's first 4 elements
+            refit._dests["bias"] = (engine.view(-1)[:4], refit._dests["bias"][1])
+        counter.clear()
+        try:
+            refit.run()
+        except ValueError as e:
+            out["error"] = str(e)
+        out["rounds"].append(counter.rounds())
+        out["collectives"].append(list(counter.collectives))
+        if engine is not None:
+            out["runs"].append(engine.clone())
+    return out

@@ -43,7 +43,7 @@ import datetime
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -527,9 +527,11 @@ def wire_itemsizes(prog: RankPlan, src: Sequence[torch.Tensor], dst: Sequence[to
 
 def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | None,
                   dst_tensors: Sequence[torch.Tensor] | None, group: Group, session: DeltaSession, *,
-                  verify: bool, timeout: datetime.timedelta) -> DeltaReport:
+                  verify: bool, timeout: datetime.timedelta,
+                  agreed: Callable[[list[str]], None] | bool = False) -> DeltaReport:
     """`execute(..., delta=session)`: see the module docstring. Same arguments and errors as `execute`; the
-    completion round always runs."""
+    completion round always runs. `agreed`: False, or the caller's own round in the plan handshake's place (see
+    `prepare_run`)."""
     report = DeltaReport(rank)
     errors: list[str] = []
     if not isinstance(session, DeltaSession):
@@ -547,7 +549,8 @@ def execute_delta(plan: Plan, rank: int, src_tensors: Sequence[torch.Tensor] | N
     def prepare(prog: RankPlan) -> Staging | None:
         staging, state = prepare_run(
             plan, prog, rank, group, src_tensors, dst_tensors, timeout, errors=errors, reserving="staging or snapshots",
-            reserve=lambda device: session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device))
+            reserve=lambda device: session._state(plan, prog, wire_itemsizes(prog, srcs, dsts), device),
+            agreed=agreed)
         states.append(state)
         return staging
 

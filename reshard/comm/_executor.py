@@ -54,7 +54,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -510,7 +510,7 @@ def execute(
     confirm: bool = True,
     zero_copy: bool | None = None,
     delta: Any = None,
-    agreed: bool = False,
+    agreed: bool | Callable[[list[str]], None] = False,
 ) -> ExecutionReport:
     """Run `rank`'s part of `plan`: send what it holds, receive and write what it needs, forward relayed boxes.
 
@@ -540,10 +540,10 @@ def execute(
         delta: a `reshard.comm.DeltaSession`: after the first run, send per box only the changed elements (see
             `reshard.comm._delta`; returns a `DeltaReport`; `zero_copy` does not apply). None: a full run.
         agreed: skip the plan handshake: the caller has already agreed with every rank of the plan that they run
-            this very plan now (it ran on this group before, and a round of the caller's own says so; e.g. the
-            verl backend's steady-state syncs, which check a digest of the whole sync once). Bad local input then
-            raises on this rank (recording a fault on the group, so peers waiting for it raise too) instead of on
-            every rank before any byte moves. Not with `delta`.
+            this very plan now (it ran on this group before, and a round of the caller's own says so). Bad local
+            input then raises on this rank (recording a fault on the group, so peers waiting for it raise too)
+            instead of on every rank before any byte moves. Not with `delta`. A callable (with `delta` too): the
+            caller's own all-rank round in the handshake's place, given this rank's local errors (`prepare_run`).
 
     Returns:
         An `ExecutionReport` of this rank's work.
@@ -563,9 +563,10 @@ def execute(
         raise ValueError(f"execute: rank {rank} is not this process's rank {group.rank} in {group}")
     td = as_timedelta(timeout, default=group.timeout)
     if delta is not None:
-        if agreed:
+        if agreed and not callable(agreed):
             raise ValueError("execute: agreed=True is not supported with delta runs")
-        return execute_delta(plan, rank, src_tensors, dst_tensors, group, delta, verify=verify, timeout=td)
+        return execute_delta(plan, rank, src_tensors, dst_tensors, group, delta, verify=verify, timeout=td,
+                             agreed=agreed or False)
     if zero_copy is None:
         zero_copy = os.environ.get(ZERO_COPY_ENV, "1").strip() != "0"
     srcs, dsts = src_tensors or (), dst_tensors or ()

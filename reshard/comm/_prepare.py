@@ -309,7 +309,7 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
                 dst: Sequence[torch.Tensor] | None, timeout: datetime.timedelta, *, verify: bool = False,
                 errors: Sequence[str] = (), reserve: Callable[[torch.device], Any] | None = None,
                 reserving: str = "staging", early: Callable[[Staging], None] | None = None,
-                ranks: Sequence[int] | None = None, agreed: bool = False,
+                ranks: Sequence[int] | None = None, agreed: bool | Callable[[list[str]], None] = False,
                 host_staging: bool = False, flat_sources: bool = False) -> tuple[Staging | None, Any]:
     """What every run does before data moves, on every rank of the plan: check the local tensors (`check_tensors`,
     plus the caller's own `errors`), reserve staging and, through `reserve(device)`, whatever else the run needs on
@@ -333,7 +333,10 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
     `agreed`: the caller already agreed on this plan with every rank of it (the same plan ran on this group before,
     and the caller's own round says every rank runs it again now): no agreement round. A local error then raises
     here after recording a fault on the group (`Group.report_fault`), so the peers' waits for this rank end at once
-    with it instead of at their timeout.
+    with it instead of at their timeout. A callable: the caller's own all-rank round in place of the plan
+    handshake, called with this rank's errors (empty when none) once the checks and reservations are done: it must
+    raise on every rank when any rank has errors, and return on every rank when none has (a caller that agreed on
+    this plan before: `Refit`'s live check, whose fingerprint holds the plan's).
 
     Returns:
         `(staging, reserve(device))`, or `(None, None)` for a rank without chunks.
@@ -364,7 +367,11 @@ def prepare_run(plan: Plan, prog: RankPlan, rank: int, group: Group, src: Sequen
             reserved = reserve(device) if reserve is not None else None
         except (ValueError, RuntimeError) as e:  # out of memory
             errs.append(f"rank {rank}: cannot reserve {reserving} on {device}: {e}")
-    if agreed and errs:
+    if callable(agreed):
+        agreed(list(errs))
+        if errs:  # the caller's round returned although this rank has errors: its contract is broken
+            raise ValueError("bad input, nothing was moved (the caller's agreement passed it):\n  " + "\n  ".join(errs))
+    elif agreed and errs:
         message = f"rank {rank}: bad input, nothing was moved by this rank:\n  " + "\n  ".join(errs)
         report = getattr(group, "report_fault", None)
         if report is not None and len(ranks) > 1:

@@ -160,9 +160,9 @@ def _adopt(refit: Any, name: str, now: Any, layout: LayoutLike) -> str | None:
     return None
 
 
-def check_live(refit: Any, b: Built, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
-                errors: list[str]) -> None:
-    """Raise on every rank, before data moves, if any rank's tensors no longer fit the plan."""
+def live_errors(refit: Any, srcs: dict[str, Any], dsts: dict[str, Any], scales: dict[str, Any],
+                errors: list[str]) -> list[str]:
+    """`errors` and this rank's registered tensors that no longer fit the plan (local: no message)."""
     errors = list(errors)
     for kind, ts in (("source", srcs), ("destination", dsts), ("scale of destination", scales)):
         for n, t in ts.items():
@@ -173,6 +173,19 @@ def check_live(refit: Any, b: Built, srcs: dict[str, Any], dsts: dict[str, Any],
             e = changed(kind, n, refit.rank, refit._planned[(kind, n)], geometry(t))
             if e:
                 errors.append(e)
+    return errors
+
+
+def live_round(refit: Any, b: Built, errors: list[str]) -> None:
+    """The steady run's one agreement before data moves, over every rank of the group: return on every rank when
+    all hold this refit's plan (`Refit._agreed_fingerprint`: the plan's fingerprint and the refit's identity) and
+    none has errors, else raise the same `ValueError` on every rank, naming each rank's errors.
+
+    `Refit.run` passes it to `execute(agreed=...)` with the executor's own checks of this rank's tensors (memory
+    shared between destinations, staging), so it is also the plan handshake: a steady run's only other all-rank
+    round is the completion round at its end. The handshake's other input, the device type on the wire, is fixed by
+    every tensor's device, which `live_errors` compares with the plan's.
+    """
     if refit.group.size > 1:
         td = as_timedelta(refit.timeout, default=refit.group.timeout)
         fp = refit._agreed_fingerprint(b)

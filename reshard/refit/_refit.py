@@ -10,7 +10,9 @@ Runtime contract:
 - Registrations are live (see `reshard.refit._live`): every `run()` reads each DTensor's local tensor (and, for
   `add_module_sources`, the module's parameter) anew, follows a destination view to its base's new storage, and
   checks every local tensor's shape, dtype and device against the plan; a change raises a `ValueError` on every
-  rank (one small agreement round per later run) before any data moves, a new storage of the same layout is used.
+  rank before any data moves, a new storage of the same layout is used. A later run has two all-rank control
+  rounds: one agreement before data moves (the live check, which is also the plan handshake: it carries the
+  executor's own checks of the local tensors) and the completion round after it.
 - Many small tensors bound for one peer share one message and one pack per chunk: messages per rank pair depend
   on the chunk count, not on the number of tensors.
 """
@@ -42,7 +44,7 @@ from reshard.planner import (
 )
 from reshard.refit import _facts
 from reshard.refit._build import Built, build
-from reshard.refit._live import Bound, check_live, resolve
+from reshard.refit._live import Bound, live_errors, live_round, resolve
 from reshard.refit._meta import Dest, Geometry, LayoutLike, alias_names, geometry
 from reshard.refit._metawire import exchange_metadata
 from reshard.refit._names import NameMap
@@ -198,6 +200,10 @@ class Refit:
         self._facts: list[tuple[str, dict]] = []  # declare_facts: (who, facts), agreed on by the first run
         self._before: list[Callable[[], None]] = []  # before_run: called at the start of every run
         self._built: Built | None = None
+
+    _separate_handshake = False
+    """True: a later run agrees twice before data moves, the live check and then `execute`'s own plan handshake
+    (the older protocol, kept for `perf/bench_refit.py --rounds` to measure side by side)."""
 
     # ---- registration ----------------------------------------------------------------------------------------
     def add_source(self, name: str, tensor: Any, layout: LayoutLike | None = None, *,
@@ -448,8 +454,9 @@ class Refit:
 
         Args:
             agreed: after the first run only: the caller has agreed with every rank, in a round of its own, that
-                they all run this refit now, so the plan handshake is skipped (`reshard.comm.execute(agreed=True)`;
-                a local error raises on this rank and records a fault the peers raise with).
+                they all run this refit now. A later run agrees once before data moves either way: its live check
+                is also the plan handshake (`reshard.refit._live.live_round`), so a later run has two all-rank
+                rounds, that one and the completion round (none more with `agreed`; one fewer with `confirm=False`).
             confirm: end with the completion round (`execute(confirm=...)`); False when the caller confirms
                 completion itself later (a rank then returns once its own part is done).
         """
@@ -478,11 +485,22 @@ class Refit:
             seconds["plan"] = time.perf_counter() - t1
         b = self._built
         assert b is not None
+        gate: Callable[[list[str]], None] | None = None
+        gated: list[bool] = []
         if not first:
             # refused since the last run: raised by this one; a refused rebinding by every run until one fits
             errors, self._refusals = self._refusals + list(self._rebinds.values()) + errors, []
-            check_live(self, b, srcs, dsts, scales, errors)
-        if self.check_replicas:
+            errors = live_errors(self, srcs, dsts, scales, errors)
+
+            def gate(local: list[str]) -> None:  # the one agreement before data moves (see `live_round`)
+                gated.append(True)
+                live_round(self, b, errors + local)
+                if self.check_replicas:
+                    self._check_replicas(b, srcs)
+
+            if errors or self._separate_handshake:  # raises on every rank (the others join it in `execute`)
+                gate([])
+        elif self.check_replicas:
             self._check_replicas(b, srcs)
         t0 = time.perf_counter()
         src: list = [srcs.get(n) for n in b.source_names]
@@ -495,7 +513,9 @@ class Refit:
         rep = None
         if b.plan.items:
             rep = execute(b.plan, self.rank, src, dst, self.group, verify=self.verify, timeout=self.timeout,
-                          delta=self.delta, agreed=agreed, confirm=confirm)
+                          delta=self.delta, agreed=agreed if gated or gate is None else gate, confirm=confirm)
+        if gate is not None and not gated:  # a rank outside the plan, or a plan of no items
+            gate([])
         for w in b.fp8:
             w.after(self.rank, dst)
         for gb in b.gather_broadcast:

@@ -8,6 +8,8 @@ Ranks on this machine:
     Worker: what `fn` gets on its rank (`rank`, `world_size`, `device`, `group`, `new_group`, `init_world`).
     Outcome, RankError: one rank's result; some ranks failed.
     free_port: a free TCP port on this machine.
+    counted_group, ControlCounter: a group whose control backend counts what this rank posts on it (the
+        all-rank control rounds of a run, from the messages themselves).
 
 Devices:
     device_under_test, DEVICE_ENV: the test device, `RESHARD_TEST_DEVICE` (`cpu` by default, or `cuda`).
@@ -45,10 +47,12 @@ from reshard.testing._pool import (
     launch,
     shared_pool,
 )
+from reshard.testing._rounds import ControlCounter, counted_group
 
 register()
 
 __all__ = [
+    "ControlCounter",
     "DEVICE_ENV",
     "NCCL_RULES",
     "NcclRulesGroup",
@@ -58,6 +62,7 @@ __all__ = [
     "Worker",
     "close_fake_world",
     "close_shared_pools",
+    "counted_group",
     "describe_exit",
     "device_under_test",
     "dtensor_local",
