@@ -52,9 +52,9 @@ from reshard.testing._rounds import ControlCounter, counted_group
 register()
 
 __all__ = [
-    "ControlCounter",
     "DEVICE_ENV",
     "NCCL_RULES",
+    "ControlCounter",
     "NcclRulesGroup",
     "Outcome",
     "RankError",
