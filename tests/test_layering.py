@@ -431,7 +431,7 @@ def test_private_check_passes_own_room_and_public_names() -> None:
     # one integration's private modules are its own, not the other integrations'
     assert private_crossings("from reshard.integrations.verl._stream import _full_mesh\n",
                              "reshard.integrations.verl._vllm") == []
-    assert private_crossings("from reshard.integrations.engine import EngineTensor\n", "reshard.integrations.hf") == []
+    assert private_crossings("from reshard.integrations.fused import EngineTensor\n", "reshard.integrations.hf") == []
 
 
 @pytest.mark.parametrize(
