@@ -102,7 +102,7 @@ def test_engine_tensors_keep_the_names_given() -> None:
     assert [t.name for t in ts] == ["blk0.self_attn.qkv_proj.weight", "blk1.self_attn.qkv_proj.weight",
                                     "solo.self_attn.q_proj.weight"]
     assert [g for g, _ in ts[1].components] == [f"blk1.self_attn.{x}_proj.weight" for x in "qkv"]
-    assert engine.name_map(ts)["blk1.self_attn.v_proj.weight"] == "blk1.self_attn.qkv_proj.weight"
+    assert fused.name_map(ts)["blk1.self_attn.v_proj.weight"] == "blk1.self_attn.qkv_proj.weight"
 
 
 def test_trainer_name_and_bad_parallelism() -> None:
