@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from reshard.comm import TOKEN_ENV, CommError, Group, is_loopback, serve_store
+from reshard.integrations.group_layout import GroupLayout
 from reshard.integrations.verl import _buckets as bk
 from reshard.integrations.verl._names import BACKEND
 from reshard.integrations.verl._stream import Stream, SyncStats, short, topology_of
@@ -392,7 +393,8 @@ class ReshardCheckpointEngine:
         if self._group is None or self._session is None:
             raise ValueError(f"reshard checkpoint engine: {what} before init_process_group (verl calls prepare, "
                              "build_topology and init_process_group first)")
-        is_trainer = self._session["rank"] < self._num_trainers
+        is_trainer = GroupLayout(self._num_trainers, self._group.size - self._num_trainers).is_trainer(
+            self._session["rank"])
         if is_trainer != trainer:
             raise ValueError(f"reshard checkpoint engine: {what} called on group rank {self._session['rank']}, a "
                              f"{'trainer' if is_trainer else 'rollout'} rank ({self._num_trainers} trainer ranks "
