@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from reshard import Group, Layout, Mesh, Refit, Replicate, Shard, Topology
 from reshard.cost import print_plan_report
-from reshard.integrations.engine import engine_tensors
+from reshard.integrations.fused import engine_tensors
 from reshard.models import PRESETS
 from reshard.planner import format_bytes
 from reshard.sim import System, model_layouts

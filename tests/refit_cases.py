@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from vllm_oracle import vllm_local
 
 from reshard.comm import Group
-from reshard.integrations.engine import engine_tensors
+from reshard.integrations.fused import engine_tensors
 from reshard.models import PRESETS, param_specs
 from reshard.planner import Topology
 from reshard.refit import Refit

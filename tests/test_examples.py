@@ -127,7 +127,7 @@ def excerpt_missing(code: str, source: str) -> str | None:
     return None
 
 
-DOC_PAGES = ["README.md", "docs/custom-trainers.md"]
+DOC_PAGES = ["README.md", "docs/custom-trainers.md", "docs/adding-an-engine.md"]
 """The pages whose every ```python block runs here (the others show fragments of what the examples run)."""
 BLOCKS = [(page, n, code) for page in DOC_PAGES for n, code in readme_blocks(REPO / page)]
 

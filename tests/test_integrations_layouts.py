@@ -14,13 +14,13 @@ if importlib.util.find_spec("transformers") is None:  # imported where the model
 from hf_cases import SENTINEL, build_model, configs  # noqa: E402
 from test_integrations_hf import expected  # noqa: E402
 
-from reshard.integrations import engine, hf  # noqa: E402
+from reshard.integrations import fused, hf  # noqa: E402
 from reshard.planner import Layout, Mesh  # noqa: E402
 
 RANKS = (4, 5, 6, 7)
 
 
-def _fill(t: engine.EngineTensor, rank: int, full: dict) -> torch.Tensor:
+def _fill(t: fused.EngineTensor, rank: int, full: dict) -> torch.Tensor:
     """Rank `rank`'s engine tensor, written piece by piece from the full tensors as `Refit` would."""
     local = torch.full(t.registered_shape(rank), SENTINEL)
     for name, lay in t.fused():
@@ -98,11 +98,11 @@ def test_engine_tensors_keep_the_names_given() -> None:
     lay = Layout((4, 4), Mesh([0, 1]), [torch.distributed.tensor.Shard(0)])
     weights = [(f"blk{i}.self_attn.{x}_proj.weight", lay) for i in (0, 1) for x in "qkv"]
     weights.append(("solo.self_attn.q_proj.weight", lay))
-    ts = engine.engine_tensors(weights)
+    ts = fused.engine_tensors(weights)
     assert [t.name for t in ts] == ["blk0.self_attn.qkv_proj.weight", "blk1.self_attn.qkv_proj.weight",
                                     "solo.self_attn.q_proj.weight"]
     assert [g for g, _ in ts[1].components] == [f"blk1.self_attn.{x}_proj.weight" for x in "qkv"]
-    assert engine.name_map(ts)["blk1.self_attn.v_proj.weight"] == "blk1.self_attn.qkv_proj.weight"
+    assert fused.name_map(ts)["blk1.self_attn.v_proj.weight"] == "blk1.self_attn.qkv_proj.weight"
 
 
 def test_trainer_name_and_bad_parallelism() -> None:

@@ -110,3 +110,33 @@ def test_fsdp2_parameters_are_their_local_shards() -> None:
     for r, got in enumerate(shared_pool(2).run_ok(_fsdp2_refit)):
         assert got["equal"] == got["names"], (r, got)  # oracle: the weights before fully_shard
         assert got["local"] == got["want"], (r, got)  # each rank registered torch.chunk's row block, not more
+
+
+def test_megatron_and_zero3_are_kinds_of_the_trainer_side() -> None:
+    # the trainer side imports no specific integration: Megatron and DeepSpeed register their kinds on import of
+    # `reshard.integrations`, and the trainer side answers through them exactly as the integrations themselves do
+    from reshard.integrations import deepspeed, megatron
+    from reshard.integrations.trainer import model_kind, parameter_source
+
+    chunk = torch.nn.Module()
+    chunk.decoder, chunk.sharded_state_dict = torch.nn.Module(), lambda: {}
+    wrapped = torch.nn.Module()
+    wrapped.module = chunk  # Megatron's wrappers (DDP, Float16Module) hold the chunk as `.module`
+    for source in (chunk, wrapped, [chunk]):
+        assert megatron.is_megatron(source) and model_kind(source) == "megatron"
+    assert model_kind(torch.nn.Linear(2, 2)) is None and model_kind({"w": torch.zeros(2)}) is None
+    plain = torch.zeros(3)
+    assert parameter_source("w", plain, 0) is plain  # no partition kind: the parameter itself
+    full = torch.arange(12.0).reshape(4, 3)
+    param = torch.nn.Parameter(torch.zeros(0))  # ZeRO-3's attributes, as DeepSpeed sets them: rank 1 of 2
+    param.ds_tensor, param.ds_shape, param.ds_numel = full.flatten()[6:].clone(), (4, 3), 12
+    param.ds_zero_partition_world_size, param.ds_zero_partition_rank = 2, 1
+    window, layout = parameter_source("w", param, 1)
+    assert torch.equal(window.reshape(-1)[:6], full.flatten()[6:])  # oracle: the full tensor's second half
+    assert layout == deepspeed.partition_source("w", param, 1)[1]
+    param.ds_numel = 11  # a partition that breaks ZeRO-3's rule: refused as DeepSpeed's own reader refuses it
+    with pytest.raises(ValueError) as ours:
+        parameter_source("w", param, 1)
+    with pytest.raises(ValueError) as theirs:
+        deepspeed.partition_source("w", param, 1)
+    assert str(ours.value) == str(theirs.value) and "breaks ZeRO-3's rule" in str(ours.value)

@@ -15,9 +15,11 @@ And every room keeps its private parts: a room is a package of `reshard/` or one
 another room's private module or name (`reshard.comm._handshake`, `from reshard.kernels import _pieces`): what
 crosses is in the room's `__all__` (what users are promised, each name documented: tests/test_public_api.py) or
 in its contract module `_contract` (the names only sibling packages use; each one used by another room, none also in
-`__all__`), and nothing else the package happens to hold (on `70ef1cc` 26 imports crossed). Integrations import
-each other only as `INTEGRATION_IMPORTS` says (verl -> vllm, trl -> vllm, the trainer side's home -> megatron), plus
-the shared `engine`, `trainer` and `hf` modules.
+`__all__`), and nothing else the package happens to hold (on `70ef1cc` 26 imports crossed). The integrations are
+shared homes (`SHARED_INTEGRATIONS`: the trainer side, the engine side, the group layout, the fused engine tensors,
+the Hugging Face config vocabulary), which import no specific integration, and specific ones (vllm, verl, trl, hf,
+megatron, deepspeed), which import only the shared homes, except verl -> vllm (`INTEGRATION_IMPORTS`: verl drives
+vLLM engines). The package `reshard.integrations` itself imports the specific ones that register their kinds.
 """
 
 from __future__ import annotations
@@ -327,17 +329,17 @@ def test_integration_imports_lazily_and_only_public_names(package: str) -> None:
 
 # ---- rooms: no module reaches into another room's private modules or names -------------------------------------------
 
-SHARED_INTEGRATIONS = frozenset({"engine", "trainer", "hf"})
-"""The modules of `reshard/integrations/` every integration may import: the engine side's tensor types
-(`engine.py`), the trainer side's sources (`trainer.py`) and the HF engine layouts (`hf.py`)."""
+SHARED_INTEGRATIONS = frozenset({"fused", "group_layout", "model_config", "trainer", "trainer_link", "engine_side"})
+"""The shared homes of `reshard/integrations/`, which every integration may import and which import only each other:
+the fused engine tensors (`fused.py`), the group's ranks (`group_layout.py`), what a Hugging Face config says
+(`model_config.py`), the trainer side's sources and link (`trainer.py`, `trainer_link.py`) and the engine side's
+update state machine (`engine_side.py`)."""
 
 INTEGRATION_IMPORTS: dict[str, frozenset[str]] = {
-    "verl": frozenset({"vllm"}),  # verl's rollout runs vLLM engines: it drives the vLLM integration
-    "trl": frozenset({"vllm", "deepspeed"}),  # TRL's server mode is a `vllm serve` server: its trainers use the vLLM
-    # trainer side; under ZeRO-3 their partitions are read as the DeepSpeed integration reads them
-    "trainer": frozenset({"megatron"}),  # the trainer side's home detects and registers Megatron models
+    "verl": frozenset({"vllm"}),  # verl's rollout runs vLLM engines: it may drive the vLLM integration
 }
-"""Which other integrations each integration may import, besides `SHARED_INTEGRATIONS`; absent: none."""
+"""Which specific integrations each specific integration may import, besides `SHARED_INTEGRATIONS`; absent: none.
+A shared home may import no specific integration."""
 
 
 def room_of(module: str) -> str:
@@ -359,8 +361,6 @@ sibling packages use (users import what the package's `__all__` lists)."""
 
 
 UNLISTED_CROSSINGS: frozenset[tuple[str, str, str]] = frozenset({
-    # the engine side's layout type: the integrations' shared modules are being regrouped (one layout protocol)
-    ("reshard.integrations.hf", "reshard.integrations.engine", "LayoutLike"),
 })
 """`(importing module, imported module, name)` of the crossings of a name in neither `__all__` nor a contract that
 are still waiting for their room to export it or move it to its contract; each must still occur."""
@@ -434,7 +434,8 @@ def integration_crossings(source: str, module: str, *, is_package: bool = False,
     if not room.startswith("integrations."):
         return []
     own = room.split(".", 1)[1]
-    allowed = SHARED_INTEGRATIONS | INTEGRATION_IMPORTS.get(own, frozenset())
+    allowed = SHARED_INTEGRATIONS | (frozenset() if own in SHARED_INTEGRATIONS else
+                                     INTEGRATION_IMPORTS.get(own, frozenset()))
     found = []
     for node, target, names, _ in _imports(ast.parse(source), module, is_package):
         parts = target.split(".")
@@ -443,9 +444,10 @@ def integration_crossings(source: str, module: str, *, is_package: bool = False,
         others = [parts[2]] if len(parts) > 2 else [n for n in names if n in _integration_names()]
         for other in others:
             if other != own and other not in allowed:
-                found.append(f"{path}:{node.lineno}: integration {own} imports integration {other}; {own} may "
-                             f"import {sorted(allowed)} (integrations import each other only as INTEGRATION_IMPORTS "
-                             "says)")
+                kind = "shared home" if own in SHARED_INTEGRATIONS else "integration"
+                found.append(f"{path}:{node.lineno}: {kind} {own} imports integration {other}; {own} may import "
+                             f"{sorted(allowed)} (shared homes import no specific integration; specific ones import "
+                             "each other only as INTEGRATION_IMPORTS says)")
     return found
 
 
@@ -550,22 +552,35 @@ def test_private_check_passes_own_room_and_public_names() -> None:
     # one integration's private modules are its own, not the other integrations'
     assert private_crossings("from reshard.integrations.verl._stream import _full_mesh\n",
                              "reshard.integrations.verl._vllm") == []
-    assert private_crossings("from reshard.integrations.engine import EngineTensor\n", "reshard.integrations.hf") == []
+    assert private_crossings("from reshard.integrations.fused import EngineTensor\n", "reshard.integrations.hf") == []
 
 
 @pytest.mark.parametrize(
     ("module", "source", "flagged"),
     [
         ("reshard.integrations.verl._vllm", "from reshard.integrations.vllm import ReshardTrainer\n", False),
-        ("reshard.integrations.verl._x", "from reshard.integrations import engine, hf\n", False),
+        ("reshard.integrations.verl._x", "from reshard.integrations import fused, trainer_link\n", False),
         ("reshard.integrations.vllm._x", "from reshard.integrations.trainer import x\n", False),
+        ("reshard.integrations.vllm._x", "from reshard.integrations.engine_side import Updates\n", False),
+        ("reshard.integrations.hf", "from reshard.integrations.fused import EngineTensor\n", False),
+        ("reshard.integrations.engine_side", "from reshard.integrations.group_layout import GroupLayout\n", False),
+        # the crossings the shared homes were made for: each is flagged now
         ("reshard.integrations.trainer", "def f():\n    from reshard.integrations.megatron import add_sources\n",
-         False),
+         True),
+        ("reshard.integrations.trainer_link", "from reshard.integrations.vllm import ReshardTrainer\n", True),
+        ("reshard.integrations.engine_side", "from reshard.integrations.hf import model_facts\n", True),
+        ("reshard.integrations.trl._sync", "from reshard.integrations.vllm import ReshardTrainer\n", True),
+        ("reshard.integrations.trl._generation", "from reshard.integrations.deepspeed import partition_source\n",
+         True),
+        ("reshard.integrations.deepspeed._sources", "from reshard.integrations.hf import model_facts\n", True),
+        ("reshard.integrations.vllm._x", "from reshard.integrations.hf import model_facts\n", True),
+        ("reshard.integrations.hf", "from reshard.integrations.engine_side import Updates\n", False),
         ("reshard.integrations.vllm._x", "from reshard.integrations.megatron import add_sources\n", True),
         ("reshard.integrations.vllm._x", "from reshard.integrations.verl import SHARD_MODE\n", True),
         ("reshard.integrations.vllm._x", "from reshard.integrations import verl\n", True),
         ("reshard.integrations.megatron._x", "from reshard.integrations.vllm import ReshardTrainer\n", True),
         ("reshard.integrations.hf", "from reshard.integrations.vllm import ReshardTrainer\n", True),
+        ("reshard.integrations.vllm._x", "from reshard.integrations.verl import SHARD_MODE\n", True),
     ],
 )
 def test_integration_check(module: str, source: str, flagged: bool) -> None:
@@ -632,3 +647,13 @@ def test_perf_check_flags_private_imports() -> None:
            "from reshard.comm import Group, agree\nfrom reshard.integrations import hf\nimport reshard.refit._gather\n")
     assert [t for t, _ in perf_crossings(src, "perf/x.py")] == ["reshard.kernels._variants", "reshard.comm",
                                                                 "reshard.refit._gather"]
+
+
+def test_shared_homes_and_integrations_are_known() -> None:
+    # every shared home exists (a renamed one must be renamed here), and no module of reshard/integrations/ is
+    # both a shared home and a specific integration
+    names = _integration_names() - SHARED_INTEGRATIONS
+    base = PACKAGE / "integrations"
+    assert all((base / f"{m}.py").is_file() for m in SHARED_INTEGRATIONS), sorted(SHARED_INTEGRATIONS)
+    assert {"vllm", "verl", "trl", "hf", "megatron", "deepspeed"} <= names, sorted(names)
+    assert set(INTEGRATION_IMPORTS) <= names and all(v <= names for v in INTEGRATION_IMPORTS.values())

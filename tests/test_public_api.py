@@ -30,7 +30,7 @@ UNDOCUMENTED_INTEGRATIONS: dict[str, frozenset[str]] = {
     # the trainer side's home is being split into the engine-neutral trainer link (its names are not settled)
     "reshard.integrations.trainer": frozenset({
         "FullBlock", "config_ties", "contiguous_stride", "conv1d_weights", "find_ties", "full_layout", "full_mesh",
-        "is_megatron", "local_of", "prepare_source", "register_source", "source_weights",
+        "local_of", "prepare_source", "register_source", "source_weights",
         "spec_dtensor", "transpose_weight", "transposed_layout",
     }),
 }

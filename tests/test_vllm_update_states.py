@@ -1,4 +1,4 @@
-"""The vLLM backend's update state machine (`reshard.integrations.vllm._lifecycle.Updates`) on its own, with a
+"""The vLLM backend's update state machine (`reshard.integrations.engine_side.Updates`) on its own, with a
 stand-in refit whose transfer the test controls (no vLLM needed): every transition the real-engine tests
 (`test_vllm_lifecycle.py`) do not reach, and what each refusal leaves behind."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
+from reshard.integrations.engine_side import Refused, Updates, stop
 
 
 class FakeRefit:

@@ -37,13 +37,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from reshard.integrations.engine import EngineTensor, LayoutLike
-from reshard.integrations.engine import engine_tensors as _fuse_tensors
-from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece, vocab_parallel_layout
+from reshard.integrations.fused import EngineTensor
+from reshard.integrations.fused import engine_tensors as _fuse_tensors
+from reshard.integrations.model_config import config_value, model_facts, trainer_name
+from reshard.planner import Box, ExplicitLayout, Layout, LayoutLike, Mesh, Piece, vocab_parallel_layout
 
 __all__ = ["EngineParallel", "engine_layouts", "engine_tensors", "model_facts", "name_map", "trainer_name"]
 
-_WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module|module)\.")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -93,38 +93,6 @@ class EngineParallel:
         return [list(self.ranks[i:i + self.tp]) for i in range(0, len(self.ranks), self.tp)]
 
 
-def trainer_name(name: str) -> str:
-    """A parameter's Hugging Face name, without the prefixes wrappers add (`_orig_mod.`, `_checkpoint_wrapped_module.`,
-    `module.`): `model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight`.
-    Use it as `Refit(name_map=trainer_name)`."""
-    return _WRAPPERS.sub(r"\1", name)
-
-
-def model_facts(config: Any) -> dict[str, Any]:
-    """The facts of a Hugging Face config that tensor shapes cannot show, for `Refit.declare_facts`: heads, KV heads,
-    head dim, hidden size, layers, routed experts (`num_experts` / `num_local_experts` / `n_routed_experts`; 0 for
-    a dense model), vocabulary and tie (a multimodal config's text config). A config object or its `to_dict()`;
-    a fact the config does not give is None (not compared)."""
-    text = config.get("text_config") if isinstance(config, Mapping) else getattr(config, "text_config", None)
-    cfg = text if text is not None else config
-    heads = _get(cfg, "num_attention_heads")
-    hidden = _get(cfg, "hidden_size")
-    head_dim = _get(cfg, "head_dim", default=hidden // heads if heads and hidden else None)
-    return {"num_attention_heads": heads, "num_key_value_heads": _get(cfg, "num_key_value_heads", default=heads),
-            "head_dim": head_dim, "hidden_size": hidden, "num_hidden_layers": _get(cfg, "num_hidden_layers"),
-            "num_experts": _get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0),
-            "vocab_size": _get(cfg, "vocab_size"),
-            "tie_word_embeddings": _get(cfg, "tie_word_embeddings", default=_get(config, "tie_word_embeddings"))}
-
-
-def _get(config: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        v = config.get(n) if isinstance(config, Mapping) else getattr(config, n, None)
-        if v is not None:
-            return v
-    return default
-
-
 def _parameters(model: Any, config: Any, dtype: torch.dtype | None) -> tuple[list[tuple[str, tuple, Any]], Any]:
     """`(name, global shape, dtype)` per parameter, and the config."""
     if isinstance(model, torch.nn.Module):
@@ -132,7 +100,7 @@ def _parameters(model: Any, config: Any, dtype: torch.dtype | None) -> tuple[lis
         if cfg is None:
             raise ValueError("hf.engine_tensors: the module has no .config; pass config=")
         return [(trainer_name(n), tuple(p.shape), dtype or p.dtype) for n, p in model.named_parameters()], cfg
-    if isinstance(model, Mapping) and not _get(model, "hidden_size"):
+    if isinstance(model, Mapping) and not config_value(model, "hidden_size"):
         if config is None:
             raise ValueError("hf.engine_tensors: a {name: shape} mapping needs config= (head counts, tied "
                              "embeddings)")
@@ -155,7 +123,7 @@ def _parameters(model: Any, config: Any, dtype: torch.dtype | None) -> tuple[lis
 
 
 def _config_dtype(config: Any) -> torch.dtype:
-    d = _get(config, "dtype") or (config.get("torch_dtype") if isinstance(config, Mapping) else None)
+    d = config_value(config, "dtype") or (config.get("torch_dtype") if isinstance(config, Mapping) else None)
     d = d or torch.float32  # what transformers builds a model in when the config names no dtype
     return getattr(torch, d) if isinstance(d, str) else d
 
@@ -230,14 +198,14 @@ def _layout(name: str, shape: tuple, dtype: torch.dtype, cfg: Any, par: EnginePa
                                       f"divisible by tp={tp}, as vLLM's tensor-parallel layers need")
         return lay(mesh, rep, Shard(dim))
 
-    if name.endswith("lm_head.weight") and _get(cfg, "tie_word_embeddings", default=False):
+    if name.endswith("lm_head.weight") and config_value(cfg, "tie_word_embeddings", default=False):
         return None  # the engine ties it to the embedding
     if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
         return vocab_parallel_layout(shape[0], shape[1], par.groups()[0], dtype=dtype, pad_to=par.pad_vocab_to,
                                      name=name, replicas=par.groups())
     m = re.match(r"^(.*)\.self_attn\.(k|v)_proj\.(weight|bias)$", name)
     if m:
-        kv = int(_get(cfg, "num_key_value_heads", "num_attention_heads"))
+        kv = int(config_value(cfg, "num_key_value_heads", "num_attention_heads"))
         if kv >= tp:
             return split(0)
         return _replicated_kv(name, shape, dtype, kv, par)

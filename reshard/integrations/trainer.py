@@ -11,9 +11,12 @@ Frameworks hand their weights over in one of three forms, per weight:
 `stream_source` does the conversion for one item; `full_layout`, `local_of`, `contiguous_stride` are its parts,
 for callers that place the local tensors in buffers of their own (verl's bucketed stream).
 
-A whole model given to `ReshardTrainer.trainer_init` (the vLLM trainer side, which verl and TRL drive) is prepared
-here too: `is_megatron` tells a Megatron-core model, registered by `reshard.integrations.megatron.add_sources`
-(`register_source`); for the others `prepare_source` finds the ties (`find_ties`: names of one tensor;
+A whole model given to a trainer link (`reshard.integrations.trainer_link.TrainerLink.join`, which every engine's
+trainer side uses) is prepared here too: a model of a registered kind (`add_model_kind`: the Megatron integration
+registers Megatron-core models, registered by its `add_sources`) is registered by its kind (`register_source`); a
+parameter of a registered partition kind (`add_partition_kind`: the DeepSpeed integration registers ZeRO-3
+parameters) becomes a source through it (`parameter_source`). So this home imports no specific integration: each
+registers itself when `reshard.integrations` is imported. For the others `prepare_source` finds the ties (`find_ties`: names of one tensor;
 `config_ties`: the config's `tie_word_embeddings`) and transposes Hugging Face `Conv1D` weights (`conv1d_weights`,
 `transpose_weight`): stored `[in, out]` (GPT-2's `c_attn`, `c_proj`, `c_fc`), they are registered as the engine
 holds them, `[out, in]` (vLLM's GPT-2 loader transposes them as it reads the checkpoint; the planner moves boxes,
@@ -29,17 +32,54 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.integrations.megatron import add_sources as add_megatron_sources
-from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece
+from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece, is_dtensor
 
-__all__ = ["FullBlock", "config_ties", "contiguous_stride", "conv1d_weights", "find_ties", "full_layout", "full_mesh",
-           "is_dtensor", "is_megatron", "local_of", "prepare_source", "register_source", "source_weights",
-           "spec_dtensor", "stream_source", "transpose_weight", "transposed_layout"]
+__all__ = ["FullBlock", "add_model_kind", "add_partition_kind", "config_ties", "contiguous_stride", "conv1d_weights",
+           "find_ties", "full_layout", "full_mesh", "is_dtensor", "local_of", "model_kind", "parameter_source",
+           "prepare_source", "register_source", "source_weights", "spec_dtensor", "stream_source", "transpose_weight",
+           "transposed_layout"]
+
+_MODEL_KINDS: dict[str, tuple[Callable[[Any], bool], Callable[[Any, Any, Any], None]]] = {}
+_PARTITION_KINDS: dict[str, tuple[Callable[[Any], bool], Callable[[str, Any, int], Any]]] = {}
+
+
+def add_model_kind(kind: str, detect: Callable[[Any], bool], register: Callable[[Any, Any, Any], None]) -> None:
+    """Teach the trainer side a kind of whole model that registers its own sources (Megatron-core models).
+
+    Args:
+        kind: the kind's name (`"megatron"`); registering it again replaces it.
+        detect: `detect(source)`: whether a source given to a trainer link is a model of this kind.
+        register: `register(refit, model, config)`: register the model's sources with `refit` (`config`: the
+            model's Hugging Face config, or None).
+    """
+    _MODEL_KINDS[kind] = (detect, register)
+
+
+def add_partition_kind(kind: str, detect: Callable[[Any], bool], source: Callable[[str, Any, int], Any]) -> None:
+    """Teach the trainer side a kind of partitioned parameter (DeepSpeed ZeRO-3's): `detect(param)` tells one,
+    `source(name, param, rank)` gives it as a `(local, layout)` source of trainer rank `rank` (None: it sends none
+    of it)."""
+    _PARTITION_KINDS[kind] = (detect, source)
+
+
+def model_kind(source: Any) -> str | None:
+    """The registered model kind of `source` (`add_model_kind`), or None for a name -> weight source or a module."""
+    return next((k for k, (detect, _) in _MODEL_KINDS.items() if detect(source)), None)
+
+
+def parameter_source(name: str, param: Any, rank: int) -> Any:
+    """`param` as a source of trainer rank `rank`: through its partition kind where one is registered
+    (`add_partition_kind`; may be None: nothing to send), else `param` itself."""
+    for detect, source in _PARTITION_KINDS.values():
+        if detect(param):
+            return source(name, param, rank)
+    return param
 
 
 class FullBlock(NamedTuple):
@@ -54,11 +94,6 @@ class FullBlock(NamedTuple):
     layout: Layout
     start: int
     local_shape: tuple[int, ...]
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether `t` is a DTensor (checked by its attributes: no DTensor import needed)."""
-    return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
 def full_mesh(shape: Sequence[int], num_ranks: int) -> tuple[Mesh, list[Any]]:
@@ -143,23 +178,24 @@ def stream_source(name: str, t: Any, spec: Any, rank: int, num_ranks: int) -> An
     return (local, block.layout)
 
 
-def prepare_source(source: Any, megatron: bool, transposed: Sequence[str] | None,
+def prepare_source(source: Any, kind: str | None, transposed: Sequence[str] | None,
                    ties: Mapping[str, Sequence[str]] | None,
                    config: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """The weights to register (transposed where asked) and their ties (found, from `config`, from `ties`).
 
     Args:
-        source: a mapping name -> DTensor or `(local, Layout)`, a module, or a Megatron model (`is_megatron`).
-        megatron: whether `source` is a Megatron model (registered by `register_source`, nothing prepared here).
+        source: a mapping name -> DTensor or `(local, Layout)`, a module, or a model of a registered kind.
+        kind: `model_kind(source)`: a model of a registered kind is registered by `register_source`, nothing is
+            prepared here.
         transposed: names registered transposed (`transpose_weight`); None: a module's `Conv1D` weights.
         ties: more aliases, name -> other names; config: its `tie_word_embeddings` ties an embedding to `lm_head`.
 
     Returns:
         `(weights, ties)`: name -> weight (a view where transposed), and name -> its other names.
     """
-    weights, found = ({}, {}) if megatron else source_weights(source)
+    weights, found = ({}, {}) if kind is not None else source_weights(source)
     if transposed is None:
-        transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and not megatron else ()
+        transposed = conv1d_weights(source) if isinstance(source, torch.nn.Module) and kind is None else ()
     for name in transposed:
         if name not in weights:
             raise ValueError(f"ReshardTrainer.trainer_init: transposed names {name!r}, which the source does not "
@@ -174,22 +210,13 @@ def prepare_source(source: Any, megatron: bool, transposed: Sequence[str] | None
     return weights, found
 
 
-def is_megatron(source: Any) -> bool:
-    """A Megatron-core `GPTModel` (maybe in Megatron's wrappers, or a list of chunks), not a name -> weight source."""
-    chunk = source[0] if isinstance(source, (list, tuple)) and source else source
-    while isinstance(chunk, torch.nn.Module) and not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return hasattr(chunk, "decoder") and hasattr(chunk, "sharded_state_dict")
-
-
 def register_source(refit: Any, source: Any, weights: Mapping[str, Any], ties: Mapping[str, list[str]],
-                    megatron: bool, config: Any) -> None:
-    """Register `source` with `refit` (a `reshard.refit.Refit`): a Megatron model through
-    `reshard.integrations.megatron.add_sources` (with `config`'s `vocab_size`, the real vocabulary), anything else
-    with `weights` and `ties` as `prepare_source` gave them (see `_register`)."""
-    if megatron:
-        vocab = config.get("vocab_size") if isinstance(config, Mapping) else getattr(config, "vocab_size", None)
-        add_megatron_sources(refit, source, vocab_size=vocab)
+                    kind: str | None, config: Any) -> None:
+    """Register `source` with `refit` (a `reshard.refit.Refit`): a model of a registered kind by its kind's
+    `register` (with `config`), anything else with `weights` and `ties` as `prepare_source` gave them (see
+    `_register`)."""
+    if kind is not None:
+        _MODEL_KINDS[kind][1](refit, source, config)
     else:
         _register(refit, source, weights, ties)
 

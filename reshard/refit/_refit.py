@@ -45,7 +45,7 @@ from reshard.planner import (
 from reshard.refit import _facts
 from reshard.refit._build import Built, build
 from reshard.refit._live import Bound, live_errors, live_round, resolve
-from reshard.refit._meta import Dest, Geometry, LayoutLike, alias_names, geometry
+from reshard.refit._meta import Dest, Geometry, alias_names, geometry
 from reshard.refit._metawire import exchange_metadata
 from reshard.refit._names import NameMap
 from reshard.refit._policy import Choice
@@ -335,7 +335,7 @@ class Refit:
                 for a fused tensor, the `(global_name, layout)` components in concatenation order along `dim`
                 (vLLM's `qkv_proj`: q, k, v). Component layouts describe each global tensor's own sharding.
             placed: the component layouts are already in this local tensor's coordinates (as
-                `reshard.integrations.engine.EngineTensor.fused()` gives them): registered as they are, not fused.
+                `reshard.integrations.fused.EngineTensor.fused()` gives them): registered as they are, not fused.
             aliases: other names of a global tensor in this engine (a tie: the engine's `lm_head.weight` is its
                 `model.embed_tokens.weight`): a list for a tensor of one component, or component name -> list.
                 A trainer weight under an alias writes the tensor; two trainer weights for one tied tensor are

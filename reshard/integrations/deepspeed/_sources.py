@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from reshard.integrations.deepspeed._window import Window, refresh, window_of
-from reshard.integrations.hf import model_facts, trainer_name
+from reshard.integrations.model_config import model_facts, trainer_name
 from reshard.integrations.trainer import config_ties
 from reshard.planner import FlatRangeLayout
 from reshard.refit import Refit

@@ -25,7 +25,8 @@ class ServerError(RuntimeError):
 
 
 class ServerClient:
-    """vLLM's weight-update routes of one server.
+    """vLLM's weight-update routes of one server: an `EngineClient` of the trainer link
+    (`reshard.integrations.trainer_link`), which trainer rank 0's sync drives.
 
     Args:
         base_url: the server, `http://host:port`.

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-from reshard.integrations.deepspeed import partition_source
+from reshard.integrations.trainer import parameter_source
 from reshard.integrations.trl._client import ServerClient
 from reshard.integrations.trl._sync import ShardSync
 
@@ -82,7 +82,7 @@ def define() -> dict[str, type]:
             for name, p in _unwrapped(self.model).named_parameters():
                 vname = self._fix_param_name_to_vllm(name)
                 if hasattr(p, "ds_tensor"):  # ZeRO-3: `p.data` is empty or a transient gather; the partition is real
-                    src = partition_source(vname, p, rank)
+                    src = parameter_source(vname, p, rank)  # the DeepSpeed integration's partition kind
                     if src is not None:
                         yield vname, src
                     continue

@@ -7,8 +7,10 @@ Sources (`model_sources`), per parameter under TRL's vLLM name:
   (`reshard.integrations.trainer.stream_source`), so the replicated ranks split the sending and each byte leaves
   the trainer once;
 - a `(local, reshard.Layout)` pair: as given (a sharding DTensor cannot describe).
-Nothing is gathered. The first sync joins the group (trainer ranks `0 .. T-1`, the server's workers after them) and
-plans; later syncs rebind the parameters (the same storage, usually) and send.
+A partitioned parameter (a DeepSpeed ZeRO-3 one) is read as its partition by TRL's trainer, through the trainer
+side's partition kinds (`reshard.integrations.trainer.parameter_source`). Nothing is gathered. The first sync joins
+the group (trainer ranks `0 .. T-1`, the server's workers after them) and plans; later syncs rebind the parameters
+(the same storage, usually) and send.
 
 A failed sync (the server restarted or unreachable, a trainer rank lost) raises on every trainer rank within
 `timeout_s`; the server keeps its previous weights (its engine commits only a whole transfer), and the next sync
@@ -25,9 +27,8 @@ from typing import Any
 
 import torch
 
-from reshard.comm import CommError
 from reshard.integrations.trainer import stream_source
-from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
+from reshard.integrations.trainer_link import TrainerLink, TrainerLinkInfo
 from reshard.refit import RefitReport
 
 logger = logging.getLogger(__name__)
@@ -85,57 +86,44 @@ class ShardSync:
         self.master_address, self.master_port = master_address, master_port
         self.client, self.timeout_s, self.precision, self.config = client, timeout_s, precision, config
         self.generation = 0
-        self.trainer: ReshardTrainer | None = None
-        self.names: list[str] = []
+        self.link: TrainerLink | None = None
 
     def sync(self, named_params: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> SyncResult:
         """Send the current parameters (every trainer rank calls it, with the same names in the same order)."""
         t0 = time.perf_counter()
         source = model_sources(named_params(), self.rank, self.num_ranks)
-        first = self.trainer is None
+        first = self.link is None
         try:
-            if first:
-                info = ReshardTrainerInitInfo(
+            if self.link is None:
+                info = TrainerLinkInfo(
                     rank=self.rank, world_size=self.num_ranks, engine_world_size=self.engine_world_size,
                     master_address=self.master_address, master_port=self.master_port + self.generation,
                     prefix=f"reshard-trl/{self.generation}", timeout_s=self.timeout_s, precision=self.precision)
-                self.trainer = ReshardTrainer.trainer_init(info, client=self.client, source=source, config=self.config)
-                self.names = list(source)
+                self.link = TrainerLink.join(info, client=self.client, source=source, config=self.config,
+                                             who="ReshardTrainer.trainer_init")
+                self.link.names = list(source)
             else:
-                self._rebind(source)
-            report = self.trainer.send_weights()
+                self.link.rebind(list(source), source, what="parameters")
+            report = self.link.send()
         except BaseException as e:
             self._fail(e)
             raise
         ex = report.execution
         return SyncResult(time.perf_counter() - t0, ex.bytes_sent if ex is not None else 0, first, report)
 
-    def _rebind(self, source: dict[str, Any]) -> None:
-        refit = self.trainer.refit
-        if list(source) != self.names:
-            refit.refuse(f"the trainer's parameters changed since the first sync: now {list(source)[:5]}..., "
-                         f"first {self.names[:5]}...; the next sync builds a new group")
-        for name, v in source.items():
-            refit.update_source(name, v[0] if isinstance(v, tuple) else v)
-
     def _fail(self, e: BaseException) -> None:
         logger.warning("reshard TRL sync failed on trainer rank %d (generation %d): %s: %s", self.rank,
                        self.generation, type(e).__name__, e)
-        if self.trainer is not None:
-            g = self.trainer.group
-            if not isinstance(e, CommError):
-                try:
-                    g.report_fault(g.rank, f"trainer rank {self.rank}: sync failed: {type(e).__name__}: {e}")
-                except Exception:  # noqa: BLE001 - the group may be gone already; the original error is raised
-                    pass
+        if self.link is not None:
+            self.link.report_failure(e, "sync")
             try:
-                self.trainer.shutdown()
-            except Exception:  # noqa: BLE001
+                self.link.close()
+            except Exception:  # noqa: BLE001 - the group may be gone already; the original error is raised
                 pass
-        self.trainer = None
+        self.link = None
         self.generation += 1
 
     def close(self) -> None:
-        if self.trainer is not None:
-            self.trainer.shutdown()
-        self.trainer = None
+        if self.link is not None:
+            self.link.close()
+        self.link = None

@@ -27,7 +27,7 @@ engines themselves; needs verl). See `docs/frameworks.md`.
 
 from typing import Any
 
-from reshard.integrations.verl._engine import BACKEND, DOMAINS, ReshardCheckpointEngine, SyncError, SyncStats
+from reshard.integrations.verl._checkpoint_engine import BACKEND, DOMAINS, ReshardCheckpointEngine, SyncError, SyncStats
 from reshard.integrations.verl._names import SHARD_MODE
 from reshard.integrations.verl._vllm import engine_shard_manager
 

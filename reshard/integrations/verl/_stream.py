@@ -40,6 +40,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard.comm import CommError, Group, all_gather_json
+from reshard.integrations.group_layout import GroupLayout
 from reshard.integrations.trainer import full_layout, local_of, spec_dtensor
 from reshard.integrations.verl import _buckets as bk
 from reshard.planner import Layout, Mesh, Topology
@@ -118,7 +119,7 @@ class Stream:
                  refit_kwargs: dict[str, Any], timeout_s: float) -> None:
         self.group, self.T, self.bucket_size, self.device = group, num_trainers, bucket_size, device
         self.refit_kwargs, self.timeout = refit_kwargs, datetime.timedelta(seconds=timeout_s)
-        self.trainer = group.rank < num_trainers
+        self.trainer = GroupLayout(num_trainers, group.size - num_trainers).is_trainer(group.rank)
         self.plans: dict[int, Bucket] = {}
         self.known = 0  # buckets of the last successful sync: the kept plans steady syncs may use
         self.steady = False  # the last sync on this group succeeded: its plans are used without rounds

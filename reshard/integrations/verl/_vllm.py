@@ -13,8 +13,8 @@ worker registers its live parameters (fused `qkv_proj` / `gate_up_proj` slices, 
 engine); each trainer rank registers its shard of every weight. The first sync plans the whole model once; later
 syncs rebind the stream's new tensors (`Refit.update_source`) and move them, each byte once per replica.
 
-`EngineLink` is the trainer rank's side (no verl import); `engine_shard_manager()` builds the manager class (verl
-and Ray).
+`EngineLink` is the trainer rank's side (no verl import; the engine-neutral
+`reshard.integrations.trainer_link.TrainerLink`); `engine_shard_manager()` builds the manager class (verl and Ray).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from reshard.comm import CommError
+from reshard.integrations.group_layout import GroupLayout
 from reshard.integrations.trainer import stream_source
+from reshard.integrations.trainer_link import TrainerLink, TrainerLinkInfo
 from reshard.integrations.verl._names import BACKEND, SHARD_MODE, advise
 from reshard.integrations.verl._stream import SyncStats
-from reshard.integrations.vllm import ReshardTrainer, ReshardTrainerInitInfo
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,11 @@ class EngineLink:
 
     def __init__(self, rank: int, world_size: int, engine_world_size: int, master: dict[str, Any],
                  timeout_s: float, verify: bool, precision: str = "same") -> None:
-        self.info = ReshardTrainerInitInfo(rank=rank, world_size=world_size, engine_world_size=engine_world_size,
+        self.info = TrainerLinkInfo(rank=rank, world_size=world_size, engine_world_size=engine_world_size,
                                            master_address=master["host"], master_port=int(master["port"]),
                                            token=master["token"] or None, prefix=master["prefix"], host_store=False,
                                            timeout_s=timeout_s, verify=verify, precision=precision)
-        self.trainer: Any = None  # ReshardTrainer, from the first sync's stream
-        self.names: list[str] = []  # the registered names, in the first sync's order
+        self.link: TrainerLink | None = None  # from the first sync's stream
 
     @property
     def key(self) -> tuple:
@@ -81,18 +80,17 @@ class EngineLink:
         stats.seconds_stream += time.perf_counter() - t0
         stats.tensors = len(items)
         try:
-            if self.trainer is None:
+            if self.link is None:
                 held = {n: v for n, v in source.items() if v is not None}
-                self.trainer = ReshardTrainer.trainer_init(self.info, source=held)
-                self.names = [name for name, _, _ in items]
+                self.link = TrainerLink.join(self.info, source=held, who="ReshardTrainer.trainer_init")
+                self.link.names = [name for name, _, _ in items]  # the registered names, in the first sync's order
             else:
-                self._rebind([name for name, _, _ in items], source)
+                self.link.rebind([name for name, _, _ in items], source)
             stats.seconds_first_send = time.perf_counter()  # the transfer starts (`send_weights` makes it relative)
-            report = self.trainer.send_weights()
+            report = self.link.send()
         except BaseException as e:
-            if self.trainer is not None and not isinstance(e, CommError):
-                g = self.trainer.group
-                g.report_fault(g.rank, f"trainer rank {g.rank}: send_weights failed: {type(e).__name__}: {e}")
+            if self.link is not None:
+                self.link.report_failure(e, "send_weights")
             if isinstance(e, ValueError) and advise(str(e)) != str(e):
                 raise ValueError(advise(str(e))) from e
             raise
@@ -102,24 +100,10 @@ class EngineLink:
         stats.first_plans = int(report.first_run)
         stats.seconds_transfer = report.seconds["transfer"]
 
-    def _rebind(self, names: list[str], source: dict[str, Any]) -> None:
-        refit = self.trainer.refit
-        registered = set(self.names)
-        if names != self.names:
-            gone = [n for n in self.names if n not in source]
-            new = [n for n in names if n not in registered]
-            refit.refuse(f"the trainer's stream changed since the group was built: missing {gone[:5]}, new {new[:5]}"
-                         f"{'' if gone or new else ' (same names, another order)'}; the next sync builds a new group")
-        for name in names:
-            v = source.get(name)
-            if v is None or name not in registered:
-                continue
-            refit.update_source(name, v[0] if isinstance(v, tuple) else v)
-
     def close(self) -> None:
-        if self.trainer is not None:
-            self.trainer.shutdown()
-        self.trainer = None
+        if self.link is not None:
+            self.link.close()
+        self.link = None
 
 
 _MANAGER: type | None = None
@@ -202,7 +186,8 @@ def _define() -> type:
                            "prefix": f"{PREFIX}/{self._generation}"}
                 init_info = ray.get(self.actor_wg.execute_checkpoint_engine(
                     method=["target_engines"] * T, rank=list(range(T)), world_size=[T] * T,
-                    engine_world_size=[W * len(leaders)] * T, master=[address] * T))[0]
+                    engine_world_size=[GroupLayout(T, W, len(leaders)).engine_workers] * T,
+                    master=[address] * T))[0]
             version = str(global_steps) if global_steps is not None else None
             trainers = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
             started = False

@@ -35,9 +35,9 @@ _ENGINE = {"ReshardWeightTransferEngine", "ReshardInitInfo", "ReshardUpdateInfo"
 def __getattr__(name: str) -> Any:
     # the engine side imports vLLM: only on use, so a trainer environment without vLLM can import this package
     if name in _ENGINE:
-        from reshard.integrations.vllm import _engine
+        from reshard.integrations.vllm import _weight_transfer
 
-        return getattr(_engine, name)
+        return getattr(_weight_transfer, name)
     if name == "engine_targets":
         from reshard.integrations.vllm._layouts import engine_targets
 
@@ -51,7 +51,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "reshard.integrations.vllm._engine",
+        WeightTransferEngineFactory.register_engine(BACKEND, "reshard.integrations.vllm._weight_transfer",
                                                     "ReshardWeightTransferEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, "reshard.integrations.vllm._trainer",

@@ -46,9 +46,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.planner import Box, ExplicitLayout, Layout, Mesh, Piece, fuse
+from reshard.planner import Box, ExplicitLayout, Layout, LayoutLike, Mesh, Piece, fuse
 
-LayoutLike = Layout | ExplicitLayout
 
 
 @dataclass

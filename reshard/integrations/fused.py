@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from reshard.planner import ExplicitLayout, Layout, fuse, vocab_parallel_layout
+from reshard.planner import ExplicitLayout, Layout, LayoutLike, fuse, vocab_parallel_layout
 
 __all__ = ["EngineTensor", "engine_tensors", "name_map"]
 
@@ -41,7 +41,6 @@ _RENAMES = (
     (re.compile(r"^(.*\.mlp\.experts\.)down_proj$"), "{0}w2_weight"),
 )
 
-LayoutLike = Layout | ExplicitLayout
 
 
 @dataclass(frozen=True)

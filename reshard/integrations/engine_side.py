@@ -1,5 +1,9 @@
-"""The engine's update state machine: one object that owns the update in flight and the versions, checked on every
-call of the `reshard` vLLM backend.
+"""The engine side of any engine backend: the update state machine and the engine's model facts.
+
+An engine backend (vLLM's weight-transfer engine today) receives updates through a small life cycle: init (join
+the group, register destinations), start, update (in phases), finish. What may come next is engine-neutral and
+lives here, one object per engine worker (`Updates`), checked on every call; so do the facts the served config
+declares (`declare_engine_facts`). The group's ranks are `reshard.integrations.group_layout.GroupLayout`'s.
 
 States (`Updates.state`):
 
@@ -33,9 +37,14 @@ import time
 import traceback
 from collections.abc import Callable
 
+from typing import Any
+
+from reshard.integrations.model_config import model_facts
 from reshard.refit import Refit, RefitReport
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["STATES", "Refused", "Stage", "Updates", "declare_engine_facts", "stop"]
 
 STATES = ("idle", "staging", "staged", "committing", "failed")
 STOP_JOIN_S = 10.0  # how long a dropped stage's thread may take to end once its group is closed
@@ -81,7 +90,8 @@ class Stage:
 class Updates:
     """The update state of one engine worker (see the module docstring); the engine calls it on every call."""
 
-    def __init__(self) -> None:
+    def __init__(self, who: str = "reshard engine backend") -> None:
+        self.who = who  # the backend, as refusals name it ("reshard vLLM backend")
         self.live_version: str | None = None
         self.staged_version: str | None = None
         self._stage: Stage | None = None
@@ -110,7 +120,7 @@ class Updates:
         its finished stage, to be committed with `commit`). Refused while a stage is in flight or landed."""
         if self._stage is not None:
             v = self._stage.version
-            raise Refused(f"reshard vLLM backend: a {phase!r} update is refused in {self.describe()}: a stage must be "
+            raise Refused(f"{self.who}: a {phase!r} update is refused in {self.describe()}: a stage must be "
                           f"committed before the next update. Next: start_weight_update(), then update_weights("
                           f"{{'update_info': {{'version': {v!r}, 'phase': 'commit'}}}}) (or init_weight_transfer_"
                           "engine again to drop it)")
@@ -127,13 +137,13 @@ class Updates:
         """The stage a "commit" commits (it leaves the state machine: `commit` or `fail` follows)."""
         if self._stage is None:
             why = f"nothing is staged ({self._why_failed})" if self._failed else "nothing is staged"
-            raise Refused(f"reshard vLLM backend: a 'commit' is refused in {self.describe()}: {why}. Next: "
+            raise Refused(f"{self.who}: a 'commit' is refused in {self.describe()}: {why}. Next: "
                           "start_weight_update(), then update_weights with phase 'stage' (then 'commit') or "
                           "'full'")
         stage = self._stage
         if stage.refit is not refit:  # never re-process buffers another registration's transfer wrote
             self.drop("its group was replaced")
-            raise Refused("reshard vLLM backend: the staged update belongs to a group that was replaced; it is "
+            raise Refused(f"{self.who}: the staged update belongs to a group that was replaced; it is "
                           "dropped. Next: start_weight_update(), then a 'stage' or 'full' update")
         self._stage, self.staged_version = None, None
         if version is not None and version != stage.version:
@@ -143,7 +153,7 @@ class Updates:
             except BaseException as e:  # noqa: BLE001 - the stage is dropped either way
                 stage_error = e
             self.fail(f"the stage of version {stage.version!r} was dropped: a commit named {version!r}")
-            raise RuntimeError(f"reshard vLLM backend: commit of version {version!r}, but version {stage.version!r} "
+            raise RuntimeError(f"{self.who}: commit of version {version!r}, but version {stage.version!r} "
                                "is staged: it is dropped (the next update is full). Next: start_weight_update(), "
                                "then a 'stage' or 'full' update" + (f" (the stage had failed too: {stage_error})"
                                                                     if stage_error is not None else ""))
@@ -200,3 +210,16 @@ def stop(stage: Stage | None, timeout: float = STOP_JOIN_S) -> bool:
                      stage.version, timeout, where.rstrip())
         return False
     return True
+
+
+def declare_engine_facts(refit: Refit, config: Any, who: str = "engine (the config it serves)") -> None:
+    """Declare the facts of the Hugging Face config an engine serves (`model_facts`) on `refit`, for the first run
+    to compare with the trainer's (`Refit.declare_facts`); nothing when `config` is None.
+
+    Args:
+        refit: the engine worker's `Refit`.
+        config: the served model's Hugging Face config (a multimodal model's text config), object or dict.
+        who: the side named when the facts disagree.
+    """
+    if config is not None:
+        refit.declare_facts(model_facts(config), who=who)

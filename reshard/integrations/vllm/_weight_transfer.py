@@ -27,7 +27,7 @@ Runtime contract (vLLM drives it; see `docs/vllm.md`):
   both in one call. Pausing generation around a commit or a full update is the caller's (vLLM's
   `pause_generation` / `/pause`). With `delta`, updates after the first send only changed elements into the
   buffers, which still hold the last update; a failed update resets that state, so the next one is full. Which
-  phase may come next is one state machine (`reshard.integrations.vllm._lifecycle.Updates`, `update_state`): a
+  phase may come next is one state machine (`reshard.integrations.engine_side.Updates`, `update_state`): a
   call it cannot honour is refused before anything is touched, naming the state and the valid next call; a new
   `init_weight_transfer_engine` or a shutdown drops a stage (never committing it into another group's buffers).
 """
@@ -45,16 +45,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from reshard.comm import Group
-from reshard.integrations.vllm._facts import declare_engine_facts
+from reshard.integrations.engine_side import Refused, Updates, declare_engine_facts, stop
+from reshard.integrations.group_layout import TRAINER_RANKS, GroupLayout
 from reshard.integrations.vllm._layouts import Target, engine_targets, parameter_names
-from reshard.integrations.vllm._lifecycle import Refused, Updates, stop
 from reshard.integrations.vllm._outcome import agree, combined, gather_names, keep_in_step
 from reshard.integrations.vllm._process import reprocess_layer
 from reshard.refit import PLANNINGS, Refit, RefitReport
 
 logger = logging.getLogger(__name__)
-
-TRAINER_RANKS = ("first", "last")
 
 
 @dataclass
@@ -126,7 +124,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
         if not isinstance(self.trainer_world_size, int) or self.trainer_world_size < 1:
             raise ValueError(f"reshard init_info: trainer_world_size must be an integer >= 1, got "
                              f"{self.trainer_world_size!r}")
-        expected = self.trainer_world_size if self.trainer_ranks == "first" else 0
+        expected = GroupLayout(self.trainer_world_size, 1, trainer_ranks=self.trainer_ranks).engine_offset
         if self.rank_offset is not None and self.rank_offset != expected:
             raise ValueError(f"reshard init_info: rank_offset {self.rank_offset} disagrees with trainer_ranks="
                              f"{self.trainer_ranks!r} and trainer_world_size={self.trainer_world_size} "
@@ -174,13 +172,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.stages: dict[str, list[int]] | None = None  # under PP: parameter name -> the stages holding it
         self.last_report: RefitReport | None = None
         self.last_error: str | None = None  # the last failed call's reason, every worker's (the last one raises it)
-        self.updates = Updates()  # the update state machine: the stage in flight, the versions
+        self.updates = Updates("reshard vLLM backend")  # the update state machine: the stage in flight, the versions
         self._info: ReshardInitInfo | None = None
         self.in_step = keep_in_step(self)  # vLLM's own refusals of a worker call are raised by the last worker only
 
     @property
     def live_version(self) -> str | None:
-        """The version the forward reads (None: the checkpoint vLLM loaded; see `_lifecycle`)."""
+        """The version the forward reads (None: the checkpoint vLLM loaded; see `reshard.integrations.engine_side`)."""
         return self.updates.live_version
 
     @property
@@ -190,7 +188,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
     @property
     def update_state(self) -> str:
-        """`"idle"`, `"staging"`, `"staged"`, `"committing"` or `"failed"` (see `_lifecycle`)."""
+        """`"idle"`, `"staging"`, `"staged"`, `"committing"` or `"failed"` (see `reshard.integrations.engine_side`)."""
         return self.updates.state
 
     # ---- vLLM's lifecycle --------------------------------------------------------------------------------------
@@ -218,12 +216,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         rank = get_pp_group().rank_in_group * get_tp_group().world_size + get_tp_group().rank_in_group
         self.stages = self._stages()  # a collective of every stage: before anything one worker alone can fail
         dp_index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
-        replicas = init_info.engines * pc.data_parallel_size  # every engine's DP replicas, engine by engine
+        layout = GroupLayout(init_info.trainer_world_size, world, init_info.engines * pc.data_parallel_size,
+                             init_info.trainer_ranks)  # every engine's DP replicas, engine by engine
         replica = init_info.engine_index * pc.data_parallel_size + dp_index
-        size = init_info.trainer_world_size + replicas * world
-        group_rank = init_info.rank_offset + replica * world + rank
-        self.engine_ranks = [init_info.rank_offset + i for i in range(replicas * world)]
-        self.replicas = [self.engine_ranks[d * world:(d + 1) * world] for d in range(replicas)]
+        size, group_rank = layout.size, layout.worker_rank(replica, rank)
+        self.engine_ranks = layout.engine_group_ranks()
+        self.replicas = layout.replica_ranks()
         logger.info("reshard: worker %d of replica %d joins %s:%d as group rank %d of %d", rank, replica,
                     init_info.master_address, init_info.master_port, group_rank, size)
         self.group = Group.rendezvous(init_info.master_address, init_info.master_port, group_rank, size,
@@ -328,7 +326,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                     refit.add_destination(t.name, t.tensor.view(t.view), t.components, placed=True, aliases=tied)
                 else:
                     refit.add_destination(t.name, t.tensor, t.components, dim=t.dim, aliases=tied)
-        declare_engine_facts(refit, self.model_config)
+        served = self.model_config  # vLLM serves the text model's config of a multimodal one
+        declare_engine_facts(refit, getattr(served, "hf_text_config", None) or getattr(served, "hf_config", None),
+                             who="engine (the config vLLM serves)")
         logger.info("reshard: %d engine tensors registered (%d re-processed after each update, %d tied)",
                     len(self.targets), sum(t.processed for t in self.targets), len(aliases))
         return refit

@@ -44,10 +44,12 @@ from typing import Any
 import torch
 
 from reshard.comm import TOKEN_ENV, CommError, Group, is_loopback, serve_store
+from reshard.integrations.group_layout import GroupLayout
 from reshard.integrations.verl import _buckets as bk
 from reshard.integrations.verl._names import BACKEND
 from reshard.integrations.verl._stream import Stream, SyncStats, short, topology_of
 from reshard.integrations.verl._vllm import EngineLink
+from reshard.planner import is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -392,7 +394,8 @@ class ReshardCheckpointEngine:
         if self._group is None or self._session is None:
             raise ValueError(f"reshard checkpoint engine: {what} before init_process_group (verl calls prepare, "
                              "build_topology and init_process_group first)")
-        is_trainer = self._session["rank"] < self._num_trainers
+        is_trainer = GroupLayout(self._num_trainers, self._group.size - self._num_trainers).is_trainer(
+            self._session["rank"])
         if is_trainer != trainer:
             raise ValueError(f"reshard checkpoint engine: {what} called on group rank {self._session['rank']}, a "
                              f"{'trainer' if is_trainer else 'rollout'} rank ({self._num_trainers} trainer ranks "
@@ -541,14 +544,10 @@ def _normalise(item: Any) -> tuple[str, Any, Any]:
     return name, tensor, spec
 
 
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
-
-
 def _kind(t: Any, spec: Any) -> str:
     if spec is not None:
         return "shard"
-    return "dtensor" if _is_dtensor(t) else "full"
+    return "dtensor" if is_dtensor(t) else "full"
 
 
 def _full_shape(t: Any, spec: Any) -> tuple[int, ...]:
