@@ -33,9 +33,9 @@ from reshard.integrations.verl._stream import SyncStats
 
 logger = logging.getLogger(__name__)
 
-ROUNDS = 3
-"""All-rank rounds of a sync into the engines: `Refit.run`'s metadata exchange (first sync) or live check (later
-ones), the plan agreement and the completion round."""
+ROUNDS_FIRST, ROUNDS_LATER = 3, 2
+"""All-rank rounds of a sync into the engines: the first sync's metadata exchange, plan agreement and completion
+round; a later sync's live check (which is also its plan agreement) and completion round."""
 
 PREFIX = "reshard-vllm"
 """Store namespace of the engine groups: `reshard-vllm/<generation>`, a new generation for every new group."""
@@ -96,7 +96,7 @@ class EngineLink:
             raise
         ex = report.execution
         stats.bytes_sent = ex.bytes_sent if ex is not None else 0
-        stats.rounds = ROUNDS
+        stats.rounds = ROUNDS_FIRST if report.first_run else ROUNDS_LATER
         stats.first_plans = int(report.first_run)
         stats.seconds_transfer = report.seconds["transfer"]
 
