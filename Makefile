@@ -84,8 +84,9 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # so the engine sessions and the vLLM example run one after another.
 test-vllm:
 	@if $(MAKE) vllm-env && $(VLLM_PY) -c "import vllm" >/dev/null 2>&1; then \
-		$(VLLM_PY) -m pytest -q -n 0 -m vllm tests/test_vllm_engine.py tests/test_vllm_lifecycle.py tests/test_vllm_pp.py \
-			tests/test_vllm_ep.py tests/test_vllm_dp_ep.py tests/test_examples.py; \
+		$(VLLM_PY) -m pytest -q -n 0 -m vllm tests/integrations/test_vllm_engine.py \
+			tests/integrations/test_vllm_lifecycle.py tests/integrations/test_vllm_pp.py \
+			tests/integrations/test_vllm_ep.py tests/integrations/test_vllm_dp_ep.py tests/test_examples.py; \
 	else \
 		echo "SKIPPED vllm tests: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
 	fi
@@ -127,7 +128,7 @@ $(RAY_VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -e ".[ray]" "torch==$(TORCH_VERSION)+cpu"
 	touch $(RAY_VLLM_STAMP)
 
-# verl's trainer side refitting a real vLLM engine (tests/test_verl_vllm.py) needs verl and vLLM in one environment.
+# verl's trainer side refitting a real vLLM engine (tests/integrations/test_verl_vllm.py) needs verl and vLLM in one environment.
 # verl's declared dependencies would replace vLLM's pins (transformers < 5.11), so verl goes, without its
 # dependencies, into a folder of its own put on PYTHONPATH, with the modules its trainer and rollout code imports
 # that the vLLM environment lacks, at the versions .venv-verl resolves. Nothing in .venv-vllm changes.
@@ -159,10 +160,10 @@ $(VERL_VLLM_STAMP): Makefile
 # verl tests run in .venv-verl; the Ray example (a vLLM engine actor) and verl driving a vLLM engine in .venv-vllm
 # with Ray added (and verl on PYTHONPATH).
 test-frameworks: $(VERL_STAMP)
-	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/test_verl_backend.py tests/test_verl_manager.py
+	$(VERL_PY) -m pytest -q -n 0 -m frameworks tests/integrations/test_verl_backend.py tests/integrations/test_verl_manager.py
 	@if $(MAKE) verl-vllm-env && $(VLLM_PY) -c "import vllm, ray" >/dev/null 2>&1; then \
 		VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(VERL_VLLM_DIR) $(VLLM_PY) -m pytest -q -n 0 -m frameworks \
-			tests/test_examples.py tests/test_verl_vllm.py; \
+			tests/test_examples.py tests/integrations/test_verl_vllm.py; \
 	else \
 		echo "SKIPPED the Ray example and verl with vLLM: vLLM could not be installed in $(VLLM_VENV) (see the output of make vllm-env)"; \
 	fi
@@ -186,8 +187,8 @@ $(MEGATRON_STAMP): pyproject.toml Makefile
 
 # One process (-n 0): the vLLM engine, the Megatron ranks and the example's ranks would contend for the same cores.
 test-megatron: $(MEGATRON_STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m megatron tests/test_integrations_megatron.py \
-		tests/test_megatron_vllm.py tests/test_examples.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -n 0 -m megatron tests/integrations/test_integrations_megatron.py \
+		tests/integrations/test_megatron_vllm.py tests/test_examples.py
 
 # TRL (reshard.integrations.trl) is tested against TRL itself and a real `vllm serve` server. TRL goes into an
 # environment of its own, never into .venv-vllm (its `[vllm]` extra pins vllm <= 0.31 and would replace the vLLM
@@ -224,8 +225,8 @@ $(TRL_STAMP): pyproject.toml Makefile
 # Its ZeRO-3 case needs DeepSpeed (deepspeed-env, below), installed first.
 test-trl:
 	@if $(MAKE) trl-env && $(TRL_PY) -c "import vllm, trl" >/dev/null 2>&1; then \
-		$(MAKE) deepspeed-env || echo "DeepSpeed could not be installed: the ZeRO-3 case of tests/test_trl.py is skipped"; \
-		DS_ACCELERATOR=cpu VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 -m trl tests/test_trl.py; \
+		$(MAKE) deepspeed-env || echo "DeepSpeed could not be installed: the ZeRO-3 case of tests/integrations/test_trl.py is skipped"; \
+		DS_ACCELERATOR=cpu VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 -m trl tests/integrations/test_trl.py; \
 	else \
 		echo "SKIPPED TRL tests: vLLM or TRL could not be installed (see the output of make trl-env)"; \
 	fi
@@ -252,7 +253,7 @@ $(DEEPSPEED_STAMP): pyproject.toml Makefile
 test-deepspeed:
 	@if $(MAKE) deepspeed-env && DS_ACCELERATOR=cpu $(TRL_PY) -c "import deepspeed" >/dev/null 2>&1; then \
 		DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_PY) -m pytest -q -n 0 \
-			-m deepspeed tests/test_deepspeed.py tests/test_deepspeed3.py; \
+			-m deepspeed tests/integrations/test_deepspeed.py tests/integrations/test_deepspeed3.py; \
 	else \
 		echo "SKIPPED DeepSpeed tests: DeepSpeed could not be installed (see the output of make deepspeed-env)"; \
 	fi
@@ -261,7 +262,7 @@ test-deepspeed:
 # each in a venv of its own built from nothing (docs/testing.md#compatibility). PyPI's torch wheels are CUDA builds
 # that run on a CPU (about 3 GB to download, 3 minutes to install each). The interpreters come from PATH or pyenv.
 # - oldest: Python 3.10, torch 2.10.0 and the Triton it pins (3.6.0): `make test-fast`'s selection, then
-#   tests/test_kernels_compile.py (every kernel variant compiled for sm_90 and sm_100 under the oldest Triton);
+#   tests/kernels/test_kernels_compile.py (every kernel variant compiled for sm_90 and sm_100 under the oldest Triton);
 # - gpu: Python 3.12, torch 2.11.0 (its Triton 3.6.0), numpy >= 2.4, as GPU vLLM 0.22-0.26 and verl 0.9.1 pin it:
 #   `make test-fast`'s selection.
 # Each run's "reshard notes" end with a `stack:` line, and the tier closes on one line per venv naming its stack.
@@ -313,7 +314,7 @@ test-compat:
 # The compile test (slow: about 2 minutes) runs in the oldest venv only: the gpu venv has the same Triton.
 test-compat-oldest: $(COMPAT_OLDEST_VENV)/.installed
 	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -m "not slow" tests
-	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -n 0 tests/test_kernels_compile.py
+	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -n 0 tests/kernels/test_kernels_compile.py
 	@printf "compatibility tier, oldest stack: "; $(COMPAT_OLDEST_VENV)/bin/python -c '$(STACK_LINE)'
 
 test-compat-gpu: $(COMPAT_GPU_VENV)/.installed

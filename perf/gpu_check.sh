@@ -82,22 +82,22 @@ fi
 
 # --- kernels (issue 3): tests on the device, then the pack/unpack bandwidth sweep with the Triton backend ---------
 section kernels_tests 110 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/test_kernels.py tests/test_kernels_cast.py tests/test_kernels_large.py
+    tests/kernels/test_kernels.py tests/kernels/test_kernels_cast.py tests/kernels/test_kernels_large.py
 section kernels_bench 50 "$PY" perf/bench_kernels.py --device "$DEVICE" --backend "$BACKEND" --out "$DIR" --repeat 3
 if [ -f "$DIR/bench_kernels_summary.txt" ]; then grep -E "target" "$DIR/bench_kernels_summary.txt" | tee -a "$SUMMARY"; fi
 
 # --- append further sections here (comm streams check, fp8 quant check), each with its own limit ----------------
 
-# --- fp8 block quantization (issue 7): tests/test_kernels_quant.py on the device, compiled: kernel vs reference vs --
+# --- fp8 block quantization (issue 7): tests/kernels/test_kernels_quant.py on the device, compiled: kernel vs reference vs --
 # numpy oracle, bit for bit, incl. offsets past 2**31 (6 GiB). About 25 kernel variants to compile. Writes only its log.
 section quant_tests 45 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/test_kernels_quant.py
+    tests/kernels/test_kernels_quant.py
 # --- end fp8 block quantization ----------------------------------------------------------------------------------
 
-# --- delta encoding (issue 16): tests/test_kernels_delta.py on the device: the compiled Triton count / encode kernels
+# --- delta encoding (issue 16): tests/kernels/test_kernels_delta.py on the device: the compiled Triton count / encode kernels
 # bit-exact against the torch reference (which also runs on CUDA), round trips, versions. Writes only its log.
 section delta_tests 45 env RESHARD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
-    tests/test_kernels_delta.py
+    tests/kernels/test_kernels_delta.py
 # --- end delta encoding ------------------------------------------------------------------------------------------
 
 # --- comm (issue 4) begin: the executor's CUDA streams pipeline on one GPU ---------------------------------------

@@ -1,4 +1,4 @@
-"""Rank jobs for tests/test_deepspeed.py: real DeepSpeed ZeRO engines (DS_ACCELERATOR=cpu, gloo) as refit sources.
+"""Rank jobs for tests/integrations/test_deepspeed.py: real DeepSpeed ZeRO engines (DS_ACCELERATOR=cpu, gloo) as refit sources.
 
 Ranks `0 .. T-1` are the trainer (their own default world, DeepSpeed's), the next 2 a TP2 bfloat16 engine laid out
 as vLLM does (`reshard.integrations.hf.engine_tensors`); all meet in a fresh `reshard` group per case. The model is

@@ -511,7 +511,7 @@ def job_expert_bias(worker: Any, engine_has_it: bool) -> dict:
     return out
 
 
-# ---- a real vLLM engine as the destination (tests/test_megatron_vllm.py) -----------------------------------------
+# ---- a real vLLM engine as the destination (tests/integrations/test_megatron_vllm.py) -----------------------------------------
 
 def vllm_config(case: str) -> dict:
     """The `config.json` a vLLM engine loads for `case` (Qwen3, bfloat16)."""

@@ -42,7 +42,7 @@ EXPECTED = {
     "trl_grpo.py": r"^trl_grpo verified",
 }
 # examples another test module runs, with what they need around them
-RUN_ELSEWHERE = {"trl_grpo.py": "tests/test_trl.py (under accelerate, against its module's `vllm serve` server)"}
+RUN_ELSEWHERE = {"trl_grpo.py": "tests/integrations/test_trl.py (under accelerate, against its module's `vllm serve` server)"}
 # examples that need an optional package; the vLLM one runs in `make test-vllm`'s environment (marker `vllm`), the
 # Ray one in the same environment with Ray added (`make test-frameworks`, marker `frameworks`)
 NEEDS = {"fsdp_tp_refit.py": "transformers", "vllm_refit.py": "vllm", "ray_refit.py": "vllm",

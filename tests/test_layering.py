@@ -56,7 +56,7 @@ DISTRIBUTED_OK = ("torch.distributed.tensor",)
 """The part of `torch.distributed` the pure units may import: placement classes, no process group."""
 
 FORBIDDEN_ROOTS = frozenset({"tests", "perf", "examples", "conftest"}) | frozenset(
-    p.stem for d in ("tests", "perf", "examples") if (ROOT / d).is_dir() for p in (ROOT / d).glob("*.py")
+    p.stem for d in ("tests", "perf", "examples") if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*.py")
 )
 """Top-level module names of the tooling beside the library (tests run with `tests/` on `sys.path`)."""
 

@@ -1,4 +1,4 @@
-"""Helpers of the TRL tests (`tests/test_trl.py`, `.venv-trl`): a tiny Qwen3 with a word-level tokenizer, a real
+"""Helpers of the TRL tests (`tests/integrations/test_trl.py`, `.venv-trl`): a tiny Qwen3 with a word-level tokenizer, a real
 `vllm serve` server (TP 2, reshard's weight-transfer backend, this module's `Probe` as its worker extension), and
 the GRPO run that 2 trainer processes execute under `accelerate launch` (`python tests/trl_cases.py ...`).
 

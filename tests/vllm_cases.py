@@ -1,4 +1,4 @@
-"""Helpers of the real-vLLM tests (`tests/test_vllm_engine.py`): tiny Qwen3 configs and checkpoints, a pool of
+"""Helpers of the real-vLLM tests (`tests/integrations/test_vllm_engine.py`): tiny Qwen3 configs and checkpoints, a pool of
 trainer processes, and the functions run inside vLLM's workers (`collective_rpc`, shipped by value)."""
 
 from __future__ import annotations

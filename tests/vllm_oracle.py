@@ -1,7 +1,7 @@
 """vLLM's engine layouts written out by hand: which slice of a model's full tensors each engine rank holds.
 
-The tests' one oracle for an engine's local tensors (`tests/refit_cases.py`, `tests/test_integrations_hf.py`,
-`tests/test_integrations_megatron.py`): the rules below are vLLM's tensor-parallel loading rules as its model code
+The tests' one oracle for an engine's local tensors (`tests/refit_cases.py`, `tests/integrations/test_integrations_hf.py`,
+`tests/integrations/test_integrations_megatron.py`): the rules below are vLLM's tensor-parallel loading rules as its model code
 applies them, written from the model definitions, not from the library's layout code:
 
 - `qkv_proj`: the rows of q, then k, then v, each split evenly over TP ranks; with fewer KV heads than TP ranks, TP

@@ -5,7 +5,7 @@ from the launchers' own choices: `_tiles.launch_config` (BLOCK and warps per wor
 widest VEC per word size), the raw copy's word sizes (`_pack.WORD_BYTES`), the fused casts (`_cast.Cast` and
 their bit widths), `_delta_launch.delta_launch_config` for the delta kernels, and `_quant._launch_config` per
 FP8 block. `kernel_variants()` lists them; `compile_variant` compiles one for a `GPUTarget` and reads its
-registers and spills from ptxas. `perf/bench_compile.py` writes the table, `tests/test_kernels_compile.py` checks
+registers and spills from ptxas. `perf/bench_compile.py` writes the table, `tests/kernels/test_kernels_compile.py` checks
 it.
 
 Dims: after `merge_dims` a box has as many dims as its tensor has non-mergeable ones (plus the byte dim of a raw

@@ -1,7 +1,7 @@
 """Run the vLLM tier as on a processor whose CPU GEMM dispatch can take `F.linear` only (an AVX2-only x86: no AMX,
 no oneDNN kernels), on any processor: put this folder first on `PYTHONPATH`, e.g.
 
-    PYTHONPATH=tests/emulate_torch_gemm:. .venv-vllm/bin/python -m pytest -q -n 0 -m vllm tests/test_vllm_engine.py
+    PYTHONPATH=tests/emulate_torch_gemm:. .venv-vllm/bin/python -m pytest -q -n 0 -m vllm tests/integrations/test_vllm_engine.py
 
 Python imports this module at start-up in every process of the run (vLLM's worker processes included, as they
 inherit `PYTHONPATH`). It turns off vLLM's `_supports_onednn` as `vllm._custom_ops` is imported; AMX is already off

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-3 on 3 gloo trainer ranks into a TP2 bfloat16 engine (`make test-deepspeed`), as
-`tests/test_deepspeed.py` checks 2: bit-exact against DeepSpeed's own `GatheredParameters` over two optimizer steps,
+`tests/integrations/test_deepspeed.py` checks 2: bit-exact against DeepSpeed's own `GatheredParameters` over two optimizer steps,
 each byte sent once. Three ranks split every `(63,)`-row weight mid-row into three boxes, and leave rank 2 only
 padding of the `(4,)` q/k norms (it sends none of them); a bf16 trainer with tied embeddings and an fp32 one.
 """
@@ -17,7 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs DeepSpeed (make deepspeed-env; `make test` runs this file there)", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed_cases as dc  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed]

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("trl", reason="TRL is installed in .venv-trl (make test-trl)")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import trl_cases as tc  # noqa: E402
 

@@ -1,6 +1,6 @@
 """DeepSpeed trainers as refit sources (`reshard.integrations.deepspeed`, `.venv-trl` with DeepSpeed: `make
 test-deepspeed`): real ZeRO-3 (and ZeRO-2) engines on 2 gloo ranks (DS_ACCELERATOR=cpu) into a TP2 bfloat16 engine
-laid out as vLLM does, one pool of 4 ranks for the module (3 trainer ranks: `tests/test_deepspeed3.py`).
+laid out as vLLM does, one pool of 4 ranks for the module (3 trainer ranks: `tests/integrations/test_deepspeed3.py`).
 
 Oracle: DeepSpeed's own `GatheredParameters` after every run, cut by vLLM's rules (`tests/vllm_oracle.py`, written
 from vLLM's model code) and cast as torch casts: every engine tensor equal bit for bit, padded vocabulary rows
@@ -25,7 +25,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs DeepSpeed (make deepspeed-env; `make test` runs this file there)", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed_cases as dc  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed]

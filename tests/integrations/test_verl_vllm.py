@@ -69,8 +69,8 @@ def _own_shard_bytes(full: dict[str, torch.Tensor], rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    here = os.path.dirname(os.path.abspath(__file__))
-    tv.ray_init(extra_path=(here,))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tv.ray_init(extra_path=(here, os.path.dirname(os.path.abspath(__file__))))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
            "VLLM_CPU_OMP_THREADS_BIND": vc.omp_threads_bind(TP)}
     trainer, replicas, manager = tv.setup_engines(num_trainers=2, num_replicas=REPLICAS, rollout_tp=TP,

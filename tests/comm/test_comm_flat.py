@@ -27,7 +27,7 @@ from reshard.planner import FlatRangeLayout, PlanItem, flat_partition, plan_many
 pytestmark = pytest.mark.distributed
 
 WORLD = 8
-RANK_POOL = WORLD  # the shared pool of tests/test_zero_copy.py
+RANK_POOL = WORLD  # the shared pool of tests/comm/test_zero_copy.py
 SHAPES = [(7, 5), (13,), (3, 4, 5), (1, 2), (97, 12)]
 DIM = [1, 0, 2, 1, 0]  # the sharded dim of each destination: the last (strided boxes), or rows (contiguous ones)
 SOURCES = 3

@@ -152,7 +152,7 @@ def test_shard_stream_manager_by_configuration(cluster) -> None:
 
 def test_bad_kwargs_on_every_worker(cluster) -> None:
     """The real path: verl builds the engine on every worker from `engine_kwargs.reshard`; every one refuses (the
-constructor's other refusals: `tests/test_integrations_verl.py`)."""
+constructor's other refusals: `tests/integrations/test_integrations_verl.py`)."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     import reshard.integrations.verl  # noqa: F401  (registers the backend, as custom_backend_module does)

@@ -1,7 +1,7 @@
 """The host-staged route: CUDA tensors in a group whose data moves over gloo (CPU trainers and a GPU engine), on CPU.
 
 This machine may have no GPU, so ranks stand in for CUDA ones: a stand-in rank reports its tensors' device as
-`cuda:0` to the preparation (as `tests/test_comm_nccl_rules.py` does), the real `choose_route` decides from the
+`cuda:0` to the preparation (as `tests/comm/test_comm_nccl_rules.py` does), the real `choose_route` decides from the
 group's data backends (gloo only here), and only the device of the route it chose is then swapped back to the CPU
 (the tensors are CPU tensors), keeping `staged=True`. So everything after the decision is the code a real CUDA rank
 runs: the device slots and their separate host mirror, the copy of each packed chunk to the mirror, gloo moving the

@@ -1,5 +1,5 @@
 """The verl backend's pure parts, in the core environment (no verl, no Ray): buckets, the driver-side topology, and
-the constructor's refusals. The backend against verl itself: `tests/test_verl_backend.py` (`make test-frameworks`)."""
+the constructor's refusals. The backend against verl itself: `tests/integrations/test_verl_backend.py` (`make test-frameworks`)."""
 
 from __future__ import annotations
 
