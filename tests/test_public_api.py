@@ -26,14 +26,7 @@ IMPORTABLE = ["reshard", "reshard.planner", "reshard.cost", "reshard.kernels", "
               "reshard.sim", "reshard.testing", "reshard.models"]
 """The public modules that import in the core environment (the integrations need their frameworks)."""
 
-UNDOCUMENTED_INTEGRATIONS: dict[str, frozenset[str]] = {
-    # the trainer side's home is being split into the engine-neutral trainer link (its names are not settled)
-    "reshard.integrations.trainer": frozenset({
-        "FullBlock", "config_ties", "contiguous_stride", "conv1d_weights", "find_ties", "full_layout", "full_mesh",
-        "local_of", "prepare_source", "register_source", "source_weights",
-        "spec_dtensor", "transpose_weight", "transposed_layout",
-    }),
-}
+UNDOCUMENTED_INTEGRATIONS: dict[str, frozenset[str]] = {}
 """Exported integration names no page names yet, kept here until their package decides (document the name or
 take it out of `__all__`); each entry must still be undocumented, so the list only shrinks."""
 
