@@ -312,11 +312,19 @@ test-compat:
 	$(call prune,$(COMPAT_GPU_VENV))
 
 # The compile test (slow: about 2 minutes) runs in the oldest venv only: the gpu venv has the same Triton.
+# Under torch 2.10/2.11 a rendezvous of a fresh gloo group in a rank pool now and then times out on this 2-core
+# machine (gloo's connect retries exhausted: "Connection refused", then the peers' store wait), which the core tier
+# (torch 2.13, strict) does not show: the compatibility tier reruns its failures once (`--lf`), and a failure that
+# repeats fails the tier (docs/testing.md#compatibility).
+COMPAT_TESTS ?= -m "not slow" tests
+compat_run = "$(1)" -m pytest -q $(COMPAT_TESTS) || { echo "compatibility tier: rerunning the failures once"; \
+	"$(1)" -m pytest -q -n 0 --lf $(COMPAT_TESTS); }
+
 test-compat-oldest: $(COMPAT_OLDEST_VENV)/.installed
-	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(call compat_run,$(COMPAT_OLDEST_VENV)/bin/python)
 	$(COMPAT_OLDEST_VENV)/bin/python -m pytest -q -n 0 tests/kernels/test_kernels_compile.py
 	@printf "compatibility tier, oldest stack: "; $(COMPAT_OLDEST_VENV)/bin/python -c '$(STACK_LINE)'
 
 test-compat-gpu: $(COMPAT_GPU_VENV)/.installed
-	$(COMPAT_GPU_VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(call compat_run,$(COMPAT_GPU_VENV)/bin/python)
 	@printf "compatibility tier, GPU image stack: "; $(COMPAT_GPU_VENV)/bin/python -c '$(STACK_LINE)'
