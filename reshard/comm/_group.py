@@ -39,7 +39,6 @@ import contextlib
 import datetime
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -139,7 +138,6 @@ class Group:
         self._verdict: dict[str, Any] | None = None
         self._waiter: Any = None  # the job queue of the thread that runs blocking waits (see _transfer.wait_watched)
         self._closed = False
-        self._abandoned = False  # a wait on the backends was given up (a fault): they may never be destroyed
         self._users: dict[str, int] = {}  # kind -> how many users of that kind were made on this group
         self.store_port: int | None = None
         """The store's port (a rendezvous group; useful when the store was started on port 0)."""
@@ -450,7 +448,7 @@ class Group:
             self._control, self._data, self._store, self._keepalive = None, {}, None, ()
             self._verdicts = None
             del closer
-            (_keep if self._abandoned else _release)(refs, self.name)
+            _release(refs, self.name)
 
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank} of {self.size})"
@@ -589,29 +587,6 @@ def _release(refs: list[Any], name: str) -> None:
     if thread.is_alive():
         logger.info("%s: closed; its backends are released in the background (an abandoned wait is still "
                     "pending in them)", name)
-
-
-_KEPT: list[Any] = []  # [the keeper thread's queue], once started
-_KEEP_LOCK = threading.Lock()
-
-
-def _keep(refs: list[Any], name: str) -> None:
-    """Keep `refs` (a closed group's backends, with a wait given up in them) alive until the process ends. Their
-    destructors would wait for that pending receive (until a dead peer's socket closes or the timeout), and one
-    that ends while Python exits, on a daemon thread, aborts the process (`std::terminate` re-taking the GIL). A
-    daemon thread that never runs again holds them: the process exits without destroying them."""
-    with _KEEP_LOCK:
-        if not _KEPT:
-            _KEPT.append(queue.SimpleQueue())
-            threading.Thread(target=_hold, args=(_KEPT[0],), name="reshard-kept-backends", daemon=True).start()
-    _KEPT[0].put(refs)
-    logger.info("%s: closed after a fault; its backends are kept (not destroyed) until the process exits", name)
-
-
-def _hold(jobs: queue.SimpleQueue) -> None:
-    kept = []
-    while True:
-        kept.append(jobs.get())
 
 
 def _closer(backends: list[Any], prefix: str) -> Callable[[], None]:

@@ -97,11 +97,9 @@ def wait_watched(group: Group, block: Callable[[], None], what: str) -> None:
     _waiter(group).put((block, done, error))
     while not done.wait(FAULT_POLL_S):
         if group._closed:
-            group._abandoned = True
             raise CommError(f"{what}: {group} was closed while this rank waited (its wait is abandoned)")
         verdict = group.fault()
         if verdict is not None:
-            group._abandoned = True  # its backends now hold a pending receive: `Group.close` keeps them
             raise CommError(group.describe_fault(verdict, what))
     if error:
         raise error[0]
