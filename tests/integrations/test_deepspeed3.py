@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -17,8 +16,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs DeepSpeed (make deepspeed-env; `make test` runs this file there)", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deepspeed_cases as dc  # noqa: E402
+import deepspeed_cases as dc  # noqa: E402  (tests/ is on sys.path: it holds tests/conftest.py)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed]
 
